@@ -1,0 +1,34 @@
+# Every target works on a fresh machine: `install` builds .venv at the repo root and the others use it.
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+# A CPU-only torch keeps installs small where no GPU exists; with a GPU, pip's default (CUDA) build is used.
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
+
+.PHONY: install demo test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q torch
+	$(PIP) install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/accelerate launch --cpu --num_processes 1 recipes/finetune_llm.py
+
+test: install
+	$(PY) -m pytest tests
+
+lint: install
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+bench: install
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,1 @@
+"""ftkit: fine-tuning recipes and the small library they are built on."""
