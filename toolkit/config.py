@@ -1,0 +1,309 @@
+"""The typed recipe config: every key, its default and its meaning live here and nowhere else."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from toolkit.errors import UserError
+
+DEMO_CONFIG = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "demo.yaml"
+
+
+@dataclass
+class ModelConfig:
+    path: str = "toolkit/assets/tiny-llama"
+    """Local directory or hub id of the base model (anything `from_pretrained` accepts)."""
+    method: str = "lora"
+    """How to fine-tune: full | lora | qlora (4-bit base via bitsandbytes, CUDA only)."""
+    dtype: str = "float32"
+    """Dtype the weights are loaded in: float32 | bfloat16 | float16 | auto."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel: sdpa | eager | flash_attention_2."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (non-reentrant) to save memory."""
+    trust_remote_code: bool = False
+    """Allow modelling code shipped with the checkpoint to run."""
+
+
+@dataclass
+class LoraConfig:
+    r: int = 16
+    """Rank of the low-rank update."""
+    alpha: int = 32
+    """Scaling numerator: the update is multiplied by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    target_modules: typing.Union[str, list[str]] = "all-linear"
+    """Module names to adapt, or "all-linear" for every linear layer but the output head."""
+    use_dora: bool = False
+    """Weight-decomposed LoRA (DoRA)."""
+
+
+@dataclass
+class DataConfig:
+    train: typing.Union[str, list[str]] = "toolkit/assets/demo/train.jsonl"
+    """Training data: a file (jsonl/json/parquet/csv), a hub dataset id, or a list of them."""
+    weights: typing.Optional[list[float]] = None
+    """Mixture weights, one per `train` entry (relative; default: each source used once)."""
+    format: str = "auto"
+    """Record layout: auto | messages | sharegpt | alpaca | text | prompt_completion."""
+    eval: typing.Optional[str] = None
+    """Held-out data file or hub id; when unset, `eval_fraction` of train is held out."""
+    eval_fraction: float = 0.05
+    """Share of the training data held out for eval when `eval` is unset (0 disables eval)."""
+    max_length: int = 512
+    """Tokens per example; longer examples are truncated (and counted in a warning)."""
+    assistant_only_loss: bool = True
+    """Train on assistant tokens only; false trains on every token of the conversation."""
+    split: str = "train"
+    """Split to read from hub datasets."""
+    num_workers: int = 0
+    """DataLoader worker processes."""
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    """Optimizer steps to run."""
+    global_batch_size: int = 16
+    """Examples per optimizer step across all processes; accumulation is derived from it."""
+    micro_batch_size: int = 4
+    """Examples per forward pass on one process."""
+    learning_rate: float = 2e-4
+    """Peak learning rate (before any scaling rule)."""
+    lr_scaling: str = "none"
+    """Scale the learning rate by world size: none | linear | sqrt."""
+    lr_scheduler: str = "cosine"
+    """Schedule after warmup: cosine | linear | constant."""
+    warmup_steps: int = 0
+    """Linear warmup steps."""
+    min_lr_ratio: float = 0.0
+    """Floor of the decayed learning rate, as a fraction of the peak."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (never applied to biases and norm weights)."""
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+    mixed_precision: str = "no"
+    """Autocast precision: no | bf16 | fp16."""
+    log_every_steps: int = 1
+    """Write a metrics line every N optimizer steps."""
+    eval_every_steps: int = 0
+    """Evaluate every N steps (0: only before and after training)."""
+    save_every_steps: int = 0
+    """Checkpoint every N steps (0: only the final checkpoint)."""
+    resume: str = "auto"
+    """auto (newest checkpoint in output_dir) | never | path to a checkpoint directory."""
+    overwrite: bool = False
+    """Allow starting fresh in an output_dir that holds another run."""
+
+
+@dataclass
+class EvalConfig:
+    max_batches: int = 0
+    """Cap on eval micro-batches per evaluation (0: the whole eval set)."""
+    exact_match_samples: int = 0
+    """Greedy-decode this many eval examples and report exact-match accuracy (0 disables)."""
+    sample_prompt: str = ""
+    """Prompt shown with the model's answer before and after training ("" uses the first eval example)."""
+    max_new_tokens: int = 32
+    """Generation length for samples and exact match."""
+
+
+@dataclass
+class ExportConfig:
+    merge: bool = False
+    """Also write a standalone model with the LoRA update merged in (final/merged)."""
+    dtype: str = "auto"
+    """Dtype of exported weights: auto (as trained) | float32 | bfloat16 | float16."""
+
+
+@dataclass
+class LogConfig:
+    trackers: list[str] = field(default_factory=list)
+    """Accelerate trackers to report to: tensorboard | wandb | mlflow | trackio."""
+    project: str = "ftkit"
+    """Project (experiment) name for trackers."""
+
+
+@dataclass
+class RecipeConfig:
+    output_dir: str = "runs/demo"
+    """Where config.yaml, metrics.jsonl, checkpoints/ and final/ are written."""
+    seed: int = 42
+    """Seed for weights of new modules, data order and dropout."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+CHOICES = {
+    "model.method": ("full", "lora", "qlora"),
+    "model.dtype": ("float32", "bfloat16", "float16", "auto"),
+    "data.format": ("auto", "messages", "sharegpt", "alpaca", "text", "prompt_completion"),
+    "train.lr_scaling": ("none", "linear", "sqrt"),
+    "train.lr_scheduler": ("cosine", "linear", "constant"),
+    "train.mixed_precision": ("no", "bf16", "fp16"),
+    "export.dtype": ("auto", "float32", "bfloat16", "float16"),
+}
+POSITIVE = ("train.max_steps", "train.global_batch_size", "train.micro_batch_size", "train.learning_rate",
+            "data.max_length")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RecipeConfig:
+    """Read a YAML recipe config (the demo when `path` is None) and apply `key=value` overrides."""
+    path = Path(path) if path else DEMO_CONFIG
+    if not path.is_file():
+        raise UserError(f"{path}: config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: not valid YAML ({exc.problem} at line {exc.problem_mark.line + 1})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: the top level must be a mapping of keys")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError(f"override {item!r} must look like key=value (e.g. train.max_steps=50)")
+        _set_dotted(raw, key.strip(), yaml.safe_load(value), source="command line")
+    cfg = _build(RecipeConfig, raw, prefix="", source=str(path))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RecipeConfig) -> None:
+    """Check values that types alone cannot express."""
+    flat = to_dict(cfg)
+    for key, allowed in CHOICES.items():
+        value = _get_dotted(flat, key)
+        if value not in allowed:
+            raise UserError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+    for key in POSITIVE:
+        if not _get_dotted(flat, key) > 0:
+            raise UserError(f"{key}: must be positive, got {_get_dotted(flat, key)}")
+    if cfg.train.global_batch_size % cfg.train.micro_batch_size:
+        raise UserError(
+            f"train.global_batch_size ({cfg.train.global_batch_size}) is not a multiple of "
+            f"train.micro_batch_size ({cfg.train.micro_batch_size})"
+        )
+    sources = cfg.data.train if isinstance(cfg.data.train, list) else [cfg.data.train]
+    if cfg.data.weights is not None and len(cfg.data.weights) != len(sources):
+        raise UserError(f"data.weights: {len(cfg.data.weights)} weights for {len(sources)} data.train sources")
+    if not 0 <= cfg.data.eval_fraction < 1:
+        raise UserError(f"data.eval_fraction: must be in [0, 1), got {cfg.data.eval_fraction}")
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: RecipeConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def field_docs(cls=RecipeConfig, prefix: str = "") -> dict[str, str]:
+    """Map each dotted key to its one-line docstring (read from the source, for `ftkit` help output)."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    for stmt, nxt in zip(body, body[1:] + [None]):
+        if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[prefix + stmt.target.id] = nxt.value.value
+    for f in dataclasses.fields(cls):
+        sub = _dataclass_type(cls, f)
+        if sub:
+            docs.update(field_docs(sub, f"{prefix}{f.name}."))
+    return docs
+
+
+def _dataclass_type(cls, f):
+    hint = typing.get_type_hints(cls)[f.name]
+    return hint if dataclasses.is_dataclass(hint) else None
+
+
+def _build(cls, raw: dict, prefix: str, source: str):
+    if not isinstance(raw, dict):
+        raise UserError(f"{source}: {prefix.rstrip('.')} must be a mapping, got {type(raw).__name__}")
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in names:
+            raise UserError(f"{source}: unknown key {prefix}{key}{_suggest(key, names, prefix)}")
+    values = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build(hint, value if value is not None else {}, f"{prefix}{name}.", source)
+        else:
+            values[name] = _coerce(value, hint, f"{prefix}{name}", source)
+    return cls(**values)
+
+
+def _coerce(value, hint, key: str, source: str):
+    """Return `value` as type `hint`, or raise naming the key; ints widen to floats, nothing else converts."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            try:
+                return _coerce(value, option, key, source)
+            except UserError:
+                continue
+        raise UserError(f"{source}: {key} has the wrong type: {value!r} is not {_type_name(hint)}")
+    if hint is type(None):
+        if value is None:
+            return None
+    elif origin is list:
+        if isinstance(value, list):
+            (item,) = typing.get_args(hint)
+            return [_coerce(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    elif hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    elif isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
+        return value
+    raise UserError(f"{source}: {key} has the wrong type: {value!r} is not {_type_name(hint)}")
+
+
+def _type_name(hint) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _suggest(key: str, names, prefix: str) -> str:
+    close = difflib.get_close_matches(key, list(names), n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
+def _set_dotted(raw: dict, key: str, value, source: str) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UserError(f"{source}: {key}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def _get_dotted(flat: dict, key: str):
+    node = flat
+    for part in key.split("."):
+        node = node[part]
+    return node
