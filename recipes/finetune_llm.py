@@ -1,0 +1,183 @@
+"""Supervised fine-tuning of a causal language model: full, LoRA or QLoRA, on any Accelerate backend.
+
+    accelerate launch [--config_file accelerate_configs/<backend>.yaml] recipes/finetune_llm.py \
+        [--config recipes/configs/<run>.yaml] [dotted.key=value ...]
+
+With no arguments it fine-tunes the embedded tiny model on the embedded demo data (recipes/configs/demo.yaml).
+The backend (single process, DDP, FSDP, ZeRO-1/2/3, offload) comes from the accelerate config alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from toolkit import batches, checkpoint, data, distributed, evaluate, export, loss, metrics, optim
+from toolkit import model as models
+from toolkit.config import RecipeConfig, load_config, save_config
+from toolkit.errors import UserError
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    output_dir = Path(cfg.output_dir)
+
+    # Backend: whatever `accelerate launch` was told; checked, never silently degraded to lone ranks.
+    launch = distributed.detect_launch()
+    grad_accum = batches.grad_accum_steps(cfg.train, launch.world_size)
+    accelerator = Accelerator(
+        **distributed.accelerator_kwargs(launch, cfg.train, grad_accum),
+        log_with=cfg.log.trackers or None,
+        project_dir=str(output_dir),
+    )
+    distributed.verify(accelerator, launch)
+    accelerator.print(distributed.describe(accelerator, launch, cfg.train, grad_accum))
+    set_seed(cfg.seed)
+    resume_from = checkpoint.resolve_resume(output_dir, cfg.train.resume, cfg.train.overwrite)
+    prepare_output_dir(accelerator, output_dir, cfg, fresh=resume_from is None)
+
+    # Data and model.
+    tokenizer = models.load_tokenizer(cfg.model)
+    data.ensure_chat_template(tokenizer)
+    train_set, eval_set, stats = data.build_datasets(cfg.data, tokenizer, cfg.seed, accelerator.main_process_first)
+    accelerator.print(stats.summary())
+    collate = data.Collator(tokenizer.pad_token_id)
+    sampler = batches.EpochSampler(len(train_set), cfg.train.global_batch_size, cfg.seed)
+    train_loader = DataLoader(train_set, batch_size=cfg.train.micro_batch_size, sampler=sampler,
+                              collate_fn=collate, num_workers=cfg.data.num_workers, drop_last=True)
+    model = models.load_model(cfg.model, cfg.lora, accelerator.local_process_index)
+    trainable, total = models.count_parameters(model)
+    accelerator.print(f"model: {cfg.model.path} ({cfg.model.method}), {trainable:,} of {total:,} parameters trained")
+    optimizer = optim.build_optimizer(model, cfg.train, accelerator.num_processes)
+    scheduler = optim.build_scheduler(optimizer, cfg.train)
+    model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
+    eval_loader = None
+    if eval_set is not None:
+        eval_loader = evaluate.eval_loader(eval_set, accelerator.process_index, accelerator.num_processes,
+                                           cfg.train.micro_batch_size, collate)
+
+    # Where to start: a checkpoint, or a fresh run whose starting point is measured first.
+    start_step, tokens_seen = 0, 0
+    log = metrics.MetricsLog(output_dir / "metrics.jsonl", accelerator.is_main_process,
+                             accelerator.log if cfg.log.trackers else None)
+    if resume_from is not None:
+        state = checkpoint.load_checkpoint(accelerator, resume_from)
+        start_step, tokens_seen = state["step"], state["tokens_seen"]
+        metrics.truncate_after(log.path, start_step) if accelerator.is_main_process else None
+        accelerator.print(f"resumed from {resume_from} at step {start_step}")
+    else:
+        report(accelerator, model, tokenizer, eval_loader, eval_set, cfg, log, step=0, label="before")
+    if cfg.log.trackers:
+        accelerator.init_trackers(cfg.log.project, config={"output_dir": cfg.output_dir})
+
+    # The loop: one iteration per optimizer step, `grad_accum` micro-batches each.
+    stream = batches.StepStream(train_loader, sampler, grad_accum, start_step, accelerator.skip_first_batches)
+    progress = tqdm(range(start_step, cfg.train.max_steps), initial=start_step, total=cfg.train.max_steps,
+                    disable=not accelerator.is_main_process, desc="train")
+    model.train()
+    for step in range(start_step + 1, cfg.train.max_steps + 1):
+        started = time.perf_counter()
+        micro_batches = stream.next_step()
+        counts = torch.tensor([sum(loss.count_targets(b["labels"]) for b in micro_batches),
+                               sum(int(b["attention_mask"].sum()) for b in micro_batches)], device=accelerator.device)
+        step_targets, step_tokens = accelerator.reduce(counts, reduction="sum").tolist()
+        scale = loss.backward_scale(step_targets, grad_accum, accelerator.num_processes)
+        loss_sum = torch.zeros((), device=accelerator.device)
+        for batch in micro_batches:
+            with accelerator.accumulate(model):
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                micro_loss = loss.summed_token_loss(logits, batch["labels"])
+                accelerator.backward(micro_loss * scale)
+                loss_sum += micro_loss.detach()
+                if accelerator.sync_gradients:
+                    grad_norm = distributed.clip_grad_norm(accelerator, model, cfg.train.max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+        step_loss = accelerator.reduce(loss_sum, reduction="sum").item() / max(step_targets, 1)
+        tokens_seen += step_tokens
+        elapsed = time.perf_counter() - started
+        if step % cfg.train.log_every_steps == 0 or step == cfg.train.max_steps:
+            record = log.write(step, loss=step_loss, lr=scheduler.get_last_lr()[0],
+                               grad_norm=distributed.grad_norm_value(accelerator, grad_norm),
+                               tokens_per_s=step_tokens / elapsed, tokens_seen=tokens_seen, step_time_s=elapsed)
+            progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{record['lr']:.2e}",
+                                 tok_s=f"{record['tokens_per_s']:.0f}")
+        progress.update(1)
+        if eval_loader is not None and cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0:
+            log.write(step, **evaluate.evaluate(model, eval_loader, accelerator, cfg.eval.max_batches))
+        if cfg.train.save_every_steps and step % cfg.train.save_every_steps == 0:
+            checkpoint.save_checkpoint(accelerator, output_dir, step, run_state(accelerator, tokens_seen))
+    progress.close()
+
+    # Finish: final checkpoint, the measured result, the exported model.
+    if start_step < cfg.train.max_steps:
+        checkpoint.save_checkpoint(accelerator, output_dir, cfg.train.max_steps, run_state(accelerator, tokens_seen))
+    report(accelerator, model, tokenizer, eval_loader, eval_set, cfg, log, step=cfg.train.max_steps, label="after")
+    final_dir = output_dir / "final"
+    export.export_model(accelerator, model, tokenizer, final_dir, cfg.export.dtype)
+    if cfg.export.merge and cfg.model.method != "full" and accelerator.is_main_process:
+        export.merge_adapter(final_dir, final_dir / "merged", cfg.export.dtype)
+    accelerator.wait_for_everyone()
+    accelerator.print(f"saved: {final_dir.resolve()}  (try: ftkit generate --model {final_dir} --prompt '...')")
+    accelerator.end_training()
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="recipe config YAML (default: recipes/configs/demo.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=20")
+    return parser.parse_args(argv)
+
+
+def prepare_output_dir(accelerator, output_dir: Path, cfg: RecipeConfig, fresh: bool) -> None:
+    """A fresh run starts in an empty output_dir (cleared only when the config allows) with its config saved."""
+    if fresh and accelerator.is_main_process:
+        checkpoint.clear_output_dir(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, output_dir / "config.yaml")
+    accelerator.wait_for_everyone()
+
+
+def run_state(accelerator, tokens_seen: int) -> dict:
+    return {"tokens_seen": tokens_seen, "world_size": accelerator.num_processes,
+            "backend": str(accelerator.distributed_type)}
+
+
+def report(accelerator, model, tokenizer, eval_loader, eval_set, cfg: RecipeConfig, log, step: int, label: str):
+    """Eval loss, exact match and one sample answer: shown before and after training, and logged."""
+    results = {}
+    if eval_loader is not None:
+        results = evaluate.evaluate(model, eval_loader, accelerator, cfg.eval.max_batches)
+    synced = accelerator.num_processes > 1
+    generator = accelerator.unwrap_model(model)
+    if eval_set is not None and cfg.eval.exact_match_samples:
+        results["exact_match"] = evaluate.exact_match(generator, tokenizer, eval_set, cfg.eval.exact_match_samples,
+                                                      cfg.eval.max_new_tokens, synced)
+    if results:
+        log.write(step, **results)
+        accelerator.print(f"[{label}] " + "  ".join(f"{k}={v:.4g}" for k, v in results.items()))
+    prompt = cfg.eval.sample_prompt
+    pair = evaluate.split_prompt(eval_set[0]) if not prompt and eval_set is not None else None
+    prompt_ids = evaluate.chat_prompt_ids(tokenizer, prompt) if prompt else pair[0] if pair else None
+    if prompt_ids is not None:
+        answer = evaluate.greedy_answer(generator, tokenizer, prompt_ids, cfg.eval.max_new_tokens, synced)
+        question = " ".join(tokenizer.decode(prompt_ids, skip_special_tokens=True).split())
+        accelerator.print(f"[{label}] sample: {question!r} -> {answer!r}")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except UserError as exc:
+        print(f"finetune_llm: error: {exc}", file=sys.stderr)
+        sys.exit(2)

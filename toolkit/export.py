@@ -1,0 +1,107 @@
+"""Write the trained result as Hugging Face files (a PEFT adapter or a full model, safetensors), check
+what was written, and optionally merge an adapter into a standalone model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from toolkit.model import DTYPES
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def export_model(accelerator, model, tokenizer, out_dir: Path, dtype: str) -> None:
+    """Collective: gathers the full state dict (sharded backends included) and writes it on the main process."""
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        if dtype != "auto":
+            state_dict = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in state_dict.items()}
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.unwrap_model(model).save_pretrained(str(tmp), state_dict=state_dict)
+        tokenizer.save_pretrained(str(tmp))
+        verify_export(tmp)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.rename(out_dir)
+    accelerator.wait_for_everyone()
+
+
+def verify_export(path: Path) -> int:
+    """Check that every saved tensor is non-empty and matches, by name and shape, the model the files
+    describe (built on the meta device, so no second copy of the weights is loaded). Returns the
+    number of tensors checked."""
+    saved = _saved_shapes(path)
+    if not saved:
+        raise RuntimeError(f"{path}: no tensors were written")
+    empty = [name for name, shape in saved.items() if 0 in shape]
+    if empty:
+        raise RuntimeError(f"{path}: empty tensors written: {', '.join(empty[:5])}")
+    expected, tied = _expected_shapes(path)
+    if (path / ADAPTER_CONFIG).is_file():
+        expected = {_adapter_key(k): v for k, v in expected.items() if "lora_" in k}
+        saved = {_adapter_key(k): v for k, v in saved.items()}
+    missing = set(expected) - set(saved) - tied
+    wrong = {k for k in set(saved) & set(expected) if tuple(saved[k]) != tuple(expected[k])}
+    if missing or wrong or set(saved) - set(expected):
+        raise RuntimeError(f"{path}: written tensors do not match the model: missing {sorted(missing)[:3]}, "
+                           f"wrong shape {sorted(wrong)[:3]}, unexpected {sorted(set(saved) - set(expected))[:3]}")
+    return len(saved)
+
+
+def merge_adapter(adapter_dir: Path, out_dir: Path, dtype: str) -> None:
+    """Fold a LoRA adapter into its base model and save a standalone model (one copy of the base, CPU)."""
+    from peft import PeftModel
+
+    base_path = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=DTYPES[dtype] if dtype != "auto" else "auto")
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    merged.save_pretrained(str(out_dir))
+    AutoTokenizer.from_pretrained(str(adapter_dir)).save_pretrained(str(out_dir))
+    verify_export(out_dir)
+
+
+def _saved_shapes(path: Path) -> dict[str, list[int]]:
+    shapes = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = handle.get_slice(name).get_shape()
+    return shapes
+
+
+def _expected_shapes(path: Path) -> tuple[dict[str, tuple], set[str]]:
+    """Names and shapes of the model's state (adapter included), plus the names of tied duplicates."""
+    is_adapter = (path / ADAPTER_CONFIG).is_file()
+    if is_adapter:
+        from peft import PeftConfig, get_peft_model
+
+        peft_config = PeftConfig.from_pretrained(str(path))
+        config = AutoConfig.from_pretrained(peft_config.base_model_name_or_path)
+    else:
+        config = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        if is_adapter:
+            peft_config.inference_mode = False
+            model = get_peft_model(model, peft_config).base_model.model
+    unique = {name for name, _ in model.named_parameters()}
+    every = dict(model.named_parameters(remove_duplicate=False))
+    buffers = {name: b for name, b in model.named_buffers() if _persistent(model, name)}
+    shapes = {name: tuple(p.shape) for name, p in {**every, **buffers}.items()}
+    return shapes, set(every) - unique
+
+
+def _adapter_key(name: str) -> str:
+    """PEFT drops the adapter name and wraps keys in base_model.model when saving; compare without both."""
+    return name.removeprefix("base_model.model.").replace(".default", "")
+
+
+def _persistent(model: torch.nn.Module, name: str) -> bool:
+    module_name, _, buffer_name = name.rpartition(".")
+    return buffer_name not in model.get_submodule(module_name)._non_persistent_buffers_set

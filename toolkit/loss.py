@@ -1,0 +1,32 @@
+"""Token-exact loss: one optimizer step's loss is the mean over every label token of every micro-batch
+on every rank, however the global batch is split into micro-batches and processes."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+
+
+def count_targets(labels: torch.Tensor) -> int:
+    """Label tokens that contribute to the loss (after the next-token shift)."""
+    return int((labels[:, 1:] != IGNORE).sum())
+
+
+def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over label tokens, computed in float32."""
+    logits = logits[:, :-1].float()
+    targets = labels[:, 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
+                           reduction="sum")
+
+
+def backward_scale(step_targets: int, grad_accum_steps: int, world_size: int) -> float:
+    """Factor for each micro-batch's summed loss so that the gradients the backend produces equal the
+    gradient of (sum of token losses in the step / tokens in the step).
+
+    Every backend divides the loss by the accumulation steps and averages gradients over ranks, so
+    both are multiplied back here.
+    """
+    return grad_accum_steps * world_size / max(step_targets, 1)

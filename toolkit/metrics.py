@@ -1,0 +1,47 @@
+"""Run metrics: one JSON line per logged step in metrics.jsonl, mirrored to accelerate trackers."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+
+class MetricsLog:
+    """Appends metric lines on the main process; other ranks hold an inert instance."""
+
+    def __init__(self, path: Path, enabled: bool, tracker_log=None):
+        self.path = path
+        self.enabled = enabled
+        self._tracker_log = tracker_log
+
+    def write(self, step: int, **values) -> dict:
+        record = {"step": step, **{k: _plain(v) for k, v in values.items()}, "time": round(time.time(), 3)}
+        if self.enabled:
+            with self.path.open("a") as handle:
+                handle.write(json.dumps(record) + "\n")
+            if self._tracker_log is not None:
+                self._tracker_log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+        return record
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Every line of a metrics.jsonl file (an empty list when it does not exist)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop lines logged after `step`, so a resumed run continues the file without duplicates."""
+    kept = [r for r in read_metrics(path) if r["step"] <= step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    return value

@@ -1,0 +1,93 @@
+"""Load the tokenizer and the model to train: full weights, LoRA/DoRA, or QLoRA on a 4-bit base."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import get_peft_model, prepare_model_for_kbit_training
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from toolkit.config import LoraConfig, ModelConfig
+from toolkit.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+def load_tokenizer(cfg: ModelConfig):
+    """The model's tokenizer, with a pad token (the eos token when the model has none)."""
+    _check_path(cfg.path)
+    tokenizer = _from_pretrained(AutoTokenizer, cfg)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(cfg: ModelConfig, lora: LoraConfig, local_rank: int = 0):
+    """The trainable model: everything trainable for `full`, only the adapter for `lora`/`qlora`."""
+    _check_path(cfg.path)
+    kwargs = {"dtype": DTYPES[cfg.dtype], "attn_implementation": cfg.attn_implementation}
+    if cfg.method == "qlora":
+        kwargs.update(_qlora_kwargs(local_rank))
+    model = _from_pretrained(AutoModelForCausalLM, cfg, **kwargs)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if cfg.method == "qlora":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+    if cfg.method in ("lora", "qlora"):
+        model = get_peft_model(model, _peft_config(lora))
+        if cfg.gradient_checkpointing:
+            # Frozen embeddings give checkpointed blocks inputs without grad; the adapters need one.
+            model.enable_input_require_grads()
+    return model
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())
+
+
+def _peft_config(lora: LoraConfig) -> PeftLoraConfig:
+    return PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        use_dora=lora.use_dora,
+        task_type="CAUSAL_LM",
+    )
+
+
+def _qlora_kwargs(local_rank: int) -> dict:
+    if not torch.cuda.is_available():
+        raise UserError("model.method: qlora needs a CUDA GPU (bitsandbytes 4-bit); use lora on this machine")
+    try:
+        from transformers import BitsAndBytesConfig
+    except ImportError as exc:
+        raise UserError("model.method: qlora needs bitsandbytes: pip install 'ftkit[qlora]'") from exc
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_quant_storage=torch.bfloat16,
+    )
+    # One full copy per process, on its own GPU, so DDP can replicate the quantized base.
+    return {"quantization_config": quant, "device_map": {"": local_rank}}
+
+
+def _check_path(path: str) -> None:
+    """Fail early on a local-looking path that does not exist, rather than asking the hub for it."""
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") >= 2
+    if looks_local and not Path(path).expanduser().exists():
+        raise UserError(f"model.path: {path} does not exist")
+
+
+def _from_pretrained(cls, cfg: ModelConfig, **kwargs):
+    try:
+        return cls.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code, **kwargs)
+    except OSError as exc:
+        raise UserError(f"model.path: cannot load {cfg.path}: {str(exc).splitlines()[0]}") from None

@@ -1,0 +1,42 @@
+"""AdamW with decay / no-decay groups, learning-rate scaling by world size, and warmup + decay schedules."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from toolkit.config import TrainConfig
+
+
+def scaled_learning_rate(cfg: TrainConfig, world_size: int) -> float:
+    """The peak learning rate after the configured scaling rule (relative to one process)."""
+    factor = {"none": 1.0, "linear": world_size, "sqrt": math.sqrt(world_size)}[cfg.lr_scaling]
+    return cfg.learning_rate * factor
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, world_size: int) -> torch.optim.AdamW:
+    """AdamW over trainable parameters; biases and norm weights (1-D tensors) are never decayed."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    return torch.optim.AdamW(groups, lr=scaled_learning_rate(cfg, world_size), betas=tuple(cfg.adam_betas))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> LambdaLR:
+    """Linear warmup to the peak, then cosine / linear decay to `min_lr_ratio` of it, or constant."""
+    return LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    if cfg.lr_scheduler == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_scheduler == "cosine" else 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
