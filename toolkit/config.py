@@ -254,7 +254,7 @@ def _build(cls, raw: dict, prefix: str, source: str):
 
 
 def _coerce(value, hint, key: str, source: str):
-    """Return `value` as type `hint`, or raise naming the key; ints widen to floats, nothing else converts."""
+    """Return `value` as type `hint`, or raise naming the key; only numbers widen to floats."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(hint):
@@ -272,11 +272,21 @@ def _coerce(value, hint, key: str, source: str):
             return [_coerce(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
     elif hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    elif hint is float and isinstance(value, str) and _is_number(value):
+        return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
     elif hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     elif isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
         return value
     raise UserError(f"{source}: {key} has the wrong type: {value!r} is not {_type_name(hint)}")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _type_name(hint) -> str:

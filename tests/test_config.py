@@ -1,0 +1,91 @@
+from pathlib import Path
+
+import pytest
+
+from toolkit.batches import grad_accum_steps
+from toolkit.config import RecipeConfig, field_docs, load_config, to_dict
+from toolkit.errors import UserError
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED = sorted((REPO / "recipes" / "configs").rglob("*.yaml"))
+
+
+def write(tmp_path, text):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_recipe_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.model.method in ("full", "lora", "qlora")
+    assert grad_accum_steps(cfg.train, 2) >= 1  # every shipped config runs on the 2-GPU target
+
+
+def test_shipped_configs_include_the_promised_models():
+    names = {p.name for p in SHIPPED}
+    assert {"demo.yaml", "llama3-8b-lora.yaml", "qwen2.5-7b-lora.yaml"} <= names
+    assert any(load_config(p).model.method == "full" for p in SHIPPED)
+
+
+def test_no_config_means_demo():
+    assert load_config(None) == load_config(REPO / "recipes" / "configs" / "demo.yaml")
+
+
+def test_overrides_are_typed(tmp_path):
+    cfg = load_config(write(tmp_path, "train:\n  max_steps: 3\n"),
+                      ["train.learning_rate=1e-3", "data.train=[a.jsonl, b.jsonl]", "lora.r=8", "model.path=x"])
+    assert cfg.train.learning_rate == 1e-3 and cfg.train.max_steps == 3
+    assert cfg.data.train == ["a.jsonl", "b.jsonl"] and cfg.lora.r == 8 and cfg.model.path == "x"
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "message"),
+    [
+        ("train:\n  max_step: 3\n", [], "unknown key train.max_step (did you mean train.max_steps?)"),
+        ("trian:\n  max_steps: 3\n", [], "unknown key trian (did you mean train?)"),
+        ("", ["train.lerning_rate=1"], "did you mean train.learning_rate?"),
+        ("train:\n  max_steps: ten\n", [], "train.max_steps has the wrong type: 'ten' is not int"),
+        ("train:\n  max_steps: true\n", [], "train.max_steps has the wrong type"),
+        ("model: lora\n", [], "model must be a mapping"),
+        ("", ["train.learning_rate=0"], "train.learning_rate: must be positive"),
+        ("", ["train.max_steps=-1"], "train.max_steps: must be positive"),
+        ("", ["train.global_batch_size=10", "train.micro_batch_size=4"], "not a multiple of train.micro_batch_size"),
+        ("", ["model.method=prefix"], "model.method: 'prefix' is not one of full, lora, qlora"),
+        ("", ["data.format=chatml"], "data.format: 'chatml' is not one of"),
+        ("", ["train.max_steps"], "must look like key=value"),
+        ("train: [1, 2\n", [], "not valid YAML"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path, text, overrides, message):
+    path = write(tmp_path, text)
+    with pytest.raises(UserError) as info:
+        load_config(path, overrides)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(UserError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_accumulation_is_derived_from_world_size():
+    cfg = RecipeConfig().train
+    cfg.global_batch_size, cfg.micro_batch_size = 16, 2
+    assert [grad_accum_steps(cfg, world) for world in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    with pytest.raises(UserError, match="not divisible by train.micro_batch_size \\(2\\) x 3 processes"):
+        grad_accum_steps(cfg, 3)
+
+
+def test_every_key_is_documented():
+    flat = []
+
+    def walk(node, prefix=""):
+        for key, value in node.items():
+            walk(value, f"{prefix}{key}.") if isinstance(value, dict) else flat.append(prefix + key)
+
+    walk(to_dict(RecipeConfig()))
+    docs = field_docs()
+    assert [key for key in flat if not docs.get(key)] == []

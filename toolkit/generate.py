@@ -1,0 +1,34 @@
+"""`ftkit generate`: answer a prompt with a fine-tuned model directory (PEFT adapter or full model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from toolkit.errors import UserError
+from toolkit.evaluate import chat_prompt_ids, greedy_answer
+from toolkit.export import ADAPTER_CONFIG
+
+
+def load_for_generation(path: Path):
+    """(model, tokenizer) from an output's final/ or merged/ directory, or any HF model directory."""
+    if not path.is_dir():
+        raise UserError(f"--model: {path} is not a directory")
+    if (path / ADAPTER_CONFIG).is_file():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(str(path))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.eval(), tokenizer
+
+
+def generate_cli(model_dir: str, prompt: str, max_new_tokens: int) -> str:
+    model, tokenizer = load_for_generation(Path(model_dir))
+    if not tokenizer.chat_template:
+        raise UserError(f"--model: {model_dir} has no chat template; it was not saved by ftkit")
+    return greedy_answer(model, tokenizer, chat_prompt_ids(tokenizer, prompt), max_new_tokens, synced=False)
