@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from toolkit import batches, checkpoint, data, distributed, evaluate, export, loss, metrics, optim
 from toolkit import model as models
-from toolkit.config import RecipeConfig, load_config, save_config
+from toolkit.config import RecipeConfig, flat_dict, load_config, save_config
 from toolkit.errors import UserError
 
 
@@ -44,6 +44,8 @@ def main(argv: list[str]) -> None:
     set_seed(cfg.seed)
     resume_from = checkpoint.resolve_resume(output_dir, cfg.train.resume, cfg.train.overwrite)
     prepare_output_dir(accelerator, output_dir, cfg, fresh=resume_from is None)
+    if cfg.log.trackers:
+        accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg))
 
     # Data and model.
     tokenizer = models.load_tokenizer(cfg.model)
@@ -72,12 +74,11 @@ def main(argv: list[str]) -> None:
     if resume_from is not None:
         state = checkpoint.load_checkpoint(accelerator, resume_from)
         start_step, tokens_seen = state["step"], state["tokens_seen"]
-        metrics.truncate_after(log.path, start_step) if accelerator.is_main_process else None
+        if accelerator.is_main_process:
+            metrics.truncate_after(log.path, start_step)
         accelerator.print(f"resumed from {resume_from} at step {start_step}")
     else:
         report(accelerator, model, tokenizer, eval_loader, eval_set, cfg, log, step=0, label="before")
-    if cfg.log.trackers:
-        accelerator.init_trackers(cfg.log.project, config={"output_dir": cfg.output_dir})
 
     # The loop: one iteration per optimizer step, `grad_accum` micro-batches each.
     stream = batches.StepStream(train_loader, sampler, grad_accum, start_step, accelerator.skip_first_batches)

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from toolkit.batches import grad_accum_steps
-from toolkit.config import RecipeConfig, field_docs, load_config, to_dict
+from toolkit.config import RecipeConfig, field_docs, flat_dict, load_config
 from toolkit.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,12 +80,5 @@ def test_accumulation_is_derived_from_world_size():
 
 
 def test_every_key_is_documented():
-    flat = []
-
-    def walk(node, prefix=""):
-        for key, value in node.items():
-            walk(value, f"{prefix}{key}.") if isinstance(value, dict) else flat.append(prefix + key)
-
-    walk(to_dict(RecipeConfig()))
     docs = field_docs()
-    assert [key for key in flat if not docs.get(key)] == []
+    assert [key for key in flat_dict(RecipeConfig()) if not docs.get(key)] == []

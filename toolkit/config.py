@@ -209,6 +209,21 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def flat_dict(cfg) -> dict:
+    """Dotted keys to scalars (lists as strings): the shape experiment trackers accept."""
+    flat = {}
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[prefix + key] = str(value) if isinstance(value, list) or value is None else value
+
+    walk(to_dict(cfg), "")
+    return flat
+
+
 def save_config(cfg: RecipeConfig, path: Path) -> None:
     path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 

@@ -1,0 +1,40 @@
+"""Shared by the end-to-end tests: run the recipe as a user would and read what it wrote."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from toolkit.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "recipes" / "finetune_llm.py"
+# Small and quick, but the real demo model, data and code path.
+QUICK = ["train.max_steps=4", "train.global_batch_size=8", "train.micro_batch_size=4", "data.max_length=64",
+         "eval.exact_match_samples=0", "eval.max_batches=2", "eval.max_new_tokens=4"]
+
+
+def run_recipe(output_dir: Path, *overrides: str, config: str | None = None, launch: list[str] | None = None,
+               check: bool = True) -> subprocess.CompletedProcess:
+    """`python recipe ...` (one process), or `accelerate launch <launch> recipe ...` when `launch` is given."""
+    args = (["--config", config] if config else []) + [f"output_dir={output_dir}", *QUICK, *overrides]
+    head = [sys.executable, "-m", "accelerate.commands.launch", *launch] if launch is not None else [sys.executable]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([*head, str(RECIPE), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=900)
+    if check and result.returncode != 0:
+        raise AssertionError(f"recipe failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+    return result
+
+
+def step_losses(output_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

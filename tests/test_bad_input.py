@@ -1,0 +1,46 @@
+"""A user's mistake stops the recipe with one line naming the file, line or key, before anything that
+looks like a finished model is written."""
+
+import json
+
+import pytest
+from helpers import run_recipe
+
+
+def bad_jsonl(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    path.write_text(f"{good}\n{good}\n{{not json\n")
+    return path
+
+
+CASES = {
+    "unknown key": (lambda tmp: ["train.max_step=3"], "did you mean train.max_steps?"),
+    "malformed jsonl": (lambda tmp: [f"data.train={bad_jsonl(tmp)}", "data.eval_fraction=0.5"], "broken.jsonl:3"),
+    "missing model": (lambda tmp: ["model.path=./no/such/model"], "model.path: ./no/such/model does not exist"),
+    "missing data": (lambda tmp: ["data.train=no/such/file.jsonl"], "no/such/file.jsonl"),
+    "qlora on cpu": (lambda tmp: ["model.method=qlora"], "model.method: qlora needs a CUDA GPU"),
+    "zero lr": (lambda tmp: ["train.learning_rate=0"], "train.learning_rate: must be positive"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_clear_line(tmp_path, case):
+    make_overrides, expected = CASES[case]
+    out = tmp_path / "run"
+    result = run_recipe(out, *make_overrides(tmp_path), check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("finetune_llm: error:") and expected in last, result.stderr[-2000:]
+    assert not (out / "final").exists() and not (out / "checkpoints").exists()
+
+
+def test_output_dir_of_another_run_is_refused(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("someone else's run")
+    result = run_recipe(out, check=False)
+    assert result.returncode == 2 and "holds another run; set train.overwrite=true" in result.stderr
+    assert (out / "notes.txt").exists()
+    result = run_recipe(out, "train.resume=never", check=False)
+    assert result.returncode == 2 and "holds another run" in result.stderr
