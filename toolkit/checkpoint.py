@@ -7,6 +7,8 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
+
 from toolkit.errors import UserError
 
 MARKER = "ftkit_checkpoint.json"
@@ -55,23 +57,65 @@ def _holds_a_run(output_dir: Path) -> bool:
 
 
 def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict) -> Path:
-    """Collective: every rank calls this; returns the finished checkpoint directory."""
+    """Collective: every rank calls this; returns the finished checkpoint directory.
+
+    A failed write (disk full, permissions) on any rank raises UserError on every rank, removes the
+    partial directory and leaves the previous checkpoint as the newest valid one.
+    """
     root = checkpoint_dir(output_dir)
-    final = root / f"step-{step}"
-    tmp = root / f".step-{step}.tmp"
+    final, tmp = root / f"step-{step}", root / f".step-{step}.tmp"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
+    error = _attempt(lambda: accelerator.save_state(str(tmp)))
+    _agree_or_raise(accelerator, error, tmp, final, output_dir)
     if accelerator.is_main_process:
-        marker = {**state, "step": step, "files": _manifest(tmp)}
-        (tmp / MARKER).write_text(json.dumps(marker, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-    accelerator.wait_for_everyone()
+        error = _attempt(lambda: _finalize(tmp, final, {**state, "step": step}))
+    _agree_or_raise(accelerator, error if accelerator.is_main_process else "", tmp, final, output_dir)
     return final
+
+
+def prune_checkpoints(output_dir: Path, keep_last: int, keep_best: bool) -> list[Path]:
+    """Delete all but the `keep_last` newest complete checkpoints (and the best by eval loss); main process."""
+    done = sorted((p for p in checkpoint_dir(output_dir).glob("step-*") if is_complete(p)),
+                  key=lambda p: int(p.name[5:]))
+    keep = set(done[-keep_last:]) if keep_last else set(done)
+    scored = [(json.loads((p / MARKER).read_text()).get("eval_loss"), p) for p in done]
+    scored = [(loss, p) for loss, p in scored if loss is not None]
+    if keep_best and scored:
+        keep.add(min(scored, key=lambda item: item[0])[1])
+    removed = [p for p in done if p not in keep]
+    for path in removed:
+        shutil.rmtree(path)
+    return removed
+
+
+def _attempt(action) -> str:
+    try:
+        action()
+    except OSError as exc:
+        return f"{exc.strerror or exc} ({exc.filename or ''})".replace(" ()", "")
+    return ""
+
+
+def _finalize(tmp: Path, final: Path, marker: dict) -> None:
+    marker["files"] = _manifest(tmp)
+    (tmp / MARKER).write_text(json.dumps(marker, indent=1))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+
+
+def _agree_or_raise(accelerator, error: str, tmp: Path, final: Path, output_dir: Path) -> None:
+    failed = accelerator.reduce(torch.tensor(float(bool(error)), device=accelerator.device), reduction="sum")
+    if failed.item() == 0:
+        accelerator.wait_for_everyone()
+        return
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    previous = latest_checkpoint(output_dir)
+    still = f"{previous.name} is still the newest valid checkpoint" if previous else "no earlier checkpoint exists"
+    raise UserError(f"{final}: checkpoint not written: {error or 'failed on another rank'}; {still}")
 
 
 def load_checkpoint(accelerator, path: Path) -> dict:

@@ -100,6 +100,18 @@ class TrainConfig:
     """Evaluate every N steps (0: only before and after training)."""
     save_every_steps: int = 0
     """Checkpoint every N steps (0: only the final checkpoint)."""
+    save_every_minutes: float = 0.0
+    """Also checkpoint when this many minutes passed since the last one (0: off)."""
+    keep_last: int = 0
+    """Keep only the K newest checkpoints (0: keep all)."""
+    keep_best: bool = False
+    """Also keep the checkpoint with the lowest eval loss when pruning."""
+    nonfinite: str = "stop"
+    """On a NaN/inf loss or gradient norm: skip (drop the step, count it) | stop (after `nonfinite_patience`)."""
+    nonfinite_patience: int = 3
+    """Non-finite steps in a row before `stop` ends the run (earlier ones are skipped)."""
+    collective_timeout_minutes: float = 30.0
+    """A collective (all-reduce, barrier) that waits longer than this fails instead of hanging."""
     resume: str = "auto"
     """auto (newest checkpoint in output_dir) | never | path to a checkpoint directory."""
     overwrite: bool = False
@@ -156,10 +168,11 @@ CHOICES = {
     "train.lr_scaling": ("none", "linear", "sqrt"),
     "train.lr_scheduler": ("cosine", "linear", "constant"),
     "train.mixed_precision": ("no", "bf16", "fp16"),
+    "train.nonfinite": ("skip", "stop"),
     "export.dtype": ("auto", "float32", "bfloat16", "float16"),
 }
 POSITIVE = ("train.max_steps", "train.global_batch_size", "train.micro_batch_size", "train.learning_rate",
-            "data.max_length")
+            "data.max_length", "train.nonfinite_patience", "train.collective_timeout_minutes")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RecipeConfig:
