@@ -1,0 +1,141 @@
+"""From the data config to the train and eval datasets: read, encode (cached), hold out, mix."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import datasets
+import numpy as np
+import pyarrow.compute as pc
+
+from toolkit.config import DataConfig
+from toolkit.data.cache import cache_key, load_or_build, tokenizer_fingerprint
+from toolkit.data.chat import ensure_chat_template
+from toolkit.data.encode import encode_source
+from toolkit.data.formats import detect_format
+from toolkit.data.mixture import hold_out, mix
+from toolkit.data.sources import read_source
+from toolkit.errors import UserError
+from toolkit.loss import IGNORE
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DataStats:
+    train_examples: dict[str, int]
+    """Rows each training source contributes to the training set (after the eval hold-out and mixing)."""
+    eval_examples: int
+    """Rows in the eval set (0 when there is none)."""
+    truncated: int
+    """Examples, over all sources read, longer than data.max_length and cut to it."""
+    dropped: int
+    """Examples, over all sources read, left out because no token of theirs is trained."""
+    label_tokens: int
+    """Trained (label) tokens in the training set."""
+
+    def summary(self) -> str:
+        sources = ", ".join(f"{name}: {count}" for name, count in self.train_examples.items())
+        total = sum(self.train_examples.values())
+        return (
+            f"data: {total} train examples ({sources}), {self.eval_examples} eval, "
+            f"{self.label_tokens:,} trained tokens, {self.truncated} truncated, {self.dropped} dropped"
+        )
+
+
+@dataclass
+class _Part:
+    dataset: datasets.Dataset
+    truncated: int
+    dropped: int
+    trained: np.ndarray
+    """Trained tokens per row."""
+
+
+def build_datasets(
+    cfg: DataConfig, tokenizer, seed: int, main_process_first=contextlib.nullcontext
+) -> tuple[datasets.Dataset, datasets.Dataset | None, DataStats]:
+    """(train, eval or None, stats): rows with `input_ids` and `labels`, identical for the same config,
+    data, tokenizer and seed. `main_process_first` (e.g. `accelerator.main_process_first`) lets the main
+    process encode while the other ranks wait and then load its cached result."""
+    names = cfg.train if isinstance(cfg.train, list) else [cfg.train]
+    if not names:
+        raise UserError("data.train: no training source given")
+    with main_process_first():
+        parts = [_prepare(name, cfg, tokenizer) for name in names]
+        held = _prepare(cfg.eval, cfg, tokenizer) if cfg.eval else None
+    rng = np.random.default_rng(seed)
+    fraction = 0.0 if held else cfg.eval_fraction
+    eval_rows, remaining = hold_out([len(p.dataset) for p in parts], fraction, rng)
+    train_rows = mix(remaining, cfg.weights, rng)
+    pool = datasets.concatenate_datasets([p.dataset for p in parts])
+    train = pool.select(train_rows, keep_in_memory=True)
+    eval_set = held.dataset if held else None
+    if len(eval_rows):
+        eval_set = pool.select(eval_rows, keep_in_memory=True)
+    stats = _stats(names, parts, held, eval_set, train_rows)
+    if stats.truncated:
+        logger.warning(
+            "%d examples were longer than data.max_length=%d tokens and were truncated",
+            stats.truncated,
+            cfg.max_length,
+        )
+    if stats.dropped:
+        logger.warning(
+            "%d examples had no trained token (empty, no assistant turn, or cut off by "
+            "data.max_length) and were left out",
+            stats.dropped,
+        )
+    return train, eval_set, stats
+
+
+def _stats(
+    names: list[str], parts: list[_Part], held: _Part | None, eval_set, train_rows: np.ndarray
+) -> DataStats:
+    origin = np.repeat(np.arange(len(parts)), [len(p.dataset) for p in parts])[train_rows]
+    per_source: dict[str, int] = {}
+    for i, name in enumerate(names):
+        per_source[name] = per_source.get(name, 0) + int((origin == i).sum())
+    everything = parts + ([held] if held else [])
+    return DataStats(
+        train_examples=per_source,
+        eval_examples=len(eval_set) if eval_set is not None else 0,
+        truncated=sum(p.truncated for p in everything),
+        dropped=sum(p.dropped for p in everything),
+        label_tokens=int(np.concatenate([p.trained for p in parts])[train_rows].sum()),
+    )
+
+
+def _prepare(name: str, cfg: DataConfig, tokenizer) -> _Part:
+    """One source read, checked and encoded, from the cache when this exact work was done before."""
+    source = read_source(name, cfg.split)
+    if not len(source.records):
+        raise UserError(f"{name}: no records")
+    fmt = detect_format(source.records[0], source.where(0)) if cfg.format == "auto" else cfg.format
+    if fmt != "text":
+        ensure_chat_template(tokenizer)
+
+    def build() -> tuple[dict, dict]:
+        encoded = encode_source(source, fmt, tokenizer, cfg.max_length, cfg.assistant_only_loss)
+        if not encoded.input_ids:
+            raise UserError(
+                f"{name}: none of its {len(source.records)} examples has a trained token left "
+                f"(no assistant turn, or cut off by data.max_length={cfg.max_length}; try a larger one)"
+            )
+        columns = {"input_ids": encoded.input_ids, "labels": encoded.labels}
+        return columns, {"truncated": encoded.truncated, "dropped": encoded.dropped}
+
+    key = cache_key(
+        source.identity, fmt, cfg.max_length, cfg.assistant_only_loss, tokenizer_fingerprint(tokenizer)
+    )
+    dataset, counts = load_or_build(key, build)
+    return _Part(dataset, counts["truncated"], counts["dropped"], _trained_per_row(dataset))
+
+
+def _trained_per_row(dataset: datasets.Dataset) -> np.ndarray:
+    labels = dataset.data.column("labels").combine_chunks()
+    flat = pc.list_flatten(labels).to_numpy()
+    rows = pc.list_parent_indices(labels).to_numpy()
+    return np.bincount(rows[flat != IGNORE], minlength=len(dataset))
