@@ -66,6 +66,10 @@ class DataConfig:
     """Split to read from hub datasets."""
     num_workers: int = 0
     """DataLoader worker processes."""
+    packing: bool = False
+    """Pack examples into rows of max_length tokens (no attention across examples); batch sizes count rows."""
+    group_by_length: bool = False
+    """Without packing: fill each global batch with examples of similar length, so micro-batches pad less."""
 
 
 @dataclass

@@ -1,8 +1,20 @@
 """Training data: files or hub datasets in several layouts, encoded with assistant-only loss masks,
-held out and mixed deterministically, and batched with padding."""
+held out and mixed deterministically, optionally packed, and batched with padding."""
 
 from toolkit.data.build import DataStats, build_datasets
 from toolkit.data.chat import ensure_chat_template
-from toolkit.data.collate import Collator, build_dataloader
+from toolkit.data.collate import Collator, PackedCollator, build_dataloader, count_tokens, model_inputs
+from toolkit.data.packing import LengthGroupedSampler, row_lengths
 
-__all__ = ["Collator", "DataStats", "build_dataloader", "build_datasets", "ensure_chat_template"]
+__all__ = [
+    "Collator",
+    "DataStats",
+    "LengthGroupedSampler",
+    "PackedCollator",
+    "build_dataloader",
+    "build_datasets",
+    "count_tokens",
+    "ensure_chat_template",
+    "model_inputs",
+    "row_lengths",
+]

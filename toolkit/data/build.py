@@ -16,6 +16,7 @@ from toolkit.data.chat import ensure_chat_template
 from toolkit.data.encode import encode_source
 from toolkit.data.formats import detect_format
 from toolkit.data.mixture import hold_out, mix
+from toolkit.data.packing import pack_dataset
 from toolkit.data.sources import read_source
 from toolkit.errors import UserError
 from toolkit.loss import IGNORE
@@ -35,12 +36,19 @@ class DataStats:
     """Examples, over all sources read, left out because no token of theirs is trained."""
     label_tokens: int
     """Trained (label) tokens in the training set."""
+    packed_rows: int = 0
+    """Rows the training examples were packed into (0 without data.packing)."""
+    packing_efficiency: float = 0.0
+    """Real tokens over the packed rows' capacity (rows x data.max_length)."""
 
     def summary(self) -> str:
         sources = ", ".join(f"{name}: {count}" for name, count in self.train_examples.items())
         total = sum(self.train_examples.values())
+        packed = ""
+        if self.packed_rows:
+            packed = f", packed into {self.packed_rows} rows ({self.packing_efficiency:.1%} full)"
         return (
-            f"data: {total} train examples ({sources}), {self.eval_examples} eval, "
+            f"data: {total} train examples ({sources}){packed}, {self.eval_examples} eval, "
             f"{self.label_tokens:,} trained tokens, {self.truncated} truncated, {self.dropped} dropped"
         )
 
@@ -76,6 +84,9 @@ def build_datasets(
     if len(eval_rows):
         eval_set = pool.select(eval_rows, keep_in_memory=True)
     stats = _stats(names, parts, held, eval_set, train_rows)
+    if cfg.packing:
+        train, stats.packing_efficiency = pack_dataset(train, cfg.max_length, rng)
+        stats.packed_rows = len(train)
     if stats.truncated:
         logger.warning(
             "%d examples were longer than data.max_length=%d tokens and were truncated",

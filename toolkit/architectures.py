@@ -1,0 +1,156 @@
+"""Built-in configs of common base models, so `ftkit plan` works offline and without downloading anything.
+
+Each entry is the architecture part of the model's `config.json` on the Hugging Face hub (what decides the
+parameter count and the activation shapes), keyed by every hub id that shares it: base and instruct variants
+have the same shapes. The parameter count in each comment is the one the model card publishes; a test checks
+that building the config on the meta device gives exactly that number.
+"""
+
+from __future__ import annotations
+
+_LLAMA3 = dict(
+    model_type="llama",
+    vocab_size=128256,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+)
+_QWEN25 = dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768)
+_GEMMA2 = dict(
+    model_type="gemma2",
+    vocab_size=256000,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    sliding_window=4096,
+    final_logit_softcapping=30.0,
+    attn_logit_softcapping=50.0,
+)
+
+
+def _layers(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, **extra) -> dict:
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        **extra,
+    )
+
+
+# (hub ids, config dict, published parameter count)
+_TABLE = [
+    (
+        (
+            "meta-llama/Meta-Llama-3-8B",
+            "meta-llama/Meta-Llama-3-8B-Instruct",
+            "meta-llama/Llama-3.1-8B",
+            "meta-llama/Llama-3.1-8B-Instruct",
+            "meta-llama/Meta-Llama-3.1-8B",
+            "meta-llama/Meta-Llama-3.1-8B-Instruct",
+        ),
+        {**_LLAMA3, **_layers(4096, 14336, 32, 32, 8)},
+        8_030_261_248,
+    ),
+    (
+        (
+            "meta-llama/Meta-Llama-3-70B",
+            "meta-llama/Meta-Llama-3-70B-Instruct",
+            "meta-llama/Llama-3.1-70B",
+            "meta-llama/Llama-3.1-70B-Instruct",
+            "meta-llama/Llama-3.3-70B-Instruct",
+        ),
+        {**_LLAMA3, **_layers(8192, 28672, 80, 64, 8)},
+        70_553_706_496,
+    ),
+    (
+        ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-1B-Instruct"),
+        {**_LLAMA3, **_layers(2048, 8192, 16, 32, 8, head_dim=64, tie_word_embeddings=True)},
+        1_235_814_400,
+    ),
+    (
+        ("meta-llama/Llama-3.2-3B", "meta-llama/Llama-3.2-3B-Instruct"),
+        {**_LLAMA3, **_layers(3072, 8192, 28, 24, 8, head_dim=128, tie_word_embeddings=True)},
+        3_212_749_824,
+    ),
+    (
+        ("Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-0.5B-Instruct"),
+        {**_QWEN25, "vocab_size": 151936, **_layers(896, 4864, 24, 14, 2, tie_word_embeddings=True)},
+        494_032_768,
+    ),
+    (
+        ("Qwen/Qwen2.5-1.5B", "Qwen/Qwen2.5-1.5B-Instruct"),
+        {**_QWEN25, "vocab_size": 151936, **_layers(1536, 8960, 28, 12, 2, tie_word_embeddings=True)},
+        1_543_714_304,
+    ),
+    (
+        ("Qwen/Qwen2.5-3B", "Qwen/Qwen2.5-3B-Instruct"),
+        {**_QWEN25, "vocab_size": 151936, **_layers(2048, 11008, 36, 16, 2, tie_word_embeddings=True)},
+        3_085_938_688,
+    ),
+    (
+        ("Qwen/Qwen2.5-7B", "Qwen/Qwen2.5-7B-Instruct"),
+        {**_QWEN25, "vocab_size": 152064, **_layers(3584, 18944, 28, 28, 4, tie_word_embeddings=False)},
+        7_615_616_512,
+    ),
+    (
+        ("Qwen/Qwen2.5-14B", "Qwen/Qwen2.5-14B-Instruct"),
+        {**_QWEN25, "vocab_size": 152064, **_layers(5120, 13824, 48, 40, 8, tie_word_embeddings=False)},
+        14_770_033_664,
+    ),
+    (
+        ("Qwen/Qwen2.5-32B", "Qwen/Qwen2.5-32B-Instruct"),
+        {**_QWEN25, "vocab_size": 152064, **_layers(5120, 27648, 64, 40, 8, tie_word_embeddings=False)},
+        32_763_876_352,
+    ),
+    (
+        ("Qwen/Qwen2.5-72B", "Qwen/Qwen2.5-72B-Instruct"),
+        {**_QWEN25, "vocab_size": 152064, **_layers(8192, 29568, 80, 64, 8, tie_word_embeddings=False)},
+        72_706_203_648,
+    ),
+    (
+        (
+            "mistralai/Mistral-7B-v0.1",
+            "mistralai/Mistral-7B-Instruct-v0.1",
+            "mistralai/Mistral-7B-Instruct-v0.2",
+        ),
+        dict(model_type="mistral", vocab_size=32000, rope_theta=10000.0, **_layers(4096, 14336, 32, 32, 8)),
+        7_241_732_096,
+    ),
+    (
+        ("mistralai/Mistral-7B-v0.3", "mistralai/Mistral-7B-Instruct-v0.3"),
+        dict(model_type="mistral", vocab_size=32768, rope_theta=1000000.0, **_layers(4096, 14336, 32, 32, 8)),
+        7_248_023_552,
+    ),
+    (
+        ("google/gemma-2-2b", "google/gemma-2-2b-it"),
+        {**_GEMMA2, **_layers(2304, 9216, 26, 8, 4, query_pre_attn_scalar=256)},
+        2_614_341_888,
+    ),
+    (
+        ("google/gemma-2-9b", "google/gemma-2-9b-it"),
+        {**_GEMMA2, **_layers(3584, 14336, 42, 16, 8, query_pre_attn_scalar=256)},
+        9_241_705_984,
+    ),
+    (
+        ("google/gemma-2-27b", "google/gemma-2-27b-it"),
+        {**_GEMMA2, **_layers(4608, 36864, 46, 32, 16, head_dim=128, query_pre_attn_scalar=144)},
+        27_227_128_320,
+    ),
+]
+
+ARCHITECTURES: dict[str, dict] = {name.lower(): config for names, config, _ in _TABLE for name in names}
+"""Lower-cased hub id -> config dict (`transformers.AutoConfig.for_model(**config)` builds it)."""
+PUBLISHED_PARAMS: dict[str, int] = {names[0]: count for names, _, count in _TABLE}
+"""First hub id of each entry -> its published parameter count."""
+
+
+def lookup(model_id: str) -> dict | None:
+    """The built-in config dict for a hub id (case-insensitive), or None when the table does not have it."""
+    config = ARCHITECTURES.get(model_id.strip().lower())
+    return dict(config) if config is not None else None
+
+
+def known_ids() -> list[str]:
+    """The first hub id of each entry, for error messages."""
+    return list(PUBLISHED_PARAMS)

@@ -1,0 +1,66 @@
+"""Training FLOPs per token with LoRA-correct accounting, and model FLOPs utilisation (MFU) of a run."""
+
+from __future__ import annotations
+
+# Peak dense bf16 tensor-core FLOP/s (fp32 accumulate), never the 2:4-sparse figure vendors headline.
+# Each entry: substrings that must all appear in the upper-cased device name; the first match wins.
+PEAK_BF16_FLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("H100", "PCIE"), 756e12),
+    (("H100", "NVL"), 835e12),
+    (("H100",), 989e12),
+    (("H200",), 989e12),
+    (("A100",), 312e12),
+    (("L40S",), 362e12),
+    (("L40",), 181e12),
+    (("L4",), 121e12),
+    (("RTX 4090",), 165e12),
+    (("RTX 3090",), 71e12),
+    (("A6000",), 155e12),
+)
+
+
+def training_flops_per_token(
+    matmul_frozen: int, matmul_trainable: int, layers: int, seq_len: int, attn_dim: int
+) -> int:
+    """FLOPs to train on one token of a causal LM (model FLOPs: gradient-checkpoint recompute not counted).
+
+    Weights of matrix multiplications (linear layers and the output head), 2 FLOPs (multiply, add) per weight:
+        forward                          2 per weight, frozen or trainable
+        backward, input gradient         2 per weight, frozen too: it carries the gradient to earlier adapters
+        backward, weight gradient        2 per trainable weight only
+        => 4 * frozen + 6 * trainable    (full fine-tuning: the classic 6N)
+    Attention scores have no weights. Per layer and token the forward pass does QK^T and AV, each
+    2 * seq * attn_dim (attn_dim = heads x head_dim); the backward pass costs twice the forward:
+        => 3 * 2 * 2 * seq * attn_dim * layers = 12 * layers * seq * attn_dim
+    counted over the whole seq x seq score matrix (causal masking ignored), the PaLM MFU convention, so
+    numbers compare with other tools. Ignored (well under 1%): norms, activations, softmax, rotary
+    embeddings, the loss, the embedding lookup, and the input gradient the first layer does not need.
+    """
+    return 4 * matmul_frozen + 6 * matmul_trainable + 12 * layers * seq_len * attn_dim
+
+
+def flops_per_token(counts, seq_len: int) -> int:
+    """`training_flops_per_token` for a `model_counts.ModelCounts`."""
+    return training_flops_per_token(
+        counts.matmul_frozen, counts.matmul_trainable, counts.layers, seq_len, counts.heads * counts.head_dim
+    )
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s of one device named like `torch.cuda.get_device_name()`, or None if unknown."""
+    name = device_name.upper()
+    for parts, peak in PEAK_BF16_FLOPS:
+        if all(part in name for part in parts):
+            return peak
+    return None
+
+
+def mfu(tokens_per_s: float, flops_per_token: int, device_name: str | None, n_devices: int) -> float | None:
+    """Model FLOPs utilisation: achieved training FLOP/s over the peak of `n_devices` devices.
+
+    `tokens_per_s` is the whole run's throughput (all devices). None on CPU or an unknown device.
+    """
+    peak = peak_flops(device_name) if device_name else None
+    if peak is None or n_devices < 1:
+        return None
+    return tokens_per_s * flops_per_token / (peak * n_devices)

@@ -1,0 +1,282 @@
+"""Memory one GPU needs to train a model under each shipped backend: model states, activations, overhead.
+
+Model states (parameters, gradients, AdamW states, fp32 master weights) are exact byte counts of what each
+backend keeps per rank; activations and overhead are estimates (formulas in their docstrings). Sharding:
+
+    backend         parameters   gradients    optimizer states (and master weights)
+    single / ddp    full         full         full          (DDP keeps a second gradient copy in its buckets)
+    zero1           full         full         1/N
+    zero2           full         1/N          1/N
+    zero3, fsdp     1/N          1/N          1/N
+    zero3_offload   1/N          1/N          1/N           all of it in CPU RAM instead of GPU memory
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GIB = 1 << 30
+BACKENDS = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload")
+DEEPSPEED = ("zero1", "zero2", "zero3", "zero3_offload")
+SHARDED_PARAMS = ("fsdp", "zero3", "zero3_offload")
+# bitsandbytes NF4 with double quantisation: 4 bits a weight, an 8-bit absmax per block of 64 weights and an
+# fp32 absmax per 256 of those blocks.
+QLORA_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+CUDA_CONTEXT = GIB // 2
+"""CUDA context, cuBLAS workspaces and kernels loaded on each GPU before the first tensor."""
+NCCL_BUFFERS = GIB // 2
+"""NCCL communicator buffers on each GPU when there is more than one process."""
+FRAGMENTATION = 0.10
+"""Share of tensor memory the caching allocator loses to fragmentation."""
+PROCESS_RAM = 2 * GIB
+"""CPU RAM of one training process before it loads a model (Python, torch, CUDA libraries, data)."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    weights: str = "float32"
+    """float32 | bfloat16: dtype the model is loaded in (the recipe's model.dtype)."""
+    mixed: str = "no"
+    """no | bf16: autocast (the recipe's train.mixed_precision); DeepSpeed then keeps bf16 weights."""
+
+
+FP32 = Precision()
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes of model state one rank holds at the end of a backward pass, its peak (`total`).
+
+    To compare with a measurement: `after_step` is what is left once the optimizer has stepped and zeroed the
+    gradients, and a walk of Python-visible tensors misses `grad_buckets`.
+    """
+
+    frozen: int
+    """Frozen parameters (the base model under LoRA; 0 under full fine-tuning), this rank's shard."""
+    trainable: int
+    """Trainable parameters (the adapters under LoRA, all weights under full), this rank's shard."""
+    persistent: int
+    """ZeRO-3's whole copies of small parameters (<= 10 x hidden elements), kept beside their shards."""
+    grads: int
+    """Gradients as the optimizer reads them: param.grad, or DeepSpeed's flat gradient partitions."""
+    grad_buckets: int
+    """DDP's bucket copy of every gradient, held by its C++ reducer (a Python tensor walk does not see it)."""
+    optimizer: int
+    """AdamW exp_avg and exp_avg_sq."""
+    master: int
+    """DeepSpeed's fp32 master copy of its partition of the trainable parameters."""
+    grads_persist: bool
+    """The gradient buffers outlive the optimizer step (ZeRO-3); elsewhere zero_grad frees them."""
+    in_cpu_ram: bool
+    """All of it but `persistent` lives in CPU RAM (offload), not on the GPU."""
+
+    @property
+    def total(self) -> int:
+        return (
+            self.frozen
+            + self.trainable
+            + self.persistent
+            + self.grads
+            + self.grad_buckets
+            + self.optimizer
+            + self.master
+        )
+
+    @property
+    def after_step(self) -> int:
+        """What stays allocated after optimizer.step() and zero_grad() (gradients set to None)."""
+        return self.total - (0 if self.grads_persist else self.grads)
+
+
+def model_state_bytes(counts, backend: str, n_ranks: int, precision: Precision = FP32) -> ModelStateBytes:
+    """Exact bytes of parameters, gradients and optimizer states on one rank (rank 0: shards are rounded up).
+
+    `counts` is a `model_counts.ModelCounts`; the rules follow what each backend allocates (checked on CPU
+    against a walk of live tensors under every backend, within 1% for full fine-tuning and 4% for LoRA of a
+    3M-parameter model). Not counted: AdamW's scalar step counters, shard alignment padding, and DeepSpeed's
+    reduce buckets (hidden^2 elements each; `overhead_bytes` has them).
+    """
+    ranks = 1 if backend == "single" else n_ranks
+    frozen_b, train_b = _param_bytes(counts.method, backend, precision)
+    zero3 = backend in ("zero3", "zero3_offload")
+
+    def shard(numel: int, sharded: bool = True) -> int:
+        return math.ceil(numel / ranks) if sharded else numel
+
+    params_sharded = backend in SHARDED_PARAMS
+    frozen = shard(counts.frozen, params_sharded) * frozen_b
+    if counts.method == "qlora":
+        unquantized = shard(counts.frozen - counts.quantizable, params_sharded) * frozen_b
+        frozen = math.ceil(shard(counts.quantizable, params_sharded) * QLORA_BYTES_PER_PARAM) + unquantized
+    grad_numel = shard(counts.trainable, backend not in ("single", "ddp", "zero1"))
+    # Offloaded ZeRO-3 keeps a second, fp32 gradient buffer in CPU RAM for the CPU Adam step.
+    grad_b = train_b + 4 if backend == "zero3_offload" else train_b
+    optim_numel = shard(counts.trainable, backend not in ("single", "ddp"))
+    deepspeed = backend in DEEPSPEED
+    return ModelStateBytes(
+        frozen=frozen,
+        trainable=shard(counts.trainable, params_sharded) * train_b,
+        persistent=counts.zero3_persistent * train_b if zero3 else 0,
+        grads=grad_numel * grad_b,
+        grad_buckets=counts.trainable * train_b if backend == "ddp" else 0,
+        optimizer=optim_numel * (8 if deepspeed else 2 * train_b),
+        master=optim_numel * 4 if deepspeed else 0,
+        grads_persist=zero3,
+        in_cpu_ram=backend == "zero3_offload",
+    )
+
+
+def _param_bytes(method: str, backend: str, precision: Precision) -> tuple[int, int]:
+    """Bytes per (frozen, trainable) parameter as the backend stores them.
+
+    DeepSpeed under bf16 casts every parameter to bf16 and keeps fp32 masters; peft keeps adapters in fp32
+    over a bf16 base; prepare_model_for_kbit_training turns QLoRA's unquantized parameters to fp32.
+    """
+    if backend in DEEPSPEED and precision.mixed == "bf16":
+        return 2, 2
+    weights = 2 if precision.weights == "bfloat16" else 4
+    if method == "qlora":
+        return 4, 4
+    return weights, 4 if method == "lora" else weights
+
+
+def activation_bytes(
+    counts,
+    seq_len: int,
+    micro_batch: int,
+    checkpointing: bool,
+    precision: Precision,
+    lora_dropout: float = 0.0,
+) -> int:
+    """Activation memory of one micro-batch at the peak of the backward pass (an estimate).
+
+    Adapted from the per-layer count of Korthikanti et al., "Reducing Activation Recomputation in Large
+    Transformer Models" (2022): 34sbh + 5as^2b bytes for a GPT layer with 16-bit activations. For a
+    Llama-style layer (no dropout, SDPA/flash attention that keeps no s x s scores, SwiGLU MLP of width i,
+    RMSNorm that upcasts to fp32), in bytes per token, with e bytes per activation (2 under bf16, else 4),
+    hidden h, attention width h_a = heads x head_dim and a heads:
+
+        each RMSNorm (2 a layer)  4h + 2eh        fp32 copy of its input, normalised x, its output
+        attention                 5e*h_a + 4a     q, k and v (repeated to every head), the SDPA output and its
+                                                  contiguous copy for o_proj; fp32 log-sum-exp per head
+        SwiGLU MLP                4e*i            gate, up, SiLU(gate), and their product
+        LoRA dropout (p > 0)      (e+1)(5h+h_a+i) a dropped copy of each adapted input, with its 1-byte mask
+    The head adds one RMSNorm and the logits, e + 8 bytes per vocabulary entry (logits, their fp32 copy for
+    the loss, and the log-softmax or its gradient). With gradient checkpointing only each layer's input is
+    kept (r bytes per h, r the weights' dtype size: the residual stream's dtype), plus one layer being
+    recomputed.
+    Total = s x b x per-token bytes.
+    """
+    e = 2 if precision.mixed == "bf16" or precision.weights == "bfloat16" else 4
+    residual = 4 if precision.weights == "float32" or counts.method == "qlora" else 2
+    h, h_a = counts.hidden, counts.heads * counts.head_dim
+    norm = 4 * h + 2 * e * h
+    layer = 2 * norm + 5 * e * h_a + 4 * counts.heads + 4 * e * counts.intermediate
+    if counts.method != "full" and lora_dropout > 0:
+        layer += (e + 1) * (5 * h + h_a + counts.intermediate)
+    head = norm + counts.vocab * (e + 8)
+    stored = counts.layers * residual * h + layer if checkpointing else counts.layers * layer
+    return (stored + head) * seq_len * micro_batch
+
+
+def working_weight_bytes(counts, backend: str, precision: Precision) -> int:
+    """Weights that exist only while computing (an estimate).
+
+    Sharded backends gather whole layers in the compute dtype: two decoder layers (one computing, one
+    prefetched) plus the embedding or output head, whichever is larger. Under bf16 autocast, fp32 weights on
+    an unsharded torch backend get bf16 copies of every linear weight that live until the backward pass.
+    """
+    compute = 2 if precision.mixed == "bf16" or precision.weights == "bfloat16" else 4
+    if backend in SHARDED_PARAMS:
+        return (2 * counts.largest_layer + max(counts.embed, counts.lm_head)) * compute
+    autocast_copies = (
+        precision.mixed == "bf16" and precision.weights == "float32" and counts.method != "qlora"
+    )
+    if backend in ("single", "ddp") and autocast_copies:
+        return 2 * (counts.matmul_frozen + counts.matmul_trainable)
+    return 0
+
+
+def overhead_bytes(tensor_bytes: int, backend: str, n_gpus: int, counts, precision: Precision) -> int:
+    """CUDA context + NCCL buffers (more than one GPU) + ZeRO's two reduce buckets (reduce_bucket_size "auto"
+    is hidden^2 elements, two of them with overlap_comm) + allocator fragmentation on the tensors."""
+    comm = NCCL_BUFFERS if backend != "single" and n_gpus > 1 else 0
+    if backend in DEEPSPEED:
+        comm += 2 * counts.hidden**2 * _param_bytes(counts.method, backend, precision)[1]
+    return CUDA_CONTEXT + comm + int(FRAGMENTATION * tensor_bytes)
+
+
+def cpu_ram_bytes(counts, backend: str, n_gpus: int, states: ModelStateBytes, precision: Precision) -> int:
+    """CPU RAM of the whole machine: each process's own footprint, plus the larger of loading the model and
+    holding offloaded states. Every process loads the full model into RAM first, except ZeRO-3
+    (`zero3_init_flag`: each keeps its shard) and QLoRA (quantized straight onto its GPU)."""
+    procs = 1 if backend == "single" else n_gpus
+    base = counts.frozen if counts.method != "full" else counts.total
+    weight_b = 2 if precision.weights == "bfloat16" else 4
+    if counts.method == "qlora":
+        loading = 0
+    elif backend in SHARDED_PARAMS and backend != "fsdp":
+        loading = base * weight_b
+    else:
+        loading = procs * base * weight_b
+    offloaded = procs * (states.total - states.persistent) if states.in_cpu_ram else 0
+    return procs * PROCESS_RAM + max(loading, offloaded)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One backend at one micro-batch size, with or without gradient checkpointing."""
+
+    backend: str
+    checkpointing: bool
+    micro_batch: int
+    states: ModelStateBytes
+    working: int
+    activations: int
+    overhead: int
+    cpu_ram: int
+
+    def per_gpu(self) -> dict[str, int]:
+        """Bytes on each GPU by kind; `weights` includes gathered or autocast working copies."""
+        on_gpu = not self.states.in_cpu_ram
+        # Under LoRA the trainable parameters are the adapters; under full fine-tuning (none frozen), weights.
+        adapters = self.states.trainable if self.states.frozen else 0
+        parts = {
+            "weights": (self.states.frozen + self.states.trainable - adapters if on_gpu else 0)
+            + self.working
+            + self.states.persistent,
+            "lora": adapters if on_gpu else 0,
+            "grads": self.states.grads + self.states.grad_buckets if on_gpu else 0,
+            "optimizer": self.states.optimizer + self.states.master if on_gpu else 0,
+            "activations": self.activations,
+            "overhead": self.overhead,
+        }
+        return {**parts, "total": sum(parts.values())}
+
+
+def estimate(
+    counts,
+    backend: str,
+    n_gpus: int,
+    seq_len: int,
+    micro_batch: int,
+    checkpointing: bool,
+    precision: Precision,
+    lora_dropout: float = 0.0,
+) -> MemoryEstimate:
+    """Everything one GPU (and the machine's RAM) needs for `backend` on `n_gpus` GPUs."""
+    states = model_state_bytes(counts, backend, n_gpus, precision)
+    working = working_weight_bytes(counts, backend, precision)
+    activations = activation_bytes(counts, seq_len, micro_batch, checkpointing, precision, lora_dropout)
+    tensors = (states.persistent if states.in_cpu_ram else states.total) + working + activations
+    return MemoryEstimate(
+        backend=backend,
+        checkpointing=checkpointing,
+        micro_batch=micro_batch,
+        states=states,
+        working=working,
+        activations=activations,
+        overhead=overhead_bytes(tensors, backend, n_gpus, counts, precision),
+        cpu_ram=cpu_ram_bytes(counts, backend, n_gpus, states, precision),
+    )

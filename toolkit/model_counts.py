@@ -1,0 +1,164 @@
+"""A model's shape and exact parameter counts, from its config alone: the model is built on the meta device,
+so no weights are read or downloaded and even a 70B model costs no memory."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from toolkit import architectures
+from toolkit.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """Parameter counts (unique tensors, tied weights once) and the dimensions the estimates need."""
+
+    source: str
+    """Where the config came from: a path, the built-in table, or the local Hugging Face cache."""
+    model_type: str
+    method: str
+    """full | lora | qlora: decides what is trainable."""
+    lora_r: int
+    total: int
+    """Every parameter of the trained model, adapters included."""
+    trainable: int
+    frozen: int
+    quantizable: int
+    """Frozen linear-layer weights outside the output head: what QLoRA stores in 4 bits."""
+    matmul_frozen: int
+    """Weights of frozen matrix multiplications per token (linear layers and the output head, tied or not)."""
+    matmul_trainable: int
+    largest_layer: int
+    """Parameters of the largest decoder layer: what a sharded backend gathers at once."""
+    zero3_persistent: int
+    """Parameters of tensors with at most 10 x hidden elements, which ZeRO-3 keeps whole on every rank
+    (accelerate's "auto" stage3_param_persistence_threshold)."""
+    embed: int
+    lm_head: int
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+
+def load_model_config(model: str):
+    """The transformers config of a local model dir, a config.json path, or a built-in or cached hub id.
+
+    Never touches the network: a hub id that is neither built in nor in the local cache is an error.
+    """
+    from transformers import AutoConfig
+
+    path = Path(model).expanduser()
+    file = path / "config.json" if path.is_dir() else path
+    if path.exists():
+        if not file.is_file():
+            raise UserError(f"--model {model}: directory has no config.json")
+        return _config_from_dict(_read_json(file), model), str(file)
+    built_in = architectures.lookup(model)
+    if built_in is not None:
+        return AutoConfig.for_model(**built_in), "built-in table"
+    try:
+        return AutoConfig.from_pretrained(model, local_files_only=True), "local Hugging Face cache"
+    except (OSError, ValueError):
+        known = ", ".join(architectures.known_ids())
+        raise UserError(
+            f"--model {model}: no such path, not in the built-in table, not in the local Hugging Face "
+            f"cache (built in: {known}; or pass a directory holding config.json)"
+        ) from None
+
+
+def count_parameters(config, method: str, lora_r: int, source: str = "") -> ModelCounts:
+    """Exact counts for `method`; LoRA adapters come from peft's all-linear LoraConfig(r=lora_r), on meta."""
+    model = build_meta_model(config)
+    if method in ("lora", "qlora"):
+        from peft import LoraConfig, get_peft_model
+
+        # peft calls a transformers method that is deprecated in this version; the warning is not the user's.
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model = get_peft_model(
+                model, LoraConfig(r=lora_r, target_modules="all-linear", task_type="CAUSAL_LM")
+            )
+    else:
+        model.requires_grad_(True)
+    return _counts(model, config.get_text_config(), method, lora_r, source)
+
+
+def build_meta_model(config):
+    """The causal LM for `config` with every tensor on the meta device (shapes only, no storage)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(
+            f"model type {config.model_type!r} is not a causal LM transformers can build: {first}"
+        ) from None
+
+
+def _counts(model, text, method: str, lora_r: int, source: str) -> ModelCounts:
+    params = list(model.parameters())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    total = sum(p.numel() for p in params)
+    head = model.get_output_embeddings()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    matmul_frozen = sum(m.weight.numel() for m in linears if not m.weight.requires_grad)
+    matmul_trainable = sum(m.weight.numel() for m in linears if m.weight.requires_grad)
+    quantizable = sum(m.weight.numel() for m in linears if m is not head and not m.weight.requires_grad)
+    layer_names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_names]
+    heads = text.num_attention_heads
+    return ModelCounts(
+        source=source,
+        model_type=text.model_type,
+        method=method,
+        lora_r=lora_r,
+        total=total,
+        trainable=trainable,
+        frozen=total - trainable,
+        quantizable=quantizable,
+        matmul_frozen=matmul_frozen,
+        matmul_trainable=matmul_trainable,
+        largest_layer=max((sum(p.numel() for p in m.parameters()) for m in layers), default=0),
+        zero3_persistent=sum(p.numel() for p in params if p.numel() <= 10 * text.hidden_size),
+        embed=model.get_input_embeddings().weight.numel(),
+        lm_head=head.weight.numel() if head is not None else 0,
+        layers=text.num_hidden_layers,
+        hidden=text.hidden_size,
+        intermediate=text.intermediate_size,
+        heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        vocab=text.vocab_size,
+    )
+
+
+def _config_from_dict(raw: dict, model: str):
+    from transformers import AutoConfig
+
+    if "model_type" not in raw:
+        raise UserError(f"--model {model}: config.json has no model_type")
+    try:
+        return AutoConfig.for_model(**raw)
+    except ValueError as exc:
+        raise UserError(f"--model {model}: {str(exc).splitlines()[0]}") from None
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{file}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{file}: expected a JSON object")
+    return raw

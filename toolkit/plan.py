@@ -1,0 +1,302 @@
+"""`ftkit plan`: what a fine-tune needs per GPU under each backend, which one to launch, and what it costs,
+from the model's config alone (know before you rent)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit import architectures, flops, memory
+from toolkit.config import DEMO_CONFIG, flat_dict, load_config
+from toolkit.errors import UserError
+from toolkit.memory import GIB, MemoryEstimate, Precision
+from toolkit.metrics import read_metrics
+from toolkit.model_counts import ModelCounts, count_parameters, load_model_config
+
+METHODS = ("full", "lora", "qlora")
+GRAD_CKPT = ("auto", "on", "off")
+REPO = DEMO_CONFIG.parent.parent.parent
+# Fastest first. Gradient checkpointing costs about a third more compute; ZeRO-1/2 move no more data than
+# DDP, while ZeRO-3/FSDP gather every weight twice a step and offload crosses PCIe every step.
+MULTI_GPU_TIERS = (("ddp", "zero1", "zero2"), ("fsdp", "zero3"), ("zero3_offload",))
+SINGLE_GPU_TIERS = (("single",), ("zero3_offload",))
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: str
+    """Local model dir, config.json path, or hub id (built-in table or local cache)."""
+    gpus: int = 1
+    """GPUs on the machine (one process each)."""
+    gpu_mem: float = 24.0
+    """Memory of one GPU in GiB (a "24 GB" RTX 4090 has 24 GiB)."""
+    method: str = "lora"
+    """full | lora | qlora."""
+    seq_len: int = 2048
+    """Tokens per example (data.max_length)."""
+    micro_batch: int | None = None
+    """Examples per forward pass per GPU; None: the largest that fits."""
+    global_batch: int = 32
+    """Examples per optimizer step across all GPUs."""
+    lora_r: int = 16
+    """LoRA rank (adapters on every linear layer)."""
+    lora_dropout: float = 0.0
+    """LoRA dropout; above 0 it stores a dropped copy of every adapted input."""
+    grad_ckpt: str = "auto"
+    """auto (try off, then on) | on | off."""
+    dtype: str = "auto"
+    """Weights dtype: float32 | bfloat16 | auto (bfloat16 for LoRA/QLoRA, float32 for full, as recipes)."""
+    mixed_precision: str = "bf16"
+    """Autocast: bf16 | no."""
+    cpu_mem: float | None = None
+    """CPU RAM of the machine in GiB; when set, setups needing more do not fit."""
+
+    def validate(self) -> None:
+        for name, allowed in (
+            ("method", METHODS),
+            ("grad_ckpt", GRAD_CKPT),
+            ("mixed_precision", ("bf16", "no")),
+            ("dtype", ("auto", "float32", "bfloat16")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise UserError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)}: not one of {', '.join(allowed)}"
+                )
+        for name in ("gpus", "gpu_mem", "seq_len", "global_batch", "lora_r"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise UserError(f"--micro-batch must be positive, got {self.micro_batch}")
+        if not 0 <= self.lora_dropout < 1:
+            raise UserError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        per_step = (self.micro_batch or 1) * self.gpus
+        if self.global_batch % per_step:
+            raise UserError(
+                f"--global-batch {self.global_batch} is not a multiple of micro-batch x GPUs ({per_step})"
+            )
+
+
+@dataclass(frozen=True)
+class CostRequest:
+    tokens: int
+    """Tokens to train on (all epochs)."""
+    tokens_per_s: float | None = None
+    """Measured throughput of the whole machine."""
+    from_run: str | None = None
+    """Output dir of a run on the same hardware: its metrics.jsonl gives tokens_per_s."""
+    price_per_gpu_hour: float | None = None
+
+
+@dataclass(frozen=True)
+class Cost:
+    tokens: int
+    tokens_per_s: float
+    throughput_source: str
+    wall_hours: float
+    gpu_hours: float
+    price_per_gpu_hour: float | None
+    price: float | None
+    """Total price (None without --price-per-gpu-hour)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    request: PlanRequest
+    counts: ModelCounts
+    precision: Precision
+    rows: list[MemoryEstimate]
+    choice: MemoryEstimate | None
+    """The recommended setup, None when nothing fits."""
+    command: str | None
+    flops_per_token: int
+    cost: Cost | None
+
+    def fits(self, row: MemoryEstimate) -> bool:
+        return fits(row, self.request)
+
+    def grad_accum(self, row: MemoryEstimate) -> int:
+        return self.request.global_batch // (row.micro_batch * processes(row.backend, self.request.gpus))
+
+
+def requests_from_options(options: dict) -> tuple[PlanRequest, CostRequest | None]:
+    """Requests from parsed command-line options; options left out take the dataclass defaults."""
+    names = {f.name for f in dataclasses.fields(PlanRequest)}
+    request = PlanRequest(**{k: v for k, v in options.items() if k in names and v is not None})
+    cost_options = ("tokens_per_s", "from_run", "price_per_gpu_hour")
+    if options.get("tokens") is None:
+        given = [k for k in cost_options if options.get(k) is not None]
+        if given:
+            raise UserError(f"--{given[0].replace('_', '-')} needs --tokens N (how many tokens to train on)")
+        return request, None
+    return request, CostRequest(int(options["tokens"]), *(options.get(k) for k in cost_options))
+
+
+def make_plan(request: PlanRequest, cost: CostRequest | None = None) -> Plan:
+    """Count the model, estimate every backend, and pick the fastest setup that fits."""
+    request.validate()
+    config, source = load_model_config(request.model)
+    counts = count_parameters(config, request.method, request.lora_r, source)
+    precision = resolve_precision(request)
+    micro = request.micro_batch or 1
+    backends = [b for tier in tiers(request.gpus) for b in tier] if request.gpus == 1 else memory.BACKENDS
+    rows = [
+        _estimate(counts, request, precision, b, ckpt, micro)
+        for b in backends
+        for ckpt in _ckpt_options(request)
+    ]
+    choice = recommend(counts, request, precision)
+    return Plan(
+        request=request,
+        counts=counts,
+        precision=precision,
+        rows=rows,
+        choice=choice,
+        command=launch_command(choice, request, precision) if choice else None,
+        flops_per_token=flops.flops_per_token(counts, request.seq_len),
+        cost=estimate_cost(cost, request.gpus) if cost else None,
+    )
+
+
+def resolve_precision(request: PlanRequest) -> Precision:
+    """The weights dtype and autocast the recipe would use (the shipped recipe configs' choice for auto)."""
+    weights = request.dtype
+    if weights == "auto":
+        weights = "float32" if request.method == "full" else "bfloat16"
+    return Precision(weights=weights, mixed=request.mixed_precision)
+
+
+def tiers(gpus: int) -> tuple[tuple[str, ...], ...]:
+    return SINGLE_GPU_TIERS if gpus == 1 else MULTI_GPU_TIERS
+
+
+def processes(backend: str, gpus: int) -> int:
+    return 1 if backend == "single" else gpus
+
+
+def fits(row: MemoryEstimate, request: PlanRequest) -> bool:
+    in_gpu = row.per_gpu()["total"] <= request.gpu_mem * GIB
+    return in_gpu and (request.cpu_mem is None or row.cpu_ram <= request.cpu_mem * GIB)
+
+
+def recommend(counts: ModelCounts, request: PlanRequest, precision: Precision) -> MemoryEstimate | None:
+    """The first fitting setup, fastest tier first and checkpointing off before on within a tier; then the
+    micro-batch doubles while it fits and divides the per-GPU batch (unless --micro-batch fixed it)."""
+    for tier in tiers(request.gpus):
+        for ckpt in _ckpt_options(request):
+            for backend in tier:
+                row = _estimate(counts, request, precision, backend, ckpt, request.micro_batch or 1)
+                if fits(row, request):
+                    return row if request.micro_batch else _grow_micro_batch(row, counts, request, precision)
+    return None
+
+
+def _grow_micro_batch(row: MemoryEstimate, counts, request: PlanRequest, precision) -> MemoryEstimate:
+    per_gpu_batch = request.global_batch // processes(row.backend, request.gpus)
+    while per_gpu_batch % (row.micro_batch * 2) == 0:
+        bigger = _estimate(counts, request, precision, row.backend, row.checkpointing, row.micro_batch * 2)
+        if not fits(bigger, request):
+            break
+        row = bigger
+    return row
+
+
+def _estimate(
+    counts, request: PlanRequest, precision, backend: str, ckpt: bool, micro: int
+) -> MemoryEstimate:
+    return memory.estimate(
+        counts, backend, request.gpus, request.seq_len, micro, ckpt, precision, request.lora_dropout
+    )
+
+
+def _ckpt_options(request: PlanRequest) -> tuple[bool, ...]:
+    return {"auto": (False, True), "on": (True,), "off": (False,)}[request.grad_ckpt]
+
+
+def launch_command(row: MemoryEstimate, request: PlanRequest, precision: Precision) -> str | None:
+    """The exact `accelerate launch` line: a shipped recipe config plus the overrides this plan assumed."""
+    template = _template_config(request.model, request.method)
+    if template is None:
+        return None
+    path, current = template
+    model_path = Path(request.model).parent if request.model.endswith(".json") else request.model
+    wanted = {
+        "model.path": str(model_path),
+        "model.method": request.method,
+        "model.dtype": precision.weights,
+        "model.gradient_checkpointing": row.checkpointing,
+        "train.mixed_precision": precision.mixed,
+        "data.max_length": request.seq_len,
+        "train.global_batch_size": request.global_batch,
+    }
+    if request.method != "full":
+        wanted |= {
+            "lora.r": request.lora_r,
+            "lora.dropout": request.lora_dropout,
+            "lora.target_modules": "all-linear",
+        }
+    overrides = [f"{key}={_yaml_value(value)}" for key, value in wanted.items() if current[key] != value]
+    overrides.append(f"train.micro_batch_size={row.micro_batch}")
+    procs = "" if row.backend == "single" else f" --num_processes {request.gpus}"
+    return (
+        f"accelerate launch --config_file accelerate_configs/{row.backend}.yaml{procs} "
+        f"recipes/finetune_llm.py --config {path} " + " ".join(shlex.quote(item) for item in overrides)
+    )
+
+
+def _template_config(model: str, method: str) -> tuple[str, dict] | None:
+    """The shipped recipe config closest to this run: same method first, then same model, then same shapes."""
+    configs = sorted((REPO / "recipes" / "configs").glob("*.yaml"))
+    if not configs:
+        return None
+    arch = architectures.lookup(model)
+
+    def closeness(path: Path):
+        cfg = load_config(path)
+        same_arch = arch is not None and architectures.lookup(cfg.model.path) == arch
+        return (
+            cfg.model.method == method,
+            cfg.model.path.lower() == model.lower(),
+            same_arch,
+            path != DEMO_CONFIG,
+        )
+
+    best = max(configs, key=closeness)
+    return str(best.relative_to(REPO)), flat_dict(load_config(best))
+
+
+def _yaml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def estimate_cost(cost: CostRequest, gpus: int) -> Cost:
+    """Wall time, GPU-hours and price of training on `cost.tokens` at a given or measured throughput."""
+    if cost.tokens <= 0:
+        raise UserError(f"--tokens must be positive, got {cost.tokens}")
+    if cost.tokens_per_s is not None:
+        rate, source = cost.tokens_per_s, "--tokens-per-s"
+    elif cost.from_run is not None:
+        rate, source = measured_tokens_per_s(Path(cost.from_run)), f"median of {cost.from_run}/metrics.jsonl"
+    else:
+        raise UserError("--tokens needs a throughput: --tokens-per-s X or --from-run OUTPUT_DIR")
+    if rate <= 0:
+        raise UserError(f"tokens per second must be positive, got {rate}")
+    wall_hours = cost.tokens / rate / 3600
+    gpu_hours = wall_hours * gpus
+    price = gpu_hours * cost.price_per_gpu_hour if cost.price_per_gpu_hour is not None else None
+    return Cost(cost.tokens, rate, source, wall_hours, gpu_hours, cost.price_per_gpu_hour, price)
+
+
+def measured_tokens_per_s(run_dir: Path) -> float:
+    """Median tokens_per_s of a run's logged steps; the first step (allocation, warm-up) is left out."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"--from-run {run_dir}: no metrics.jsonl there")
+    rates = [r["tokens_per_s"] for r in read_metrics(path) if isinstance(r.get("tokens_per_s"), (int, float))]
+    if not rates:
+        raise UserError(f"{path}: no tokens_per_s logged yet")
+    return statistics.median(rates[1:] or rates)

@@ -1,0 +1,123 @@
+"""How `ftkit plan` shows a plan: a table for people, a JSON document for machines."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from toolkit.memory import GIB, MemoryEstimate
+from toolkit.plan import Plan
+
+COLUMNS = ("weights", "lora", "grads", "optimizer", "activations", "overhead", "total")
+HEADINGS = ("weights", "lora", "grads", "optim", "activ", "other", "total")
+
+
+def render_text(plan: Plan) -> str:
+    """The plan as the terminal shows it: model, setup, per-GPU memory by backend, recommendation, cost."""
+    lines = [*_header(plan), "", *_table(plan), "", *_recommendation(plan)]
+    if plan.cost is not None:
+        lines += ["", *_cost(plan)]
+    lines += [
+        "",
+        "Model states (weights, lora, grads, optim) are exact bytes; activations and other (CUDA context, "
+        "NCCL, fragmentation) are estimates: see toolkit/memory.py.",
+    ]
+    return "\n".join(lines)
+
+
+def _header(plan: Plan) -> list[str]:
+    c, r, p = plan.counts, plan.request, plan.precision
+    trained = "all weights" if c.method == "full" else f"LoRA r={c.lora_r} on all linear layers"
+    autocast = "bf16 autocast" if p.mixed == "bf16" else "no autocast"
+    base = "4-bit NF4 base" if c.method == "qlora" else f"weights {p.weights}"
+    return [
+        f"model    {r.model} ({c.source}): {c.model_type}, {c.layers} layers, hidden {c.hidden}, "
+        f"{c.heads} heads ({c.kv_heads} kv), vocab {c.vocab:,}",
+        f"params   {c.total:,} total, {c.trainable:,} trainable "
+        f"({100 * c.trainable / c.total:.2f}%: {trained})",
+        f"setup    {c.method} on {r.gpus} GPU x {r.gpu_mem:g} GiB | {base}, {autocast} | "
+        f"seq {r.seq_len} | global batch {r.global_batch}",
+        f"compute  {plan.flops_per_token / 1e9:.2f} GFLOP per trained token (see toolkit/flops.py)",
+    ]
+
+
+def _table(plan: Plan) -> list[str]:
+    limit = f"fits {plan.request.gpu_mem:g} GiB"
+    micro = plan.rows[0].micro_batch
+    head = f"{'per GPU (GiB), micro-batch ' + str(micro):33}" + "".join(f"{h:>7}" for h in HEADINGS)
+    lines = [head + f"{'CPU RAM':>9}  {limit}"]
+    for row in plan.rows:
+        parts = row.per_gpu()
+        name = f"{row.backend:14}grad ckpt {'on ' if row.checkpointing else 'off'}"
+        cells = "".join(f"{parts[k] / GIB:7.1f}" for k in COLUMNS)
+        note = "  (states in CPU RAM)" if row.states.in_cpu_ram else ""
+        lines.append(f"{name:33}{cells}{row.cpu_ram / GIB:9.1f}  {'yes' if plan.fits(row) else 'no'}{note}")
+    return lines
+
+
+def _recommendation(plan: Plan) -> list[str]:
+    row, r = plan.choice, plan.request
+    if row is None:
+        smallest = min(plan.rows, key=lambda x: x.per_gpu()["total"])
+        return [
+            f"nothing fits in {r.gpu_mem:g} GiB per GPU"
+            + (f" and {r.cpu_mem:g} GiB CPU RAM" if r.cpu_mem is not None else "")
+            + f"; the smallest is {smallest.backend}: {smallest.per_gpu()['total'] / GIB:.1f} GiB per GPU, "
+            f"{smallest.cpu_ram / GIB:.1f} GiB CPU RAM. "
+            "Try --method lora or qlora, a shorter --seq-len, or more or larger GPUs."
+        ]
+    procs = 1 if row.backend == "single" else r.gpus
+    ckpt = "on" if row.checkpointing else "off"
+    lines = [
+        f"recommended: accelerate_configs/{row.backend}.yaml, gradient checkpointing {ckpt}, micro-batch "
+        f"{row.micro_batch} x GA {plan.grad_accum(row)} x {procs} GPU = global batch {r.global_batch}",
+        f"  {row.per_gpu()['total'] / GIB:.1f} of {r.gpu_mem:g} GiB per GPU, "
+        f"{row.cpu_ram / GIB:.1f} GiB CPU RAM",
+    ]
+    if plan.command:
+        lines.append(f"  {plan.command}")
+    return lines
+
+
+def _cost(plan: Plan) -> list[str]:
+    cost = plan.cost
+    lines = [
+        f"time     {cost.tokens:,} tokens at {cost.tokens_per_s:,.0f} tokens/s ({cost.throughput_source}): "
+        f"{cost.wall_hours:.2f} h wall, {cost.gpu_hours:.2f} GPU-hours on {plan.request.gpus} GPU",
+        f"compute  {cost.tokens * plan.flops_per_token:.3g} FLOP",
+    ]
+    if cost.price is not None:
+        lines.append(f"cost     {cost.price:,.2f} at {cost.price_per_gpu_hour:g} per GPU-hour")
+    return lines
+
+
+def to_json(plan: Plan) -> dict:
+    """Every number of the plan, in bytes, for scripts."""
+    choice = plan.choice
+    return {
+        "model": {"id": plan.request.model, **dataclasses.asdict(plan.counts)},
+        "request": dataclasses.asdict(plan.request),
+        "precision": dataclasses.asdict(plan.precision),
+        "flops_per_token": plan.flops_per_token,
+        "backends": [_row_json(plan, row) for row in plan.rows],
+        "recommendation": None
+        if choice is None
+        else {
+            **_row_json(plan, choice),
+            "grad_accum": plan.grad_accum(choice),
+            "config_file": f"accelerate_configs/{choice.backend}.yaml",
+            "command": plan.command,
+        },
+        "cost": dataclasses.asdict(plan.cost) if plan.cost is not None else None,
+    }
+
+
+def _row_json(plan: Plan, row: MemoryEstimate) -> dict:
+    return {
+        "backend": row.backend,
+        "gradient_checkpointing": row.checkpointing,
+        "micro_batch": row.micro_batch,
+        "per_gpu_bytes": row.per_gpu(),
+        "model_state_bytes": dataclasses.asdict(row.states),
+        "cpu_ram_bytes": row.cpu_ram,
+        "fits": plan.fits(row),
+    }

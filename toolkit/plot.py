@@ -1,0 +1,78 @@
+"""`ftkit plot`: loss, learning rate and throughput against step for one or more runs, as one PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from toolkit.errors import UserError
+
+# (metric key, panel title); the loss panel also draws eval_loss.
+PANELS = (("loss", "loss (eval dashed)"), ("lr", "learning rate"), ("tokens_per_s", "tokens / s"))
+
+
+def read_run(run_dir: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl; a missing, empty or malformed file is the user's to fix."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{run_dir}: no metrics.jsonl (is it a run's output_dir?)")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    if not records:
+        raise UserError(f"{path}: no metrics logged yet")
+    return records
+
+
+def labels_for(run_dirs: list[Path]) -> list[str]:
+    """Directory names, or whole paths when two runs share a name."""
+    names = [d.resolve().name for d in run_dirs]
+    return names if len(set(names)) == len(names) else [str(d) for d in run_dirs]
+
+
+def plot_runs(run_dirs: list[Path], out: Path | None = None) -> Path:
+    """Write the panels for every run, overlaid, to `out` (by default metrics.png beside the first run's
+    metrics.jsonl) and return the path written."""
+    run_dirs = [Path(d) for d in run_dirs]
+    runs = [(label, read_run(d)) for label, d in zip(labels_for(run_dirs), run_dirs, strict=True)]
+    out = Path(out) if out is not None else run_dirs[0] / "metrics.png"
+    figure = draw_runs(runs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=100)
+    return out
+
+
+def draw_runs(runs: list[tuple[str, list[dict]]]):
+    """A matplotlib Figure with one panel per metric and one colour per (label, records) run."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UserError("ftkit plot needs matplotlib: pip install 'ftkit[plot]'") from None
+    figure = Figure(figsize=(15, 4.2), layout="constrained")  # no pyplot: Agg renders it, no global state
+    axes = figure.subplots(1, len(PANELS))
+    for index, (label, records) in enumerate(runs):
+        colour = f"C{index % 10}"
+        for ax, (key, _) in zip(axes, PANELS, strict=True):
+            _draw(ax, records, key, colour, label)
+        _draw(axes[0], records, "eval_loss", colour, None, linestyle="--", marker="o")
+    for ax, (_, title) in zip(axes, PANELS, strict=True):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[1].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    axes[0].legend(loc="upper right")
+    return figure
+
+
+def _draw(ax, records: list[dict], key: str, colour: str, label: str | None, **style) -> None:
+    points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    if points:
+        steps, values = zip(*points, strict=True)
+        ax.plot(steps, values, color=colour, label=label, linewidth=1.5, markersize=4, **style)
