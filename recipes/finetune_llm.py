@@ -10,6 +10,7 @@ The backend (single process, DDP, FSDP, ZeRO-1/2/3, offload) comes from the acce
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,27 +21,44 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from toolkit import batches, checkpoint, data, distributed, evaluate, export, loss, metrics, optim
+from toolkit import (
+    batches,
+    checkpoint,
+    data,
+    distributed,
+    evaluate,
+    export,
+    launch_check,
+    loss,
+    metrics,
+    optim,
+)
 from toolkit import model as models
 from toolkit.config import RecipeConfig, flat_dict, load_config, save_config
 from toolkit.errors import UserError
+from toolkit.nonfinite import NonFiniteGuard
+from toolkit.preemption import PREEMPTED_EXIT_CODE, StopRequest
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     output_dir = Path(cfg.output_dir)
 
     # Backend: whatever `accelerate launch` was told; checked, never silently degraded to lone ranks.
     launch = distributed.detect_launch()
+    notes = launch_check.check_launch(
+        launch, cfg, args.config or "recipes/configs/demo.yaml", launch_check.probe_machine(), os.environ
+    )
     grad_accum = batches.grad_accum_steps(cfg.train, launch.world_size)
     accelerator = Accelerator(
         **distributed.accelerator_kwargs(launch, cfg.train, grad_accum),
         log_with=cfg.log.trackers or None,
         project_dir=str(output_dir),
     )
-    distributed.verify(accelerator, launch)
-    accelerator.print(distributed.describe(accelerator, launch, cfg.train, grad_accum))
+    distributed.finish_setup(accelerator, launch)
+    for line in [distributed.describe(accelerator, launch, cfg.train, grad_accum), *notes]:
+        accelerator.print(line)
     set_seed(cfg.seed)
     resume_from = checkpoint.resolve_resume(output_dir, cfg.train.resume, cfg.train.overwrite)
     prepare_output_dir(accelerator, output_dir, cfg, fresh=resume_from is None)
@@ -50,27 +68,57 @@ def main(argv: list[str]) -> None:
     # Data and model.
     tokenizer = models.load_tokenizer(cfg.model)
     data.ensure_chat_template(tokenizer)
-    train_set, eval_set, stats = data.build_datasets(cfg.data, tokenizer, cfg.seed, accelerator.main_process_first)
+    train_set, eval_set, stats = data.build_datasets(
+        cfg.data, tokenizer, cfg.seed, accelerator.main_process_first
+    )
     accelerator.print(stats.summary())
     collate = data.Collator(tokenizer.pad_token_id)
-    sampler = batches.EpochSampler(len(train_set), cfg.train.global_batch_size, cfg.seed)
-    train_loader = DataLoader(train_set, batch_size=cfg.train.micro_batch_size, sampler=sampler,
-                              collate_fn=collate, num_workers=cfg.data.num_workers, drop_last=True)
+    train_collate = (
+        data.PackedCollator(
+            tokenizer.pad_token_id, flash_varlen=cfg.model.attn_implementation == "flash_attention_2"
+        )
+        if cfg.data.packing
+        else collate
+    )
+    if cfg.data.group_by_length:
+        sampler = data.LengthGroupedSampler(
+            data.row_lengths(train_set), cfg.train.global_batch_size, cfg.seed
+        )
+    else:
+        sampler = batches.EpochSampler(len(train_set), cfg.train.global_batch_size, cfg.seed)
+    train_loader = DataLoader(
+        train_set,
+        batch_size=cfg.train.micro_batch_size,
+        sampler=sampler,
+        collate_fn=train_collate,
+        num_workers=cfg.data.num_workers,
+        drop_last=True,
+    )
     model = models.load_model(cfg.model, cfg.lora, accelerator.local_process_index)
     trainable, total = models.count_parameters(model)
-    accelerator.print(f"model: {cfg.model.path} ({cfg.model.method}), {trainable:,} of {total:,} parameters trained")
+    accelerator.print(
+        f"model: {cfg.model.path} ({cfg.model.method}), {trainable:,} of {total:,} parameters trained"
+    )
     optimizer = optim.build_optimizer(model, cfg.train, accelerator.num_processes)
     scheduler = optim.build_scheduler(optimizer, cfg.train)
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     eval_loader = None
     if eval_set is not None:
-        eval_loader = evaluate.eval_loader(eval_set, accelerator.process_index, accelerator.num_processes,
-                                           cfg.train.micro_batch_size, collate)
+        eval_loader = evaluate.eval_loader(
+            eval_set,
+            accelerator.process_index,
+            accelerator.num_processes,
+            cfg.train.micro_batch_size,
+            collate,
+        )
 
     # Where to start: a checkpoint, or a fresh run whose starting point is measured first.
     start_step, tokens_seen = 0, 0
-    log = metrics.MetricsLog(output_dir / "metrics.jsonl", accelerator.is_main_process,
-                             accelerator.log if cfg.log.trackers else None)
+    log = metrics.MetricsLog(
+        output_dir / "metrics.jsonl",
+        accelerator.is_main_process,
+        accelerator.log if cfg.log.trackers else None,
+    )
     if resume_from is not None:
         state = checkpoint.load_checkpoint(accelerator, resume_from)
         start_step, tokens_seen = state["step"], state["tokens_seen"]
@@ -82,55 +130,113 @@ def main(argv: list[str]) -> None:
 
     # The loop: one iteration per optimizer step, `grad_accum` micro-batches each.
     stream = batches.StepStream(train_loader, sampler, grad_accum, start_step, accelerator.skip_first_batches)
-    progress = tqdm(range(start_step, cfg.train.max_steps), initial=start_step, total=cfg.train.max_steps,
-                    disable=not accelerator.is_main_process, desc="train")
+    schedule = checkpoint.SaveSchedule(cfg.train.save_every_steps, cfg.train.save_every_minutes, start_step)
+    guard = NonFiniteGuard(
+        cfg.train.nonfinite, cfg.train.nonfinite_patience, can_skip=launch.backend != "deepspeed"
+    )
+    stop = StopRequest()
+    progress = tqdm(
+        initial=start_step, total=cfg.train.max_steps, disable=not accelerator.is_main_process, desc="train"
+    )
     model.train()
     for step in range(start_step + 1, cfg.train.max_steps + 1):
         started = time.perf_counter()
         micro_batches = stream.next_step()
-        counts = torch.tensor([sum(loss.count_targets(b["labels"]) for b in micro_batches),
-                               sum(int(b["attention_mask"].sum()) for b in micro_batches)], device=accelerator.device)
+        counts = torch.tensor(
+            [
+                sum(loss.count_targets(b["labels"]) for b in micro_batches),
+                sum(data.count_tokens(b) for b in micro_batches),
+            ],
+            device=accelerator.device,
+        )
         step_targets, step_tokens = accelerator.reduce(counts, reduction="sum").tolist()
         scale = loss.backward_scale(step_targets, grad_accum, accelerator.num_processes)
         loss_sum = torch.zeros((), device=accelerator.device)
         for batch in micro_batches:
             with accelerator.accumulate(model):
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                logits = model(**data.model_inputs(batch)).logits
                 micro_loss = loss.summed_token_loss(logits, batch["labels"])
                 accelerator.backward(micro_loss * scale)
                 loss_sum += micro_loss.detach()
-                if accelerator.sync_gradients:
-                    grad_norm = distributed.clip_grad_norm(accelerator, model, cfg.train.max_grad_norm)
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad()
         step_loss = accelerator.reduce(loss_sum, reduction="sum").item() / max(step_targets, 1)
+        grad_norm = float(distributed.clip_grad_norm(accelerator, model, cfg.train.max_grad_norm))
+        if guard.allows_update(step, step_loss, grad_norm):
+            optimizer.step()
+            scheduler.step()
+        optimizer.zero_grad()
         tokens_seen += step_tokens
         elapsed = time.perf_counter() - started
         if step % cfg.train.log_every_steps == 0 or step == cfg.train.max_steps:
-            record = log.write(step, loss=step_loss, lr=scheduler.get_last_lr()[0],
-                               grad_norm=distributed.grad_norm_value(accelerator, grad_norm),
-                               tokens_per_s=step_tokens / elapsed, tokens_seen=tokens_seen, step_time_s=elapsed)
-            progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{record['lr']:.2e}",
-                                 tok_s=f"{record['tokens_per_s']:.0f}")
+            lr = scheduler.get_last_lr()[0]
+            log.write(
+                step,
+                loss=step_loss,
+                lr=lr,
+                grad_norm=grad_norm,
+                tokens_per_s=step_tokens / elapsed,
+                tokens_seen=tokens_seen,
+                step_time_s=elapsed,
+                skipped_steps=guard.skipped,
+            )
+            progress.set_postfix(
+                loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{step_tokens / elapsed:.0f}"
+            )
         progress.update(1)
+        eval_result = {}
         if eval_loader is not None and cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0:
-            log.write(step, **evaluate.evaluate(model, eval_loader, accelerator, cfg.eval.max_batches))
-        if cfg.train.save_every_steps and step % cfg.train.save_every_steps == 0:
-            checkpoint.save_checkpoint(accelerator, output_dir, step, run_state(accelerator, tokens_seen))
+            eval_result = log.write(
+                step, **evaluate.evaluate(model, eval_loader, accelerator, cfg.eval.max_batches)
+            )
+        stopping, save_due = distributed.any_rank(
+            accelerator, stop.requested or bool(guard.failure), schedule.due(step)
+        )
+        if (save_due or stopping) and guard.weights_intact:
+            checkpoint.save_checkpoint(
+                accelerator,
+                output_dir,
+                step,
+                run_state(accelerator, tokens_seen, eval_result.get("eval_loss")),
+            )
+            schedule.saved(step)
+            if accelerator.is_main_process and (cfg.train.keep_last or cfg.train.keep_best):
+                checkpoint.prune_checkpoints(output_dir, cfg.train.keep_last, cfg.train.keep_best)
+        if stopping:
+            progress.close()
+            if guard.failure:
+                raise UserError(guard.failure)
+            accelerator.print(
+                f"stopped by {stop.signal_name or 'another rank'} after step {step}; checkpoint saved, "
+                "launch again with train.resume=auto to continue"
+            )
+            return PREEMPTED_EXIT_CODE
     progress.close()
 
     # Finish: final checkpoint, the measured result, the exported model.
-    if start_step < cfg.train.max_steps:
-        checkpoint.save_checkpoint(accelerator, output_dir, cfg.train.max_steps, run_state(accelerator, tokens_seen))
-    report(accelerator, model, tokenizer, eval_loader, eval_set, cfg, log, step=cfg.train.max_steps, label="after")
+    if schedule.last_step < cfg.train.max_steps:
+        checkpoint.save_checkpoint(
+            accelerator, output_dir, cfg.train.max_steps, run_state(accelerator, tokens_seen)
+        )
+    report(
+        accelerator,
+        model,
+        tokenizer,
+        eval_loader,
+        eval_set,
+        cfg,
+        log,
+        step=cfg.train.max_steps,
+        label="after",
+    )
     final_dir = output_dir / "final"
     export.export_model(accelerator, model, tokenizer, final_dir, cfg.export.dtype)
     if cfg.export.merge and cfg.model.method != "full" and accelerator.is_main_process:
         export.merge_adapter(final_dir, final_dir / "merged", cfg.export.dtype)
     accelerator.wait_for_everyone()
-    accelerator.print(f"saved: {final_dir.resolve()}  (try: ftkit generate --model {final_dir} --prompt '...')")
+    accelerator.print(
+        f"saved: {final_dir.resolve()}  (try: ftkit generate --model {final_dir} --prompt '...')"
+    )
     accelerator.end_training()
+    return 0
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -141,7 +247,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def prepare_output_dir(accelerator, output_dir: Path, cfg: RecipeConfig, fresh: bool) -> None:
-    """A fresh run starts in an empty output_dir (cleared only when the config allows) with its config saved."""
+    """A fresh run starts in an empty output_dir (cleared if allowed) with its config saved."""
     if fresh and accelerator.is_main_process:
         checkpoint.clear_output_dir(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -149,12 +255,19 @@ def prepare_output_dir(accelerator, output_dir: Path, cfg: RecipeConfig, fresh: 
     accelerator.wait_for_everyone()
 
 
-def run_state(accelerator, tokens_seen: int) -> dict:
-    return {"tokens_seen": tokens_seen, "world_size": accelerator.num_processes,
-            "backend": str(accelerator.distributed_type)}
+def run_state(accelerator, tokens_seen: int, eval_loss: float | None = None) -> dict:
+    """What a checkpoint records beside the states accelerate saves."""
+    return {
+        "tokens_seen": tokens_seen,
+        "world_size": accelerator.num_processes,
+        "backend": accelerator.distributed_type.value,
+        "eval_loss": eval_loss,
+    }
 
 
-def report(accelerator, model, tokenizer, eval_loader, eval_set, cfg: RecipeConfig, log, step: int, label: str):
+def report(
+    accelerator, model, tokenizer, eval_loader, eval_set, cfg: RecipeConfig, log, step: int, label: str
+):
     """Eval loss, exact match and one sample answer: shown before and after training, and logged."""
     results = {}
     if eval_loader is not None:
@@ -162,8 +275,9 @@ def report(accelerator, model, tokenizer, eval_loader, eval_set, cfg: RecipeConf
     synced = accelerator.num_processes > 1
     generator = accelerator.unwrap_model(model)
     if eval_set is not None and cfg.eval.exact_match_samples:
-        results["exact_match"] = evaluate.exact_match(generator, tokenizer, eval_set, cfg.eval.exact_match_samples,
-                                                      cfg.eval.max_new_tokens, synced)
+        results["exact_match"] = evaluate.exact_match(
+            generator, tokenizer, eval_set, cfg.eval.exact_match_samples, cfg.eval.max_new_tokens, synced
+        )
     if results:
         log.write(step, **results)
         accelerator.print(f"[{label}] " + "  ".join(f"{k}={v:.4g}" for k, v in results.items()))
@@ -178,7 +292,7 @@ def report(accelerator, model, tokenizer, eval_loader, eval_set, cfg: RecipeConf
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1:])
+        sys.exit(main(sys.argv[1:]))
     except UserError as exc:
         print(f"finetune_llm: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -13,20 +13,39 @@ from toolkit.metrics import read_metrics
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "finetune_llm.py"
 # Small and quick, but the real demo model, data and code path.
-QUICK = ["train.max_steps=4", "train.global_batch_size=8", "train.micro_batch_size=4", "data.max_length=64",
-         "eval.exact_match_samples=0", "eval.max_batches=2", "eval.max_new_tokens=4"]
+QUICK = [
+    "train.max_steps=4",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "data.max_length=64",
+    "eval.exact_match_samples=0",
+    "eval.max_batches=2",
+    "eval.max_new_tokens=4",
+]
 
 
-def run_recipe(output_dir: Path, *overrides: str, config: str | None = None, launch: list[str] | None = None,
-               check: bool = True) -> subprocess.CompletedProcess:
-    """`python recipe ...` (one process), or `accelerate launch <launch> recipe ...` when `launch` is given."""
+def run_recipe(
+    output_dir: Path,
+    *overrides: str,
+    config: str | None = None,
+    launch: list[str] | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """`python recipe ...` (one process), or `accelerate launch <launch> recipe ...` with `launch`."""
     args = (["--config", config] if config else []) + [f"output_dir={output_dir}", *QUICK, *overrides]
-    head = [sys.executable, "-m", "accelerate.commands.launch", *launch] if launch is not None else [sys.executable]
+    head = (
+        [sys.executable, "-m", "accelerate.commands.launch", *launch]
+        if launch is not None
+        else [sys.executable]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([*head, str(RECIPE), *args], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=900)
+    result = subprocess.run(
+        [*head, str(RECIPE), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
     if check and result.returncode != 0:
-        raise AssertionError(f"recipe failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+        raise AssertionError(
+            f"recipe failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+        )
     return result
 
 

@@ -9,15 +9,23 @@ from helpers import run_recipe
 
 def bad_jsonl(tmp_path):
     path = tmp_path / "broken.jsonl"
-    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    good = json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    )
     path.write_text(f"{good}\n{good}\n{{not json\n")
     return path
 
 
 CASES = {
     "unknown key": (lambda tmp: ["train.max_step=3"], "did you mean train.max_steps?"),
-    "malformed jsonl": (lambda tmp: [f"data.train={bad_jsonl(tmp)}", "data.eval_fraction=0.5"], "broken.jsonl:3"),
-    "missing model": (lambda tmp: ["model.path=./no/such/model"], "model.path: ./no/such/model does not exist"),
+    "malformed jsonl": (
+        lambda tmp: [f"data.train={bad_jsonl(tmp)}", "data.eval_fraction=0.5"],
+        "broken.jsonl:3",
+    ),
+    "missing model": (
+        lambda tmp: ["model.path=./no/such/model"],
+        "model.path: ./no/such/model does not exist",
+    ),
     "missing data": (lambda tmp: ["data.train=no/such/file.jsonl"], "no/such/file.jsonl"),
     "qlora on cpu": (lambda tmp: ["model.method=qlora"], "model.method: qlora needs a CUDA GPU"),
     "zero lr": (lambda tmp: ["train.learning_rate=0"], "train.learning_rate: must be positive"),

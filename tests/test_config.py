@@ -34,8 +34,10 @@ def test_no_config_means_demo():
 
 
 def test_overrides_are_typed(tmp_path):
-    cfg = load_config(write(tmp_path, "train:\n  max_steps: 3\n"),
-                      ["train.learning_rate=1e-3", "data.train=[a.jsonl, b.jsonl]", "lora.r=8", "model.path=x"])
+    cfg = load_config(
+        write(tmp_path, "train:\n  max_steps: 3\n"),
+        ["train.learning_rate=1e-3", "data.train=[a.jsonl, b.jsonl]", "lora.r=8", "model.path=x"],
+    )
     assert cfg.train.learning_rate == 1e-3 and cfg.train.max_steps == 3
     assert cfg.data.train == ["a.jsonl", "b.jsonl"] and cfg.lora.r == 8 and cfg.model.path == "x"
 
@@ -51,7 +53,11 @@ def test_overrides_are_typed(tmp_path):
         ("model: lora\n", [], "model must be a mapping"),
         ("", ["train.learning_rate=0"], "train.learning_rate: must be positive"),
         ("", ["train.max_steps=-1"], "train.max_steps: must be positive"),
-        ("", ["train.global_batch_size=10", "train.micro_batch_size=4"], "not a multiple of train.micro_batch_size"),
+        (
+            "",
+            ["train.global_batch_size=10", "train.micro_batch_size=4"],
+            "not a multiple of train.micro_batch_size",
+        ),
         ("", ["model.method=prefix"], "model.method: 'prefix' is not one of full, lora, qlora"),
         ("", ["data.format=chatml"], "data.format: 'chatml' is not one of"),
         ("", ["train.max_steps"], "must look like key=value"),

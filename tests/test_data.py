@@ -376,18 +376,6 @@ def test_collator_pads_right_to_a_multiple_of_eight():
     assert all(t.dtype == torch.long for t in batch.values())
 
 
-def test_dataloader_order_is_reproducible(tmp_path, tokenizer):
-    train, _, _ = data.build_datasets(config(text_source(tmp_path, "sun", 16)), tokenizer, 0)
-
-    def order(seed):
-        loader = data.build_dataloader(train, 4, tokenizer.pad_token_id, shuffle=True, seed=seed)
-        return [batch["input_ids"][:, :3].tolist() for batch in loader]
-
-    assert order(5) == order(5) != order(6)
-    loader = data.build_dataloader(train, 4, tokenizer.pad_token_id, shuffle=False, seed=0)
-    assert next(iter(loader))["input_ids"].shape == (4, 8)
-
-
 # Mistakes a user can make -----------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""The recipe end to end on the embedded tiny model, one process: train, checkpoint, export, reload, resume."""
+"""The recipe end to end on the embedded tiny model, one process: train, save, export, reload, resume."""
 
 import json
 import shutil
@@ -35,7 +35,12 @@ def test_lora_run_writes_every_contracted_output(lora_run):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]
     assert json.loads((out / "checkpoints" / "step-4" / MARKER).read_text())["step"] == 4
     final = out / "final"
-    for name in ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json"):
+    for name in (
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         assert (final / name).is_file(), name
     assert "saved:" in result.stdout and "[before]" in result.stdout and "[after]" in result.stdout
 
@@ -58,8 +63,12 @@ def test_lora_adapter_is_trained_and_loads(lora_run):
 
 def test_generate_cli_answers_with_the_adapter(lora_run, capsys):
     out, _ = lora_run
-    assert ftkit(["generate", "--model", str(out / "final"), "--prompt", "What is 2 + 2?",
-                  "--max-new-tokens", "4"]) == 0
+    assert (
+        ftkit(
+            ["generate", "--model", str(out / "final"), "--prompt", "What is 2 + 2?", "--max-new-tokens", "4"]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.strip()
 
 
@@ -70,7 +79,11 @@ def test_full_finetune_exports_a_loadable_model(tmp_path):
     assert (final / "model.safetensors").is_file() and (final / "config.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(final)
     base = AutoModelForCausalLM.from_pretrained("toolkit/assets/tiny-llama")
-    moved = [n for (n, p), (_, q) in zip(model.named_parameters(), base.named_parameters()) if not torch.equal(p, q)]
+    moved = [
+        n
+        for (n, p), (_, q) in zip(model.named_parameters(), base.named_parameters())
+        if not torch.equal(p, q)
+    ]
     assert moved, "full fine-tuning must change the weights"
 
 
@@ -97,4 +110,3 @@ def test_resume_continues_exactly(tmp_path):
     final_a = load_file(straight / "final" / "adapter_model.safetensors")
     final_b = load_file(resumed / "final" / "adapter_model.safetensors")
     assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
-

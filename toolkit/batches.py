@@ -32,8 +32,10 @@ class EpochSampler(Sampler[int]):
 
     def __init__(self, num_examples: int, global_batch_size: int, seed: int, shuffle: bool = True):
         if num_examples < global_batch_size:
-            raise UserError(f"data: {num_examples} training examples, fewer than train.global_batch_size "
-                            f"({global_batch_size})")
+            raise UserError(
+                f"data: {num_examples} training examples, fewer than train.global_batch_size "
+                f"({global_batch_size})"
+            )
         self.num_examples = num_examples
         self.usable = num_examples // global_batch_size * global_batch_size
         self.seed = seed
@@ -56,8 +58,9 @@ class EpochSampler(Sampler[int]):
 class StepStream:
     """Yields, per optimizer step, the list of this rank's `grad_accum_steps` micro-batches."""
 
-    def __init__(self, loader: DataLoader, sampler: EpochSampler, grad_accum_steps: int, start_step: int,
-                 skip_batches):
+    def __init__(
+        self, loader: DataLoader, sampler: EpochSampler, grad_accum_steps: int, start_step: int, skip_batches
+    ):
         self.loader = loader
         self.sampler = sampler
         self.grad_accum_steps = grad_accum_steps

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
-import torch
-
+from toolkit.distributed import any_rank
 from toolkit.errors import UserError
 
 MARKER = "ftkit_checkpoint.json"
@@ -25,7 +25,9 @@ def is_complete(path: Path) -> bool:
 def latest_checkpoint(output_dir: Path) -> Path | None:
     """The newest complete checkpoint, or None."""
     root = checkpoint_dir(output_dir)
-    done = [p for p in root.glob("step-*") if p.name[5:].isdigit() and is_complete(p)] if root.is_dir() else []
+    done = (
+        [p for p in root.glob("step-*") if p.name[5:].isdigit() and is_complete(p)] if root.is_dir() else []
+    )
     return max(done, key=lambda p: int(p.name[5:]), default=None)
 
 
@@ -56,6 +58,24 @@ def _holds_a_run(output_dir: Path) -> bool:
     return output_dir.is_dir() and any(output_dir.iterdir())
 
 
+class SaveSchedule:
+    """Checkpoint every N steps and/or every M minutes (a rank's clock only proposes; ranks agree)."""
+
+    def __init__(self, every_steps: int, every_minutes: float, start_step: int):
+        self.every_steps = every_steps
+        self.every_seconds = every_minutes * 60
+        self.last = time.monotonic()
+        self.last_step = start_step
+
+    def due(self, step: int) -> bool:
+        by_step = bool(self.every_steps) and step % self.every_steps == 0
+        return by_step or bool(self.every_seconds) and time.monotonic() - self.last >= self.every_seconds
+
+    def saved(self, step: int) -> None:
+        self.last = time.monotonic()
+        self.last_step = step
+
+
 def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict) -> Path:
     """Collective: every rank calls this; returns the finished checkpoint directory.
 
@@ -77,9 +97,11 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict) -> Pa
 
 
 def prune_checkpoints(output_dir: Path, keep_last: int, keep_best: bool) -> list[Path]:
-    """Delete all but the `keep_last` newest complete checkpoints (and the best by eval loss); main process."""
-    done = sorted((p for p in checkpoint_dir(output_dir).glob("step-*") if is_complete(p)),
-                  key=lambda p: int(p.name[5:]))
+    """Delete all but the `keep_last` newest complete checkpoints (and the best by eval loss); main only."""
+    done = sorted(
+        (p for p in checkpoint_dir(output_dir).glob("step-*") if is_complete(p)),
+        key=lambda p: int(p.name[5:]),
+    )
     keep = set(done[-keep_last:]) if keep_last else set(done)
     scored = [(json.loads((p / MARKER).read_text()).get("eval_loss"), p) for p in done]
     scored = [(loss, p) for loss, p in scored if loss is not None]
@@ -107,14 +129,17 @@ def _finalize(tmp: Path, final: Path, marker: dict) -> None:
 
 
 def _agree_or_raise(accelerator, error: str, tmp: Path, final: Path, output_dir: Path) -> None:
-    failed = accelerator.reduce(torch.tensor(float(bool(error)), device=accelerator.device), reduction="sum")
-    if failed.item() == 0:
+    if not any_rank(accelerator, bool(error))[0]:
         accelerator.wait_for_everyone()
         return
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     previous = latest_checkpoint(output_dir)
-    still = f"{previous.name} is still the newest valid checkpoint" if previous else "no earlier checkpoint exists"
+    still = (
+        f"{previous.name} is still the newest valid checkpoint"
+        if previous
+        else "no earlier checkpoint exists"
+    )
     raise UserError(f"{final}: checkpoint not written: {error or 'failed on another rank'}; {still}")
 
 

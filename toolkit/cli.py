@@ -3,19 +3,61 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from toolkit.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ftkit", description="Fine-tuning toolkit on Hugging Face Accelerate.")
+    parser = argparse.ArgumentParser(
+        prog="ftkit", description="Fine-tuning toolkit on Hugging Face Accelerate."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="chat with a fine-tuned model, adapter or full")
     gen.add_argument("--model", required=True, help="final/ or merged model directory, or a PEFT adapter")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=64)
+
+    # plan: options left out take the defaults of toolkit.plan.PlanRequest (the one place they live).
+    plan = commands.add_parser(
+        "plan",
+        help="memory per GPU per backend, what to launch, what it costs",
+        argument_default=argparse.SUPPRESS,
+    )
+    plan.add_argument("--model", required=True, help="model dir, config.json, or hub id (built in or cached)")
+    plan.add_argument("--gpus", type=int, help="GPUs on the machine (default 1)")
+    plan.add_argument("--gpu-mem", type=float, help="GiB per GPU (default 24)")
+    plan.add_argument("--method", choices=("full", "lora", "qlora"), help="default lora")
+    plan.add_argument("--seq-len", type=int, help="tokens per example (default 2048)")
+    plan.add_argument("--micro-batch", type=int, help="examples per GPU per forward (default: most that fit)")
+    plan.add_argument("--global-batch", type=int, help="examples per optimizer step (default 32)")
+    plan.add_argument("--lora-r", type=int, help="LoRA rank (default 16)")
+    plan.add_argument("--lora-dropout", type=float, help="LoRA dropout (default 0)")
+    plan.add_argument("--grad-ckpt", choices=("auto", "on", "off"), help="checkpointing (default auto)")
+    plan.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), help="weights (default as recipes)")
+    plan.add_argument("--mixed-precision", choices=("bf16", "no"), help="autocast (default bf16)")
+    plan.add_argument("--cpu-mem", type=float, help="GiB of CPU RAM; setups needing more do not fit")
+    plan.add_argument("--tokens", type=float, help="tokens to train on, for time and cost")
+    plan.add_argument("--tokens-per-s", type=float, help="throughput of the whole machine")
+    plan.add_argument("--from-run", help="a run's output_dir on the same hardware: its measured tokens/s")
+    plan.add_argument("--price-per-gpu-hour", type=float)
+    plan.add_argument("--json", action="store_true", default=False, help="machine-readable output, in bytes")
+
+    doctor = commands.add_parser("doctor", help="check this machine: versions, GPUs, P2P, NCCL, RAM, disk")
+    doctor.add_argument("--output-dir", default="runs", help="where runs go (free disk is checked there)")
+    doctor.add_argument("--json", action="store_true")
+
+    check = commands.add_parser("check-config", help="check an accelerate YAML against a recipe config")
+    check.add_argument("accelerate_config", metavar="ACCEL_YAML", help="e.g. accelerate_configs/zero3.yaml")
+    check.add_argument("--config", help="recipe config YAML (default: the demo config)")
+    check.add_argument("--num-processes", type=int, help="as passed to accelerate launch --num_processes")
+
+    plot = commands.add_parser("plot", help="loss, learning rate and tokens/s of runs, overlaid in a PNG")
+    plot.add_argument("run_dirs", nargs="+", metavar="OUTPUT_DIR")
+    plot.add_argument("--out", help="PNG to write (default: metrics.png in the first OUTPUT_DIR)")
 
     args = parser.parse_args(argv)
     try:
@@ -30,6 +72,35 @@ def _run(args) -> int:
         from toolkit.generate import generate_cli
 
         print(generate_cli(args.model, args.prompt, args.max_new_tokens))
+        return 0
+    if args.command == "plan":
+        from toolkit import plan, plan_report
+
+        request, cost = plan.requests_from_options(vars(args))
+        result = plan.make_plan(request, cost)
+        report = plan_report.to_json(result) if args.json else None
+        print(json.dumps(report, indent=2) if args.json else plan_report.render_text(result))
+        return 0 if result.choice is not None else 1
+    if args.command == "doctor":
+        from toolkit import doctor
+
+        probes = doctor.gather_probes(Path(args.output_dir))
+        findings = doctor.diagnose(probes)
+        report = doctor.to_json(findings, probes) if args.json else None
+        print(json.dumps(report, indent=2) if args.json else doctor.render_text(findings, probes))
+        return doctor.exit_code(findings)
+    if args.command == "check-config":
+        import os
+
+        from toolkit.launch_check import check_config_cli
+
+        # A copy: what the check would set for NCCL only applies inside a launched process.
+        print(check_config_cli(args.accelerate_config, args.config, args.num_processes, dict(os.environ)))
+        return 0
+    if args.command == "plot":
+        from toolkit.plot import plot_runs
+
+        print(plot_runs([Path(d) for d in args.run_dirs], Path(args.out) if args.out else None))
         return 0
     raise AssertionError(args.command)
 

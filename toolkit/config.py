@@ -40,7 +40,7 @@ class LoraConfig:
     """Scaling numerator: the update is multiplied by alpha / r."""
     dropout: float = 0.0
     """Dropout on the LoRA input."""
-    target_modules: typing.Union[str, list[str]] = "all-linear"
+    target_modules: str | list[str] = "all-linear"
     """Module names to adapt, or "all-linear" for every linear layer but the output head."""
     use_dora: bool = False
     """Weight-decomposed LoRA (DoRA)."""
@@ -48,13 +48,13 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
-    train: typing.Union[str, list[str]] = "toolkit/assets/demo/train.jsonl"
+    train: str | list[str] = "toolkit/assets/demo/train.jsonl"
     """Training data: a file (jsonl/json/parquet/csv), a hub dataset id, or a list of them."""
-    weights: typing.Optional[list[float]] = None
+    weights: list[float] | None = None
     """Mixture weights, one per `train` entry (relative; default: each source used once)."""
     format: str = "auto"
     """Record layout: auto | messages | sharegpt | alpaca | text | prompt_completion."""
-    eval: typing.Optional[str] = None
+    eval: str | None = None
     """Held-out data file or hub id; when unset, `eval_fraction` of train is held out."""
     eval_fraction: float = 0.05
     """Share of the training data held out for eval when `eval` is unset (0 disables eval)."""
@@ -111,7 +111,7 @@ class TrainConfig:
     keep_best: bool = False
     """Also keep the checkpoint with the lowest eval loss when pruning."""
     nonfinite: str = "stop"
-    """On a NaN/inf loss or gradient norm: skip (drop the step, count it) | stop (after `nonfinite_patience`)."""
+    """On a NaN/inf loss or gradient norm: skip (drop the step, count it) | stop (see below)."""
     nonfinite_patience: int = 3
     """Non-finite steps in a row before `stop` ends the run (earlier ones are skipped)."""
     collective_timeout_minutes: float = 30.0
@@ -175,8 +175,15 @@ CHOICES = {
     "train.nonfinite": ("skip", "stop"),
     "export.dtype": ("auto", "float32", "bfloat16", "float16"),
 }
-POSITIVE = ("train.max_steps", "train.global_batch_size", "train.micro_batch_size", "train.learning_rate",
-            "data.max_length", "train.nonfinite_patience", "train.collective_timeout_minutes")
+POSITIVE = (
+    "train.max_steps",
+    "train.global_batch_size",
+    "train.micro_batch_size",
+    "train.learning_rate",
+    "data.max_length",
+    "train.nonfinite_patience",
+    "train.collective_timeout_minutes",
+)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RecipeConfig:
@@ -187,7 +194,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Re
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise UserError(f"{path}: not valid YAML ({exc.problem} at line {exc.problem_mark.line + 1})") from None
+        raise UserError(
+            f"{path}: not valid YAML ({exc.problem} at line {exc.problem_mark.line + 1})"
+        ) from None
     if not isinstance(raw, dict):
         raise UserError(f"{path}: the top level must be a mapping of keys")
     for item in overrides:
@@ -217,7 +226,11 @@ def validate(cfg: RecipeConfig) -> None:
         )
     sources = cfg.data.train if isinstance(cfg.data.train, list) else [cfg.data.train]
     if cfg.data.weights is not None and len(cfg.data.weights) != len(sources):
-        raise UserError(f"data.weights: {len(cfg.data.weights)} weights for {len(sources)} data.train sources")
+        raise UserError(
+            f"data.weights: {len(cfg.data.weights)} weights for {len(sources)} data.train sources"
+        )
+    if cfg.data.packing and cfg.data.group_by_length:
+        raise UserError("data.group_by_length has no effect with data.packing; set only one")
     if not 0 <= cfg.data.eval_fraction < 1:
         raise UserError(f"data.eval_fraction: must be in [0, 1), got {cfg.data.eval_fraction}")
 
@@ -253,7 +266,11 @@ def field_docs(cls=RecipeConfig, prefix: str = "") -> dict[str, str]:
     docs: dict[str, str] = {}
     body = ast.parse(inspect.getsource(cls)).body[0].body
     for stmt, nxt in zip(body, body[1:] + [None]):
-        if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
             docs[prefix + stmt.target.id] = nxt.value.value
     for f in dataclasses.fields(cls):
         sub = _dataclass_type(cls, f)

@@ -7,6 +7,7 @@ import math
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from toolkit.data import model_inputs
 from toolkit.loss import IGNORE, count_targets, summed_token_loss
 
 
@@ -42,11 +43,15 @@ def evaluate(model, loader: DataLoader, accelerator, max_batches: int = 0) -> di
     for i, batch in enumerate(loader):
         if max_batches and i >= max_batches:
             break
-        logits = model(input_ids=batch["input_ids"].to(accelerator.device),
-                       attention_mask=batch["attention_mask"].to(accelerator.device)).logits
-        labels = batch["labels"].to(accelerator.device)
-        totals += torch.stack([summed_token_loss(logits, labels).double(),
-                               torch.tensor(float(count_targets(labels)), dtype=torch.float64, device=totals.device)])
+        batch = {key: value.to(accelerator.device) for key, value in batch.items()}
+        logits = model(**model_inputs(batch)).logits
+        labels = batch["labels"]
+        totals += torch.stack(
+            [
+                summed_token_loss(logits, labels).double(),
+                torch.tensor(float(count_targets(labels)), dtype=torch.float64, device=totals.device),
+            ]
+        )
     model.train()
     loss_sum, tokens = accelerator.reduce(totals, reduction="sum").tolist()
     loss = loss_sum / max(tokens, 1)
@@ -68,10 +73,16 @@ def greedy_answer(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, 
     """Collective when `synced`: every rank must call it with the same prompt (sharded weights)."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids], device=device)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, synced_gpus=synced)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        synced_gpus=synced,
+    )
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 
 def exact_match(model, tokenizer, dataset, samples: int, max_new_tokens: int, synced: bool) -> float:
@@ -87,6 +98,7 @@ def exact_match(model, tokenizer, dataset, samples: int, max_new_tokens: int, sy
 
 def chat_prompt_ids(tokenizer, text: str) -> list[int]:
     """Token ids of a one-turn user prompt ready for the assistant's answer."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]

@@ -17,11 +17,13 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def export_model(accelerator, model, tokenizer, out_dir: Path, dtype: str) -> None:
-    """Collective: gathers the full state dict (sharded backends included) and writes it on the main process."""
+    """Collective: gathers the full state dict (sharded backends included) and writes it on the main rank."""
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         if dtype != "auto":
-            state_dict = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in state_dict.items()}
+            state_dict = {
+                k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in state_dict.items()
+            }
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         accelerator.unwrap_model(model).save_pretrained(str(tmp), state_dict=state_dict)
@@ -49,8 +51,10 @@ def verify_export(path: Path) -> int:
     missing = set(expected) - set(saved) - tied
     wrong = {k for k in set(saved) & set(expected) if tuple(saved[k]) != tuple(expected[k])}
     if missing or wrong or set(saved) - set(expected):
-        raise RuntimeError(f"{path}: written tensors do not match the model: missing {sorted(missing)[:3]}, "
-                           f"wrong shape {sorted(wrong)[:3]}, unexpected {sorted(set(saved) - set(expected))[:3]}")
+        raise RuntimeError(
+            f"{path}: written tensors do not match the model: missing {sorted(missing)[:3]}, "
+            f"wrong shape {sorted(wrong)[:3]}, unexpected {sorted(set(saved) - set(expected))[:3]}"
+        )
     return len(saved)
 
 
@@ -70,7 +74,7 @@ def _saved_shapes(path: Path) -> dict[str, list[int]]:
     shapes = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 shapes[name] = handle.get_slice(name).get_shape()
     return shapes
 

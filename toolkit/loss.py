@@ -18,8 +18,9 @@ def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """Sum (not mean) of next-token cross-entropy over label tokens, computed in float32."""
     logits = logits[:, :-1].float()
     targets = labels[:, 1:]
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
-                           reduction="sum")
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )
 
 
 def backward_scale(step_targets: int, grad_accum_steps: int, world_size: int) -> float:

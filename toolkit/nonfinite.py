@@ -4,31 +4,43 @@ from __future__ import annotations
 
 import math
 
-from toolkit.errors import UserError
-
 
 class NonFiniteGuard:
-    """Skips non-finite steps; raises once `patience` of them come in a row (never, with `policy="skip"`)."""
+    """Decides per step whether to apply the update. After `patience` non-finite steps in a row with
+    `policy="stop"`, `failure` says why the run must end; `skip` never ends it.
 
-    def __init__(self, policy: str, patience: int):
+    Where the backend has applied the update before the loss is known (DeepSpeed steps inside
+    backward), nothing can be skipped: the first non-finite step is a failure and the weights are
+    no longer worth saving.
+    """
+
+    def __init__(self, policy: str, patience: int, can_skip: bool = True):
         self.policy = policy
-        self.patience = patience
+        self.patience = patience if can_skip else 1
+        self.can_skip = can_skip
         self.in_a_row = 0
         self.skipped = 0
+        self.failure = ""
 
-    def should_skip(self, step: int, loss: float, grad_norm: float) -> bool:
+    def allows_update(self, step: int, loss: float, grad_norm: float) -> bool:
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.in_a_row = 0
-            return False
+            return True
         self.in_a_row += 1
         self.skipped += 1
-        if self.policy == "stop" and self.in_a_row >= self.patience:
-            raise NonFiniteStop(
-                f"step {step}: loss {loss}, grad_norm {grad_norm} — {self.in_a_row} non-finite step(s) in a row; "
-                "lower train.learning_rate, check the data, or set train.nonfinite=skip"
+        if (self.policy == "stop" or not self.can_skip) and self.in_a_row >= self.patience:
+            self.failure = (
+                f"step {step}: loss {loss}, grad_norm {grad_norm}: {self.in_a_row} non-finite in a row; "
+                "lower train.learning_rate or check the data"
+                + (
+                    ""
+                    if self.can_skip
+                    else " (this backend updates inside backward, so no step can be skipped)"
+                )
             )
-        return True
+        return False
 
-
-class NonFiniteStop(UserError):
-    """Training diverged; the last checkpoint is still valid."""
+    @property
+    def weights_intact(self) -> bool:
+        """False once a non-finite update reached the weights."""
+        return self.can_skip

@@ -6,14 +6,12 @@ from __future__ import annotations
 import os
 import signal
 
-import torch
-
 # EX_TEMPFAIL: "try again later" — a scheduler can requeue the job and `train.resume=auto` continues it.
 PREEMPTED_EXIT_CODE = 75
 
 
 class StopRequest:
-    """Installs the handlers; `agreed()` is collective so every rank stops after the same step."""
+    """Installs the handlers; the recipe agrees on `requested` across ranks so all stop after one step."""
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
         self.signal_name = ""
@@ -25,7 +23,6 @@ class StopRequest:
             os._exit(128 + signum)
         self.signal_name = signal.Signals(signum).name
 
-    def agreed(self, accelerator) -> bool:
-        """True on every rank as soon as any rank was signalled."""
-        flag = torch.tensor(float(bool(self.signal_name)), device=accelerator.device)
-        return accelerator.reduce(flag, reduction="sum").item() > 0
+    @property
+    def requested(self) -> bool:
+        return bool(self.signal_name)

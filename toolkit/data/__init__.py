@@ -3,7 +3,7 @@ held out and mixed deterministically, optionally packed, and batched with paddin
 
 from toolkit.data.build import DataStats, build_datasets
 from toolkit.data.chat import ensure_chat_template
-from toolkit.data.collate import Collator, PackedCollator, build_dataloader, count_tokens, model_inputs
+from toolkit.data.collate import Collator, PackedCollator, count_tokens, model_inputs
 from toolkit.data.packing import LengthGroupedSampler, row_lengths
 
 __all__ = [
@@ -11,7 +11,6 @@ __all__ = [
     "DataStats",
     "LengthGroupedSampler",
     "PackedCollator",
-    "build_dataloader",
     "build_datasets",
     "count_tokens",
     "ensure_chat_template",

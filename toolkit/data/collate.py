@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from torch.utils.data import DataLoader
 
 from toolkit.loss import IGNORE
 
@@ -90,18 +89,3 @@ def model_inputs(batch: dict) -> dict:
 def count_tokens(batch: dict) -> int:
     """Real (not padding) tokens in a batch of either collator."""
     return int(batch["token_mask" if "token_mask" in batch else "attention_mask"].sum())
-
-
-def build_dataloader(
-    dataset, batch_size: int, tokenizer_pad_id: int, shuffle: bool, seed: int, num_workers: int = 0
-) -> DataLoader:
-    """Batches of `dataset`; when shuffling, the order comes from a generator seeded with `seed` alone."""
-    generator = torch.Generator().manual_seed(seed) if shuffle else None
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        generator=generator,
-        collate_fn=Collator(tokenizer_pad_id),
-        num_workers=num_workers,
-    )

@@ -1,0 +1,541 @@
+"""Launch detection, the launch checker, and every backend's math against one process (gloo CPU processes)."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from accelerate.commands.config import load_config_from_file
+from accelerate.utils import DistributedType
+
+from toolkit import distributed, launch_check
+from toolkit.cli import main as cli
+from toolkit.config import RecipeConfig, TrainConfig
+from toolkit.distributed import Launch
+from toolkit.errors import UserError
+from toolkit.launch_check import Machine
+
+REPO = Path(__file__).resolve().parent.parent
+ACCEL_CONFIGS = sorted((REPO / "accelerate_configs").rglob("*.yaml"))
+DS_CONFIGS = sorted((REPO / "ds_configs").rglob("*.json"))
+RECIPE = "recipe.yaml"
+CPU = Machine()
+TWO_A100 = Machine(gpu_count=2, gpu_names=("NVIDIA A100-SXM4-80GB",) * 2)
+# Each shipped accelerate config: the backend it starts, and its ZeRO stage or FSDP version.
+SHIPPED = {
+    "single": ("single", 0),
+    "ddp": ("ddp", 0),
+    "fsdp": ("fsdp", 2),
+    "zero1": ("deepspeed", 1),
+    "zero2": ("deepspeed", 2),
+    "zero3": ("deepspeed", 3),
+    "zero3_offload": ("deepspeed", 3),
+    "multinode_ddp": ("ddp", 0),
+    "multinode_zero3": ("deepspeed", 3),
+}
+DS_RECIPE_KEYS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+)
+
+
+def recipe(**train) -> RecipeConfig:
+    """A recipe config every shipped launch divides evenly: 16 = 2 x GA x (1, 2 or 4 processes)."""
+    return RecipeConfig(train=TrainConfig(**{"global_batch_size": 16, "micro_batch_size": 2, **train}))
+
+
+def write_yaml(tmp_path: Path, content: dict, name: str = "accel.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(content))
+    return path
+
+
+def ds_yaml(tmp_path: Path, ds_json: dict, **extra) -> Path:
+    json_path = tmp_path / "ds.json"
+    json_path.write_text(json.dumps(ds_json))
+    section = {"deepspeed_config_file": str(json_path), **extra.pop("deepspeed_config", {})}
+    return write_yaml(
+        tmp_path, {"distributed_type": "DEEPSPEED", "num_processes": 2, "deepspeed_config": section, **extra}
+    )
+
+
+def check(path: Path, cfg: RecipeConfig | None = None, machine: Machine = CPU, env: dict | None = None):
+    launch = launch_check.launch_from_yaml(path, machine.gpu_count)
+    return launch_check.check_launch(launch, cfg or recipe(), RECIPE, machine, {} if env is None else env)
+
+
+# --- the shipped configs -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ACCEL_CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "machine", [CPU, Machine(gpu_count=4, gpu_names=("NVIDIA H100",) * 4)], ids=["cpu", "gpu"]
+)
+def test_shipped_accelerate_configs_load_and_pass_the_checker(path, machine, monkeypatch):
+    monkeypatch.chdir(REPO)  # deepspeed_config_file is relative to where accelerate launch runs
+    assert load_config_from_file(str(path)).mixed_precision is None, "precision belongs to the recipe config"
+    raw = yaml.safe_load(path.read_text())
+    launch = launch_check.launch_from_yaml(path.relative_to(REPO), machine.gpu_count)
+    assert (launch.backend, launch.zero_stage or launch.fsdp_version) == SHIPPED[path.stem]
+    assert launch.world_size == raw.get("num_processes", 1) and launch.on_cpu == (machine.gpu_count == 0)
+    assert launch_check.check_launch(launch, recipe(), RECIPE, machine, {}) == []
+    if launch.backend == "deepspeed":
+        assert (REPO / launch.ds_config_file).is_file()
+
+
+@pytest.mark.parametrize("path", DS_CONFIGS, ids=lambda p: p.name)
+def test_shipped_deepspeed_configs_leave_every_recipe_field_to_the_recipe(path):
+    config = json.loads(path.read_text())
+    for key in DS_RECIPE_KEYS:
+        assert config[key] == "auto", key
+    assert config["fp16"]["enabled"] == config["bf16"]["enabled"] == "auto"
+    assert "optimizer" not in config and "scheduler" not in config
+    zero = config["zero_optimization"]
+    assert zero["stage"] == int(path.stem[4])
+    if zero["stage"] == 3:
+        assert zero["stage3_gather_16bit_weights_on_model_save"] is True
+    offloaded = {zero.get(k, {}).get("device") for k in ("offload_optimizer", "offload_param")}
+    assert offloaded == ({"cpu"} if "offload" in path.stem else {None})
+
+
+def test_every_shipped_deepspeed_config_is_used_by_a_yaml():
+    used = {
+        yaml.safe_load(p.read_text()).get("deepspeed_config", {}).get("deepspeed_config_file")
+        for p in ACCEL_CONFIGS
+    }
+    assert {str(p.relative_to(REPO)) for p in DS_CONFIGS} <= used
+
+
+# --- reading the launch from the environment -----------------------------------------------------------
+
+
+def torchrun_env(world: int = 2, **extra) -> dict:
+    return {
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "ACCELERATE_MIXED_PRECISION": "no",
+        **extra,
+    }
+
+
+def test_detect_launch_reads_what_accelerate_launch_sets():
+    assert distributed.detect_launch({}, gpu_count=0) == Launch("single", 1, 1, on_cpu=True)
+    ddp = distributed.detect_launch(torchrun_env(4, LOCAL_WORLD_SIZE="2"), gpu_count=2)
+    assert (ddp.backend, ddp.world_size, ddp.procs_per_node, ddp.on_cpu) == ("ddp", 4, 2, False)
+    fsdp = distributed.detect_launch(torchrun_env(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2"), gpu_count=0)
+    assert (fsdp.backend, fsdp.fsdp_version) == ("fsdp", 2)
+    native = distributed.detect_launch(
+        torchrun_env(
+            ACCELERATE_USE_DEEPSPEED="true",
+            ACCELERATE_DEEPSPEED_ZERO_STAGE="3",
+            ACCELERATE_GRADIENT_ACCUMULATION_STEPS="4",
+        ),
+        gpu_count=0,
+    )
+    assert (native.backend, native.zero_stage) == ("deepspeed", 3)
+    assert native.ds_settings == {"zero_stage": "3", "gradient_accumulation_steps": "4"}
+
+
+def test_detect_launch_reads_the_deepspeed_json(monkeypatch):
+    monkeypatch.chdir(REPO)
+    env = torchrun_env(
+        ACCELERATE_USE_DEEPSPEED="true",
+        ACCELERATE_DEEPSPEED_CONFIG_FILE="ds_configs/zero3.json",
+        ACCELERATE_CONFIG_DS_FIELDS="deepspeed_config_file,zero3_init_flag",
+    )
+    launch = distributed.detect_launch(env, gpu_count=0)
+    assert (launch.zero_stage, launch.ds_settings, launch.launcher_precision) == (3, {}, "")
+    env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = "ds_configs/nope.json"
+    with pytest.raises(UserError, match="DeepSpeed config ds_configs/nope.json .* not found"):
+        distributed.detect_launch(env, gpu_count=0)
+
+
+def test_detect_launch_sees_precision_given_to_the_launcher():
+    assert (
+        distributed.detect_launch(torchrun_env(ACCELERATE_MIXED_PRECISION="bf16")).launcher_precision
+        == "bf16"
+    )
+    refused = torchrun_env(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_CONFIG_DS_FIELDS="mixed_precision")
+    assert distributed.detect_launch(refused, gpu_count=0).launcher_precision == "no"
+    with pytest.raises(UserError, match="Megatron-LM"):
+        distributed.detect_launch({"ACCELERATE_USE_MEGATRON_LM": "true"})
+
+
+# --- what the Accelerator is given, and what is accepted afterwards --------------------------------------
+
+
+def test_accelerator_kwargs_run_gpu_backends_on_gloo_without_a_gpu(monkeypatch):
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # the FSDP plugin writes it; restored after
+    train = TrainConfig(mixed_precision="bf16")
+    ddp = distributed.accelerator_kwargs(Launch("ddp", 2, 2, on_cpu=True), train, grad_accum_steps=4)
+    assert ddp["cpu"] is True and ddp["mixed_precision"] == "bf16"
+    plugin = ddp["gradient_accumulation_plugin"]
+    assert (plugin.num_steps, plugin.sync_with_dataloader) == (4, False)
+    assert "cpu" not in distributed.accelerator_kwargs(Launch("ddp", 2, 2, on_cpu=False), train, 4)
+    fsdp = distributed.accelerator_kwargs(Launch("fsdp", 2, 2, on_cpu=True, fsdp_version=2), train, 4)
+    assert fsdp["cpu"] is True and fsdp["fsdp_plugin"].sync_module_states is not True
+    with pytest.raises(UserError, match="FSDP1, which torch runs on GPUs only"):
+        distributed.accelerator_kwargs(Launch("fsdp", 2, 2, on_cpu=True, fsdp_version=1), train, 4)
+
+
+@pytest.mark.parametrize("json_file", ["ds_configs/zero2.json", "ds_configs/zero3_offload.json", ""])
+def test_deepspeed_auto_fields_come_from_the_recipe(json_file, monkeypatch):
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", json_file or "none")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "1.0")  # a native YAML's value loses to the recipe's
+    if json_file:  # beside a JSON, accelerate refuses native settings (the checker says so first)
+        monkeypatch.delenv("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+        monkeypatch.delenv("ACCELERATE_GRADIENT_CLIPPING")
+    train = TrainConfig(global_batch_size=16, micro_batch_size=2, max_grad_norm=0.3)
+    kwargs = distributed.accelerator_kwargs(Launch("deepspeed", 2, 2, on_cpu=True), train, grad_accum_steps=4)
+    config = kwargs["deepspeed_plugin"].deepspeed_config
+    assert [config[k] for k in DS_RECIPE_KEYS] == [16, 2, 4, 0.3]
+    assert config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    assert kwargs["kwargs_handlers"][0].backend == "gloo"
+
+
+def stub_accelerator(num_processes: int, distributed_type: DistributedType):
+    return SimpleNamespace(num_processes=num_processes, distributed_type=distributed_type)
+
+
+def test_verify_refuses_processes_that_train_alone():
+    launch = Launch("ddp", 2, 2, on_cpu=True)
+    with pytest.raises(
+        UserError, match="2 processes were launched .* joined 1 \\(NO\\): each process would train"
+    ):
+        distributed.verify(stub_accelerator(1, DistributedType.NO), launch)
+    with pytest.raises(UserError, match="asked for fsdp but accelerate set up MULTI_CPU"):
+        distributed.verify(stub_accelerator(2, DistributedType.MULTI_CPU), Launch("fsdp", 2, 2, on_cpu=True))
+    distributed.verify(stub_accelerator(2, DistributedType.MULTI_CPU), launch)
+    distributed.verify(stub_accelerator(2, DistributedType.MULTI_GPU), launch)
+    distributed.verify(stub_accelerator(1, DistributedType.NO), Launch("single", 1, 1, on_cpu=False))
+
+
+# --- the launch checker ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ds_json", "cfg", "message"),
+    [
+        (
+            {"train_batch_size": 32},
+            recipe(),
+            "train_batch_size 32 in {json} != 16 (train.global_batch_size in recipe.yaml)",
+        ),
+        ({"train_micro_batch_size_per_gpu": 4}, recipe(), "train_micro_batch_size_per_gpu 4 in {json} != 2 "),
+        (
+            {"gradient_accumulation_steps": 8},
+            recipe(),
+            "gradient_accumulation_steps 8 in {json} != 4 "
+            "(train.global_batch_size / (train.micro_batch_size x 2",
+        ),
+        ({"gradient_clipping": 1.0}, recipe(max_grad_norm=0.5), "gradient_clipping 1.0 in {json} != 0.5 "),
+        (
+            {"bf16": {"enabled": True}},
+            recipe(),
+            "bf16.enabled true in {json} != false (train.mixed_precision no",
+        ),
+        (
+            {"fp16": {"enabled": False}},
+            recipe(mixed_precision="fp16"),
+            "fp16.enabled false in {json} != true ",
+        ),
+        ({"optimizer": {"type": "AdamW"}}, recipe(), "{json}: remove the optimizer block"),
+        (
+            {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+            recipe(),
+            "parameter offload is ignored below ZeRO-3",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}},
+            recipe(),
+            "set zero_optimization.stage3_gather_16bit_weights_on_model_save to true",
+        ),
+    ],
+)
+def test_deepspeed_json_disagreeing_with_the_recipe_is_refused(tmp_path, ds_json, cfg, message):
+    ds_json = {"zero_optimization": {"stage": 2}, **ds_json}
+    path = ds_yaml(tmp_path, ds_json)
+    with pytest.raises(UserError, match=re.escape(message.format(json=tmp_path / "ds.json"))):
+        check(path, cfg, TWO_A100)
+
+
+def test_deepspeed_json_with_matching_concrete_values_is_accepted(tmp_path):
+    ds_json = {
+        "train_batch_size": 16,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 4,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3},
+    }
+    assert check(ds_yaml(tmp_path, ds_json), recipe(mixed_precision="bf16"), TWO_A100) == []
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (
+            {
+                "distributed_type": "DEEPSPEED",
+                "num_processes": 2,
+                "deepspeed_config": {"deepspeed_config_file": "missing.json"},
+            },
+            "DeepSpeed config missing.json \\(deepspeed_config_file in .*accel.yaml\\) not found",
+        ),
+        (
+            {
+                "distributed_type": "MULTI_GPU",
+                "num_processes": 2,
+                "deepspeed_config": {"offload_optimizer_device": "cpu"},
+            },
+            "offload_optimizer_device in deepspeed_config is ignored by ddp",
+        ),
+        (
+            {
+                "distributed_type": "DEEPSPEED",
+                "num_processes": 2,
+                "fsdp_config": {"fsdp_offload_params": True},
+            },
+            "fsdp_offload_params in fsdp_config is ignored by deepspeed",
+        ),
+        ({"distributed_type": False}, "must be quoted as 'NO'"),
+        ({"distributed_type": "MULTI_CPU", "num_processes": 2}, "MULTI_CPU is not supported"),
+        ({"distributed_type": "MULTI_GPU"}, "num_processes is missing"),
+        (
+            {"distributed_type": "MULTI_GPU", "num_processes": 2, "mixed_precision": "bf16"},
+            "mixed_precision bf16 in .*accel.yaml != no \\(train.mixed_precision in recipe.yaml\\)",
+        ),
+        (
+            {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_version": 1}},
+            "FSDP1, which torch runs on GPUs only",
+        ),
+        (
+            {
+                "distributed_type": "DEEPSPEED",
+                "num_processes": 2,
+                "deepspeed_config": {"zero_stage": 2, "gradient_accumulation_steps": 1},
+            },
+            "gradient_accumulation_steps 1 in .*accel.yaml != 4",
+        ),
+    ],
+)
+def test_bad_accelerate_yaml_is_refused(tmp_path, content, message):
+    with pytest.raises(UserError, match=message):
+        check(write_yaml(tmp_path, content))
+
+
+def test_accelerate_native_deepspeed_and_fsdp1_yaml_work_on_gpus(tmp_path):
+    native = {
+        "distributed_type": "DEEPSPEED",
+        "num_processes": 2,
+        "deepspeed_config": {
+            "zero_stage": 3,
+            "offload_param_device": "cpu",
+            "gradient_accumulation_steps": 4,
+            "gradient_clipping": 1.0,
+            "zero3_init_flag": True,
+        },
+    }
+    launch = launch_check.launch_from_yaml(write_yaml(tmp_path, native), gpu_count=2)
+    assert (launch.zero_stage, distributed.backend_name(launch)) == (3, "deepspeed ZeRO-3 + offload")
+    assert launch_check.check_launch(launch, recipe(), RECIPE, TWO_A100, {}) == []
+    fsdp1 = {
+        "distributed_type": "FSDP",
+        "num_processes": 2,
+        "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD"},
+    }
+    assert check(write_yaml(tmp_path, fsdp1), machine=TWO_A100) == []
+
+
+def test_native_settings_beside_a_json_and_precision_beside_a_json_are_refused(tmp_path):
+    with pytest.raises(UserError, match="zero_stage beside deepspeed_config_file are refused by accelerate"):
+        check(ds_yaml(tmp_path, {"zero_optimization": {"stage": 2}}, deepspeed_config={"zero_stage": 2}))
+    with pytest.raises(UserError, match="accelerate refuses it beside deepspeed_config_file"):
+        check(ds_yaml(tmp_path, {"zero_optimization": {"stage": 2}}, mixed_precision="no"))
+
+
+def test_deepspeed_not_installed_is_refused(monkeypatch):
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(distributed, "deepspeed_installed", lambda: False)
+    with pytest.raises(
+        UserError, match="asks for DeepSpeed, which is not installed: pip install 'ftkit\\[deepspeed\\]'"
+    ):
+        check(REPO / "accelerate_configs/zero2.yaml")
+
+
+def test_gpu_probes(tmp_path):
+    ddp = REPO / "accelerate_configs/ddp.yaml"
+    with pytest.raises(UserError, match="starts 2 processes per machine but 1 GPU\\(s\\) are visible"):
+        check(ddp, machine=Machine(gpu_count=1, gpu_names=("NVIDIA A100",)))
+    v100 = Machine(gpu_count=2, gpu_names=("Tesla V100-SXM2-32GB",) * 2, bf16=False)
+    with pytest.raises(UserError, match="bf16 in recipe.yaml: Tesla V100-SXM2-32GB has no bf16, use fp16"):
+        check(ddp, recipe(mixed_precision="bf16"), v100)
+    assert check(ddp, recipe(mixed_precision="fp16"), v100) == []
+
+
+@pytest.mark.parametrize("config", ["zero3.yaml", "zero3_offload.yaml", "multinode_zero3.yaml"])
+def test_qlora_is_refused_where_its_weights_would_be_sharded(config, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg = recipe()
+    cfg.model.method = "qlora"
+    with pytest.raises(
+        UserError, match="model.method qlora .* use accelerate_configs/ddp.yaml or zero2.yaml"
+    ):
+        check(Path("accelerate_configs") / config, cfg, Machine(gpu_count=4, gpu_names=("NVIDIA A100",) * 4))
+    fsdp1 = write_yaml(tmp_path, {"distributed_type": "FSDP", "num_processes": 2})
+    with pytest.raises(UserError, match="cannot be sharded by fsdp1"):
+        check(fsdp1, cfg, TWO_A100)
+    assert check(REPO / "accelerate_configs/zero2.yaml", cfg, TWO_A100) == []
+
+
+def test_rtx_40xx_without_p2p_gets_nccl_p2p_and_ib_disabled_once():
+    rtx = Machine(gpu_count=2, gpu_names=("NVIDIA GeForce RTX 4090",) * 2, p2p=False)
+    env: dict = {}
+    notes = check(REPO / "accelerate_configs/ddp.yaml", machine=rtx, env=env)
+    assert env == {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+    assert len(notes) == 1 and "NCCL_P2P_DISABLE=1 and NCCL_IB_DISABLE=1" in notes[0]
+    assert check(REPO / "accelerate_configs/ddp.yaml", machine=rtx, env=env) == []
+    with_p2p = Machine(gpu_count=2, gpu_names=rtx.gpu_names, p2p=True)
+    assert check(REPO / "accelerate_configs/ddp.yaml", machine=with_p2p, env={}) == []
+
+
+def test_check_config_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    assert cli(["check-config", "accelerate_configs/zero3.yaml"]) == 0
+    assert "accelerate_configs/zero3.yaml: ok: deepspeed ZeRO-3 on 2 process(es)" in capsys.readouterr().out
+    recipe_yaml = tmp_path / "recipe.yaml"
+    recipe_yaml.write_text("train:\n  global_batch_size: 8\n  micro_batch_size: 2\n")
+    path = ds_yaml(tmp_path, {"train_batch_size": 32, "zero_optimization": {"stage": 2}})
+    assert cli(["check-config", str(path), "--config", str(recipe_yaml)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"ftkit check-config: error: train_batch_size 32 in {tmp_path / 'ds.json'} != 8 "
+        f"(train.global_batch_size in {recipe_yaml})"
+    )
+
+
+# --- every backend, launched: same losses, gradient norms and weights as one process ---------------------
+
+SCRIPT = REPO / "tests" / "scripts" / "train_tiny.py"
+# Backend -> the accelerate distributed type it must run as here (no GPU).
+BACKENDS = {
+    "ddp": "MULTI_CPU",
+    "fsdp": "FSDP",
+    "zero1": "DEEPSPEED",
+    "zero2": "DEEPSPEED",
+    "zero3": "DEEPSPEED",
+    "zero3_offload": "DEEPSPEED",
+    "native_zero2": "DEEPSPEED",
+}
+# As `accelerate config` writes a DeepSpeed setup: no JSON.
+NATIVE_ZERO2 = {
+    "distributed_type": "DEEPSPEED",
+    "num_processes": 2,
+    "deepspeed_config": {"zero_stage": 2, "offload_optimizer_device": "none", "zero3_init_flag": False},
+}
+
+
+def free_port() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+def launch_tiny(
+    config: Path, out: Path, *launcher_args: str, script_args: tuple = (), machines: int = 1
+) -> dict:
+    """Run tests/scripts/train_tiny.py with `accelerate launch` from the repo root, once per machine."""
+    head = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), *launcher_args]
+    tail = [str(SCRIPT), "--out", str(out), *script_args]
+    ranks = [["--machine_rank", str(r), "--main_process_ip", "127.0.0.1"] for r in range(machines)]
+    if machines == 1:
+        ranks = [[]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    procs = [
+        subprocess.Popen(
+            [*head, *rank, *tail],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in ranks
+    ]
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{config.name} failed:\n{stdout[-2000:]}\n{stderr[-6000:]}"
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    result = launch_tiny(REPO / "accelerate_configs/single.yaml", out)
+    assert result["distributed_type"] == "NO" and result["world_size"] == 1
+    return result, torch.load(out / "model.pt")
+
+
+def assert_close(got, expected, what: str) -> None:
+    got, expected = torch.as_tensor(got), torch.as_tensor(expected)
+    scale = expected.abs().max().clamp_min(1e-12)
+    assert ((got - expected).abs().max() / scale).item() < 1e-4, what
+
+
+def assert_same_math(result: dict, out: Path, reference, world: int, per_node: int, ga: int) -> None:
+    """Same global batch, clipping and steps as one process: same losses, gradient norms and final weights."""
+    line = f"| world {world} | {per_node} per node | device cpu | precision no | "
+    assert line + f"global batch 8 = micro 2 x GA {ga} x world {world}" in result["describe"]
+    if result["distributed_type"] == "DEEPSPEED":
+        assert [result["deepspeed"][k] for k in DS_RECIPE_KEYS] == [8, 2, ga, 0.3]
+    ref, ref_weights = reference
+    assert len(result["losses"]) == len(ref["losses"]) == 2
+    assert_close(result["losses"], ref["losses"], "losses")
+    assert_close(result["grad_norms"], ref["grad_norms"], "gradient norms")
+    weights = torch.load(out / "model.pt")
+    assert weights.keys() == ref_weights.keys()
+    for name, tensor in ref_weights.items():
+        assert_close(weights[name], tensor, name)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_every_backend_matches_one_process(backend, reference, tmp_path):
+    config = REPO / "accelerate_configs" / f"{backend}.yaml"
+    if backend == "native_zero2":
+        config = write_yaml(tmp_path, NATIVE_ZERO2)
+    result = launch_tiny(config, tmp_path / "out", "--num_processes", "2", "--main_process_port", free_port())
+    assert (result["distributed_type"], result["world_size"]) == (BACKENDS[backend], 2)
+    assert_same_math(result, tmp_path / "out", reference, world=2, per_node=2, ga=2)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("config", "distributed_type"), [("multinode_ddp", "MULTI_CPU"), ("multinode_zero3", "DEEPSPEED")]
+)
+def test_multinode_configs_match_one_process(config, distributed_type, reference, tmp_path):
+    """Two "machines" on localhost, 2 processes each, started as the YAML's comments tell a user to."""
+    path = REPO / "accelerate_configs" / f"{config}.yaml"
+    result = launch_tiny(path, tmp_path / "out", "--main_process_port", free_port(), machines=2)
+    assert (result["distributed_type"], result["world_size"]) == (distributed_type, 4)
+    assert_same_math(result, tmp_path / "out", reference, world=4, per_node=2, ga=1)
+
+
+@pytest.mark.multiproc
+def test_stock_accelerate_on_cpu_is_caught_by_verify(tmp_path):
+    args = ("--num_processes", "2", "--main_process_port", free_port())
+    result = launch_tiny(REPO / "accelerate_configs/ddp.yaml", tmp_path, *args, script_args=("--stock",))
+    assert "2 processes were launched (ddp, WORLD_SIZE) but accelerate joined 1 (NO)" in result["error"]

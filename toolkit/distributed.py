@@ -1,0 +1,301 @@
+"""The distributed backend a launch asked for, and making accelerate deliver exactly that, GPU or not.
+
+The recipe creates the Accelerator; this module supplies its arguments and checks the result:
+
+    launch = distributed.detect_launch()
+    notes = launch_check.check_launch(launch, cfg, config_path, launch_check.probe_machine(), os.environ)
+    ga = batches.grad_accum_steps(cfg.train, launch.world_size)
+    accelerator = Accelerator(**distributed.accelerator_kwargs(launch, cfg.train, ga), ...)
+    distributed.finish_setup(accelerator, launch)
+    log(distributed.describe(accelerator, launch, cfg.train, ga)), then each of `notes`
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs
+
+from toolkit.config import TrainConfig
+from toolkit.errors import UserError
+
+# Accelerate-native DeepSpeed settings: env variable `accelerate launch` sets -> the YAML key it came from.
+DS_SETTINGS_ENV = {
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE": "zero_stage",
+    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "gradient_accumulation_steps",
+    "ACCELERATE_GRADIENT_CLIPPING": "gradient_clipping",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "offload_optimizer_device",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "offload_param_device",
+    "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "zero3_save_16bit_model",
+}
+ENV_SOURCE = "the accelerate launch environment"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher asked for, read from the environment `accelerate launch` sets or from its YAML."""
+
+    backend: str
+    """single | ddp | fsdp | deepspeed."""
+    world_size: int
+    """Processes on all machines together."""
+    procs_per_node: int
+    """Processes on this machine."""
+    on_cpu: bool
+    """No GPU here: the backend runs on gloo CPU processes (a dry run of the same command)."""
+    source: str = ENV_SOURCE
+    """Where the request came from, for messages (an accelerate YAML, or the launch environment)."""
+    fsdp_version: int = 0
+    """1 or 2 with FSDP, else 0."""
+    zero_stage: int = 0
+    """ZeRO stage with DeepSpeed, else 0."""
+    ds_config_file: str = ""
+    """DeepSpeed JSON the YAML points to ("" for accelerate-native DeepSpeed settings)."""
+    ds_config: dict = field(default_factory=dict)
+    """That JSON's content."""
+    ds_settings: dict = field(default_factory=dict)
+    """Accelerate-native DeepSpeed settings given to the launcher (YAML deepspeed_config keys), as strings."""
+    launcher_precision: str = ""
+    """mixed_precision given to the launcher; "" when unset (a launched process cannot tell unset from no)."""
+
+
+def detect_launch(env: Mapping[str, str] | None = None, gpu_count: int | None = None) -> Launch:
+    """Read what `accelerate launch` asked for from its environment (a plain `python` run is `single`)."""
+    env = os.environ if env is None else env
+    gpu_count = count_gpus() if gpu_count is None else gpu_count
+    if _flag(env, "ACCELERATE_USE_MEGATRON_LM"):
+        raise UserError(
+            "Megatron-LM launches are not supported: use ddp, fsdp or a zero*.yaml accelerate config"
+        )
+    world = int(env.get("WORLD_SIZE", "1"))
+    precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    # The launcher passes "no" when nothing was given; DeepSpeed launches also list the YAML keys passed on.
+    explicit = precision != "no" or "mixed_precision" in env.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")
+    common = dict(
+        world_size=world,
+        procs_per_node=int(env.get("LOCAL_WORLD_SIZE", str(world))),
+        on_cpu=gpu_count == 0,
+        launcher_precision=precision if explicit else "",
+        source=ENV_SOURCE,
+    )
+    if _flag(env, "ACCELERATE_USE_DEEPSPEED"):
+        settings = {key: env[var] for var, key in DS_SETTINGS_ENV.items() if var in env}
+        return deepspeed_launch(env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", ""), settings, **common)
+    if _flag(env, "ACCELERATE_USE_FSDP"):
+        return Launch("fsdp", fsdp_version=int(env.get("FSDP_VERSION", "1")), **common)
+    return Launch("ddp" if world > 1 else "single", **common)
+
+
+def deepspeed_launch(config_file: str, settings: dict, **common) -> Launch:
+    """A DeepSpeed Launch from its JSON (if any) and accelerate-native settings (stage 2 unless given)."""
+    ds_config = read_ds_config(config_file, common["source"]) if config_file else {}
+    stage = ds_config.get("zero_optimization", {}).get("stage", settings.get("zero_stage", 2))
+    return Launch(
+        "deepspeed",
+        zero_stage=int(stage),
+        ds_config_file=config_file,
+        ds_config=ds_config,
+        ds_settings=settings,
+        **common,
+    )
+
+
+def read_ds_config(path: str, source: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"DeepSpeed config {path} (deepspeed_config_file in {source}) not found")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
+def count_gpus() -> int:
+    """Devices a GPU backend can use; Apple's MPS has no collective backend, so a Mac counts as CPU."""
+    if not hasattr(torch, "accelerator"):
+        return torch.cuda.device_count()
+    device = torch.accelerator.current_accelerator()
+    return 0 if device is None or device.type == "mps" else torch.accelerator.device_count()
+
+
+def accelerator_kwargs(launch: Launch, train: TrainConfig, grad_accum_steps: int) -> dict:
+    """Keyword arguments for `Accelerator(...)` giving the launched backend, on GPUs or gloo CPU processes.
+
+    Precision always comes from the recipe: the Accelerator's argument overrides a YAML's mixed_precision.
+    The recipe's loss is token-weighted across micro-batches, so accumulation never follows the dataloader.
+    """
+    refuse_unsupported(launch)
+    kwargs = {
+        "mixed_precision": train.mixed_precision,
+        "gradient_accumulation_plugin": GradientAccumulationPlugin(
+            num_steps=grad_accum_steps, sync_with_dataloader=False
+        ),
+    }
+    if launch.on_cpu and launch.backend in ("ddp", "fsdp"):
+        # Without cpu=True, accelerate finds no GPU and gives each launched process a world of its own.
+        kwargs["cpu"] = True
+    if launch.on_cpu and launch.backend == "fsdp":
+        kwargs["fsdp_plugin"] = _cpu_fsdp_plugin()
+    # A stalled rank fails the collective after this long instead of hanging the job forever.
+    group = {"timeout": timedelta(minutes=train.collective_timeout_minutes)}
+    if launch.backend == "deepspeed":
+        kwargs["deepspeed_plugin"] = deepspeed_plugin(train, grad_accum_steps)
+        if launch.on_cpu:
+            # DeepSpeed's CPU accelerator would otherwise ask for oneCCL.
+            group["backend"] = "gloo"
+    kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(**group)]
+    return kwargs
+
+
+def refuse_unsupported(launch: Launch) -> None:
+    """Raise for launches this machine cannot run, before accelerate fails with a less direct message."""
+    if launch.backend == "deepspeed" and not deepspeed_installed():
+        raise UserError(
+            f"{launch.source} asks for DeepSpeed, which is not installed: pip install 'ftkit[deepspeed]'"
+        )
+    if launch.on_cpu and launch.backend == "fsdp" and launch.fsdp_version == 1:
+        raise UserError(
+            f"{launch.source} asks for FSDP1, which torch runs on GPUs only: set fsdp_version: 2 for a run "
+            "without GPUs (as in accelerate_configs/fsdp.yaml)"
+        )
+
+
+def deepspeed_installed() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def deepspeed_plugin(train: TrainConfig, grad_accum_steps: int):
+    """The launched DeepSpeed settings, each "auto" batch, accumulation and clipping field from the recipe.
+
+    Accelerate alone would fill `gradient_clipping: auto` with 1.0 whatever the recipe says, and leave
+    ZeRO-3 unable to gather a full state dict; the Accelerator fills precision from its mixed_precision.
+    """
+    from accelerate.utils import DeepSpeedPlugin
+
+    plugin = DeepSpeedPlugin(
+        gradient_accumulation_steps=grad_accum_steps,
+        gradient_clipping=train.max_grad_norm,
+        zero3_save_16bit_model=True,
+    )
+    config = plugin.deepspeed_config
+    for key, value in (
+        ("train_micro_batch_size_per_gpu", train.micro_batch_size),
+        ("train_batch_size", train.global_batch_size),
+    ):
+        if config.get(key, "auto") == "auto":
+            config[key] = value
+    zero = config["zero_optimization"]
+    if zero.get("stage3_gather_16bit_weights_on_model_save", "auto") == "auto":
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return plugin
+
+
+def _cpu_fsdp_plugin():
+    """FSDP settings from the launch, minus the two that need a GPU to move meta weights onto."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(sync_module_states=False, cpu_ram_efficient_loading=False)
+
+
+def finish_setup(accelerator, launch: Launch) -> None:
+    """Switch on FSDP where accelerate skipped it for lack of a GPU, then `verify` the result."""
+    if (
+        launch.on_cpu
+        and launch.backend == "fsdp"
+        and accelerator.distributed_type == DistributedType.MULTI_CPU
+    ):
+        state = accelerator.state
+        plugin = _cpu_fsdp_plugin()
+        if state.mixed_precision != "no":
+            plugin.set_mixed_precision(state.mixed_precision)
+        state.fsdp_plugin = plugin
+        state.distributed_type = DistributedType.FSDP
+        # Every later AcceleratorState() copies PartialState's fields over its own.
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    verify(accelerator, launch)
+
+
+# The accelerate type each backend must end up as; ddp is any MULTI_<device> type.
+DISTRIBUTED_TYPE = {
+    "single": DistributedType.NO,
+    "fsdp": DistributedType.FSDP,
+    "deepspeed": DistributedType.DEEPSPEED,
+}
+
+
+def verify(accelerator, launch: Launch) -> None:
+    """Refuse to train unless accelerate joined every launched process into the backend that was asked for."""
+    got = accelerator.distributed_type
+    if accelerator.num_processes != launch.world_size:
+        raise UserError(
+            f"{launch.world_size} processes were launched ({launch.backend}, WORLD_SIZE) but accelerate "
+            f"joined {accelerator.num_processes} ({got.value}): each process would train alone"
+        )
+    if launch.backend == "ddp":
+        matches = got.value.startswith("MULTI_")
+    else:
+        matches = got == DISTRIBUTED_TYPE[launch.backend]
+    if not matches:
+        raise UserError(f"{launch.source} asked for {launch.backend} but accelerate set up {got.value}")
+
+
+def describe(accelerator, launch: Launch, train: TrainConfig, grad_accum_steps: int) -> str:
+    """One line: backend, world size, processes per node, device, precision, how the global batch is made."""
+    ga = grad_accum_steps
+    world = accelerator.num_processes
+    comm = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
+    return (
+        f"backend {backend_name(launch)} ({comm}) | world {world} | {launch.procs_per_node} per node | "
+        f"device {accelerator.device.type} | precision {accelerator.mixed_precision} | "
+        f"global batch {train.micro_batch_size * ga * world} = "
+        f"micro {train.micro_batch_size} x GA {ga} x world {world}"
+    )
+
+
+def backend_name(launch: Launch) -> str:
+    if launch.backend == "deepspeed":
+        return f"deepspeed ZeRO-{launch.zero_stage}" + (" + offload" if _offloads(launch) else "")
+    if launch.backend == "fsdp":
+        return f"fsdp{launch.fsdp_version}"
+    return launch.backend
+
+
+def clip_grad_norm(accelerator, model, max_norm: float) -> torch.Tensor | float:
+    """Clip gradients to `max_norm` (0: none) and return the global norm before clipping, on every backend.
+
+    Call it on every process after `accelerator.backward` on a step where `accelerator.sync_gradients` is
+    true. Under DeepSpeed the engine has already clipped (to train.max_grad_norm) and stepped inside
+    `backward`, and this returns the norm it measured, a float; elsewhere a tensor, so that `float()` on it
+    can wait for a logging step.
+    """
+    norm = accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+    if norm is None:
+        raise RuntimeError("no gradient norm: call clip_grad_norm after accelerator.prepare and backward")
+    # FSDP2 returns a DTensor; gathering it is a collective, so do it here where every process is.
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def any_rank(accelerator, *flags: bool) -> list[bool]:
+    """Collective: each flag comes back true on every rank when it is true on any rank."""
+    values = torch.tensor([float(flag) for flag in flags], device=accelerator.device)
+    return [value > 0 for value in accelerator.reduce(values, reduction="sum").tolist()]
+
+
+def _offloads(launch: Launch) -> bool:
+    zero = launch.ds_config.get("zero_optimization", {})
+    devices = [zero.get(key, {}).get("device") for key in ("offload_optimizer", "offload_param")]
+    devices += [launch.ds_settings.get(key) for key in ("offload_optimizer_device", "offload_param_device")]
+    return any(str(device).lower() not in ("none", "") for device in devices if device is not None)
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    return env.get(name, "false").lower() in ("1", "true", "yes")

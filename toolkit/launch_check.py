@@ -1,0 +1,275 @@
+"""Check a launch (an accelerate YAML, or the environment accelerate launch set) against the recipe config.
+
+`ftkit check-config` runs these checks on a YAML before anything starts; the recipe runs them at launch on
+`distributed.detect_launch()`. Conflicts raise `UserError`; what needs no action comes back as notes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from toolkit.batches import grad_accum_steps
+from toolkit.config import RecipeConfig, TrainConfig
+from toolkit.distributed import (
+    DS_SETTINGS_ENV,
+    Launch,
+    backend_name,
+    count_gpus,
+    deepspeed_launch,
+    refuse_unsupported,
+)
+from toolkit.errors import UserError
+
+# What each accelerate distributed_type starts, in ftkit's words. Others are refused: MULTI_CPU starts one
+# process, and the rest are other hardware or Megatron-LM.
+BACKEND_OF_TYPE = {"NO": "single", "MULTI_GPU": "ddp", "FSDP": "fsdp", "DEEPSPEED": "deepspeed"}
+NCCL_P2P_VARS = ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE")
+GEFORCE_40 = re.compile(r"GeForce RTX 40\d\d", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the GPU-dependent checks need to know about this machine (tests pass made-up ones)."""
+
+    gpu_count: int = 0
+    """GPUs visible to this process."""
+    gpu_names: tuple[str, ...] = ()
+    """CUDA device names."""
+    bf16: bool = True
+    """Every visible GPU computes in bf16."""
+    p2p: bool = True
+    """GPUs reach each other peer-to-peer."""
+
+
+def probe_machine() -> Machine:
+    """Query the visible GPUs: count, names, bf16 support, peer-to-peer access."""
+    gpu_count = count_gpus()
+    if not torch.cuda.is_available():
+        return Machine(gpu_count=gpu_count)
+    count = torch.cuda.device_count()
+    return Machine(
+        gpu_count=gpu_count,
+        gpu_names=tuple(torch.cuda.get_device_name(i) for i in range(count)),
+        bf16=all(torch.cuda.get_device_capability(i) >= (8, 0) for i in range(count)),
+        p2p=count < 2 or torch.cuda.can_device_access_peer(0, 1),
+    )
+
+
+def launch_from_yaml(path: Path, gpu_count: int, num_processes: int | None = None) -> Launch:
+    """What `accelerate launch --config_file path [--num_processes N]` starts where `gpu_count` GPUs exist."""
+    raw = _read_yaml(path)
+    dtype = raw.get("distributed_type")
+    if dtype is False:
+        raise UserError(f"{path}: distributed_type must be quoted as 'NO' (YAML reads a bare NO as false)")
+    backend = BACKEND_OF_TYPE.get(str(dtype).upper())
+    if backend is None:
+        raise UserError(
+            f"{path}: distributed_type {dtype} is not supported: use one of {', '.join(BACKEND_OF_TYPE)} "
+            "(without GPUs, MULTI_GPU runs on gloo CPU processes)"
+        )
+    _refuse_ignored_offload(raw, backend, path)
+    world = 1 if backend == "single" else num_processes or raw.get("num_processes")
+    if not isinstance(world, int) or world < 1:
+        raise UserError(f"{path}: num_processes is missing, pass --num-processes as to accelerate launch")
+    common = dict(
+        world_size=world,
+        procs_per_node=world // int(raw.get("num_machines", 1)),
+        on_cpu=gpu_count == 0,
+        source=str(path),
+        launcher_precision=str(raw.get("mixed_precision") or ""),
+    )
+    if backend == "deepspeed":
+        section = raw.get("deepspeed_config") or {}
+        settings = {key: str(section[key]).lower() for key in DS_SETTINGS_ENV.values() if key in section}
+        return deepspeed_launch(section.get("deepspeed_config_file", ""), settings, **common)
+    if backend == "fsdp":
+        return Launch(
+            "fsdp", fsdp_version=int((raw.get("fsdp_config") or {}).get("fsdp_version", 1)), **common
+        )
+    return Launch(backend, **common)
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise UserError(f"{path}: accelerate config not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: not valid YAML ({exc})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: the top level must be a mapping of keys")
+    return raw
+
+
+def _refuse_ignored_offload(raw: dict, backend: str, path: Path) -> None:
+    """Offload settings in another backend's section are silently dropped by accelerate."""
+    ds_offload = {
+        k: v
+        for k, v in (raw.get("deepspeed_config") or {}).items()
+        if k.startswith("offload_") and str(v).lower() != "none"
+    }
+    if backend != "deepspeed" and ds_offload:
+        raise UserError(
+            f"{path}: {', '.join(ds_offload)} in deepspeed_config is ignored by {backend}: remove it"
+        )
+    if backend != "fsdp" and (raw.get("fsdp_config") or {}).get("fsdp_offload_params"):
+        raise UserError(f"{path}: fsdp_offload_params in fsdp_config is ignored by {backend}: remove it")
+
+
+def check_launch(
+    launch: Launch, cfg: RecipeConfig, recipe_source: str, machine: Machine, env: MutableMapping[str, str]
+) -> list[str]:
+    """Raise UserError where the launch and the recipe config disagree; return notes worth logging once.
+
+    On RTX 40xx GPUs without peer-to-peer access this sets NCCL_P2P_DISABLE and NCCL_IB_DISABLE in `env`,
+    which must happen before the Accelerator starts NCCL (accelerate only does so for drivers before 550).
+    """
+    refuse_unsupported(launch)
+    ga = grad_accum_steps(cfg.train, launch.world_size)
+    _check_precision(launch, cfg.train, recipe_source, machine)
+    if launch.backend == "deepspeed":
+        _check_deepspeed(launch, cfg.train, recipe_source, ga)
+    if machine.gpu_count and launch.procs_per_node > machine.gpu_count:
+        raise UserError(
+            f"{launch.source} starts {launch.procs_per_node} processes per machine but {machine.gpu_count} "
+            f"GPU(s) are visible: pass --num_processes {machine.gpu_count} (or fewer)"
+        )
+    zero3 = launch.backend == "deepspeed" and launch.zero_stage == 3
+    fsdp1 = launch.backend == "fsdp" and launch.fsdp_version == 1
+    if cfg.model.method == "qlora" and (zero3 or fsdp1):
+        raise UserError(
+            f"model.method qlora in {recipe_source} cannot be sharded by {backend_name(launch)} "
+            f"({launch.source}): use accelerate_configs/ddp.yaml or zero2.yaml, or fsdp.yaml (FSDP2)"
+        )
+    return _disable_nccl_p2p(machine, env)
+
+
+def _check_precision(launch: Launch, train: TrainConfig, recipe_source: str, machine: Machine) -> None:
+    wanted = train.mixed_precision
+    if launch.launcher_precision and launch.ds_config_file:
+        raise UserError(
+            f"mixed_precision {launch.launcher_precision} in {launch.source}: accelerate refuses it beside "
+            f"deepspeed_config_file; remove it (train.mixed_precision in {recipe_source} decides)"
+        )
+    if launch.launcher_precision and launch.launcher_precision != wanted:
+        raise UserError(
+            f"mixed_precision {launch.launcher_precision} in {launch.source} != {wanted} "
+            f"(train.mixed_precision in {recipe_source}): remove it there, the recipe config decides"
+        )
+    if wanted == "fp16" and launch.on_cpu:
+        raise UserError(
+            f"train.mixed_precision fp16 in {recipe_source} needs a GPU: use bf16 or no without one"
+        )
+    if wanted == "bf16" and machine.gpu_count and not machine.bf16:
+        gpu = machine.gpu_names[0] if machine.gpu_names else "this GPU"
+        raise UserError(f"train.mixed_precision bf16 in {recipe_source}: {gpu} has no bf16, use fp16")
+
+
+def _check_deepspeed(launch: Launch, train: TrainConfig, recipe_source: str, ga: int) -> None:
+    if launch.ds_config_file and launch.ds_settings:
+        raise UserError(
+            f"{launch.source}: {', '.join(launch.ds_settings)} beside deepspeed_config_file are refused by "
+            f"accelerate: set them in {launch.ds_config_file} (or leave them to the recipe config)"
+        )
+    where = launch.ds_config_file or launch.source
+    values = _flat(launch.ds_config) if launch.ds_config_file else launch.ds_settings
+    for key, expected, recipe_key in _recipe_values(train, ga, launch.world_size):
+        found = values.get(key, "auto")
+        if str(found).lower() != "auto" and not _same(found, expected):
+            raise UserError(
+                f"{key} {_show(found)} in {where} != {_show(expected)} ({recipe_key} in {recipe_source})"
+            )
+    for block in ("optimizer", "scheduler"):
+        if block in launch.ds_config:
+            raise UserError(f"{where}: remove the {block} block, the recipe config builds the {block}")
+    param_key = "zero_optimization.offload_param.device" if launch.ds_config_file else "offload_param_device"
+    if launch.zero_stage < 3 and str(values.get(param_key, "none")).lower() != "none":
+        raise UserError(
+            f"{where}: parameter offload is ignored below ZeRO-3 (stage {launch.zero_stage}): remove it"
+        )
+    gathers = values.get("zero_optimization.stage3_gather_16bit_weights_on_model_save", "auto")
+    if launch.zero_stage == 3 and str(gathers).lower() == "false":
+        raise UserError(
+            f"{where}: set zero_optimization.stage3_gather_16bit_weights_on_model_save to true, "
+            "or the final model cannot be gathered from the ZeRO-3 shards"
+        )
+
+
+def _recipe_values(train: TrainConfig, ga: int, world: int) -> list[tuple[str, object, str]]:
+    """DeepSpeed keys the recipe config decides, with the value it implies and where that comes from."""
+    precision = f"train.mixed_precision {train.mixed_precision}"
+    return [
+        ("train_batch_size", train.global_batch_size, "train.global_batch_size"),
+        ("train_micro_batch_size_per_gpu", train.micro_batch_size, "train.micro_batch_size"),
+        (
+            "gradient_accumulation_steps",
+            ga,
+            f"train.global_batch_size / (train.micro_batch_size x {world} processes)",
+        ),
+        ("gradient_clipping", train.max_grad_norm, "train.max_grad_norm"),
+        ("fp16.enabled", train.mixed_precision == "fp16", precision),
+        ("bf16.enabled", train.mixed_precision == "bf16", precision),
+    ]
+
+
+def _same(found, expected) -> bool:
+    if isinstance(expected, bool):
+        return str(found).lower() == str(expected).lower()
+    try:
+        return float(found) == float(expected)
+    except (TypeError, ValueError):
+        return False
+
+
+def _show(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def _disable_nccl_p2p(machine: Machine, env: MutableMapping[str, str]) -> list[str]:
+    """Consumer Ada cards report no peer-to-peer access, and NCCL can hang trying anyway."""
+    if machine.gpu_count < 2 or machine.p2p or not any(GEFORCE_40.search(name) for name in machine.gpu_names):
+        return []
+    unset = [var for var in NCCL_P2P_VARS if var not in env]
+    for var in unset:
+        env[var] = "1"
+    if not unset:
+        return []
+    return [
+        f"RTX 40xx GPUs without peer-to-peer access: the launch sets {' and '.join(f'{v}=1' for v in unset)}"
+    ]
+
+
+def check_config_cli(
+    accel_yaml: str, recipe_path: str | None, num_processes: int | None, env: MutableMapping[str, str]
+) -> str:
+    """`ftkit check-config`: check an accelerate YAML against a recipe config (the demo one by default)."""
+    from toolkit.config import load_config
+
+    cfg = load_config(recipe_path)
+    machine = probe_machine()
+    launch = launch_from_yaml(Path(accel_yaml), machine.gpu_count, num_processes)
+    notes = check_launch(launch, cfg, recipe_path or "the demo config", machine, env)
+    ga = grad_accum_steps(cfg.train, launch.world_size)
+    where = " as gloo CPU processes (no GPU here)" if launch.on_cpu and launch.world_size > 1 else ""
+    summary = (
+        f"{accel_yaml}: ok: {backend_name(launch)} on {launch.world_size} process(es){where}, global batch "
+        f"{cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x GA {ga} x world "
+        f"{launch.world_size}"
+    )
+    return "\n".join([summary, *notes])
