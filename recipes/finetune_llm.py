@@ -55,6 +55,7 @@ def main(argv: list[str]) -> int:
         **distributed.accelerator_kwargs(launch, cfg.train, grad_accum),
         log_with=cfg.log.trackers or None,
         project_dir=str(output_dir),
+        step_scheduler_with_optimizer=False,  # one scheduler step per optimizer step, whatever the world size
     )
     distributed.finish_setup(accelerator, launch)
     for line in [distributed.describe(accelerator, launch, cfg.train, grad_accum), *notes]:
@@ -248,6 +249,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def prepare_output_dir(accelerator, output_dir: Path, cfg: RecipeConfig, fresh: bool) -> None:
     """A fresh run starts in an empty output_dir (cleared if allowed) with its config saved."""
+    accelerator.wait_for_everyone()  # every rank has looked at output_dir before it changes
     if fresh and accelerator.is_main_process:
         checkpoint.clear_output_dir(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)

@@ -24,14 +24,10 @@ QUICK = [
 ]
 
 
-def run_recipe(
-    output_dir: Path,
-    *overrides: str,
-    config: str | None = None,
-    launch: list[str] | None = None,
-    check: bool = True,
-) -> subprocess.CompletedProcess:
-    """`python recipe ...` (one process), or `accelerate launch <launch> recipe ...` with `launch`."""
+def recipe_command(
+    output_dir: Path, *overrides: str, config: str | None = None, launch: list[str] | None = None
+) -> tuple[list[str], dict]:
+    """The command line and environment: `python recipe ...`, or `accelerate launch <launch> recipe ...`."""
     args = (["--config", config] if config else []) + [f"output_dir={output_dir}", *QUICK, *overrides]
     head = (
         [sys.executable, "-m", "accelerate.commands.launch", *launch]
@@ -39,14 +35,36 @@ def run_recipe(
         else [sys.executable]
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [*head, str(RECIPE), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
-    )
+    return [*head, str(RECIPE), *args], env
+
+
+def run_recipe(
+    output_dir: Path,
+    *overrides: str,
+    config: str | None = None,
+    launch: list[str] | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    command, env = recipe_command(output_dir, *overrides, config=config, launch=launch)
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     if check and result.returncode != 0:
         raise AssertionError(
             f"recipe failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
         )
     return result
+
+
+def start_recipe(output_dir: Path, *overrides: str, launch: list[str] | None = None) -> subprocess.Popen:
+    command, env = recipe_command(output_dir, *overrides, launch=launch)
+    return subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def step_losses(output_dir: Path) -> list[float]:

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 # EX_TEMPFAIL: "try again later" — a scheduler can requeue the job and `train.resume=auto` continues it.
 PREEMPTED_EXIT_CODE = 75
+# Launchers forward the signal they got to workers that often got it too (Ctrl-C reaches the whole process
+# group; torchrun passes SIGTERM on): a repeat this soon is the same request, not a second one.
+REPEAT_WINDOW_S = 2.0
 
 
 class StopRequest:
@@ -15,13 +19,16 @@ class StopRequest:
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
         self.signal_name = ""
+        self._first_at = 0.0
         for sig in signals:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        if self.signal_name:
+        now = time.monotonic()
+        if self.signal_name and now - self._first_at > REPEAT_WINDOW_S:
             os._exit(128 + signum)
-        self.signal_name = signal.Signals(signum).name
+        if not self.signal_name:
+            self.signal_name, self._first_at = signal.Signals(signum).name, now
 
     @property
     def requested(self) -> bool:

@@ -1,0 +1,132 @@
+"""No run is lost: preemption, kill -9, a full disk and a diverging loss each leave a valid checkpoint
+and a clear message, and the run continues from it."""
+
+import errno
+import json
+import os
+import signal
+import time
+
+import pytest
+from accelerate import Accelerator
+from helpers import REPO, free_port, run_recipe, start_recipe, step_losses
+
+from toolkit import checkpoint
+from toolkit.errors import UserError
+from toolkit.metrics import read_metrics
+from toolkit.preemption import PREEMPTED_EXIT_CODE
+
+LONG = ["train.max_steps=400", "train.learning_rate=1e-4"]
+
+
+def wait_for_steps(out, count: int, process, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while len(step_losses(out)) < count:
+        assert process.poll() is None, process.communicate()[1][-4000:]
+        assert time.monotonic() < deadline, "the run never reached the expected step"
+        time.sleep(0.2)
+
+
+def complete_checkpoints(out) -> list[int]:
+    return sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step-*") if checkpoint.is_complete(p))
+
+
+@pytest.mark.multiproc
+def test_sigterm_under_two_processes_saves_then_resume_matches_a_straight_run(tmp_path):
+    ddp = ["--config_file", str(REPO / "accelerate_configs" / "ddp.yaml"), "--num_processes", "2"]
+    out = tmp_path / "preempted"
+    run = start_recipe(out, *LONG, launch=[*ddp, "--main_process_port", str(free_port())])
+    wait_for_steps(out, 3, run)
+    os.killpg(run.pid, signal.SIGTERM)  # as Ctrl-C or a scheduler does: the launcher and every worker
+    stdout, stderr = run.communicate(timeout=300)
+    assert run.returncode != 0
+    assert "stopped by SIGTERM after step" in stdout, stderr[-3000:]
+    stopped_at = complete_checkpoints(out)[-1]
+    assert stopped_at == len(step_losses(out)) >= 3
+
+    total = stopped_at + 3
+    resumed = run_recipe(
+        out,
+        f"train.max_steps={total}",
+        "train.learning_rate=1e-4",
+        launch=[*ddp, "--main_process_port", str(free_port())],
+    )
+    assert f"resumed from {out / 'checkpoints' / f'step-{stopped_at}'}" in resumed.stdout
+    straight = tmp_path / "straight"
+    run_recipe(
+        straight,
+        f"train.max_steps={total}",
+        "train.learning_rate=1e-4",
+        launch=[*ddp, "--main_process_port", str(free_port())],
+    )
+    # The schedule depends on max_steps, so only the steps after the resume are comparable run to run.
+    assert step_losses(out)[stopped_at:] == pytest.approx(step_losses(straight)[stopped_at:], rel=1e-6)
+
+
+def test_sigint_single_process_exits_with_the_documented_code(tmp_path):
+    out = tmp_path / "run"
+    run = start_recipe(out, *LONG)
+    wait_for_steps(out, 2, run)
+    run.send_signal(signal.SIGINT)
+    run.communicate(timeout=300)
+    assert run.returncode == PREEMPTED_EXIT_CODE
+    assert complete_checkpoints(out) == [len(step_losses(out))]
+
+
+def test_kill_9_at_any_moment_leaves_only_complete_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    run = start_recipe(out, *LONG, "train.save_every_steps=1")
+    wait_for_steps(out, 4, run)
+    time.sleep(0.37)  # land somewhere inside a step or a save
+    run.kill()
+    run.communicate()
+    for path in (out / "checkpoints").iterdir():
+        assert checkpoint.is_complete(path) or path.name.endswith(".tmp"), path
+    newest = complete_checkpoints(out)[-1]
+    result = run_recipe(
+        out, f"train.max_steps={newest + 2}", "train.save_every_steps=1", "train.learning_rate=1e-4"
+    )
+    assert f"at step {newest}" in result.stdout
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == list(
+        range(1, newest + 3)
+    )
+
+
+def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    accelerator = Accelerator(cpu=True)
+    output_dir = tmp_path / "run"
+    first = checkpoint.save_checkpoint(accelerator, output_dir, 1, {"tokens_seen": 10})
+
+    def fill_the_disk(path):
+        os.makedirs(path, exist_ok=True)
+        (tmp_path / "run" / "checkpoints" / ".step-2.tmp" / "half-written.bin").write_bytes(b"x")
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(accelerator, "save_state", fill_the_disk)
+    with pytest.raises(UserError) as caught:
+        checkpoint.save_checkpoint(accelerator, output_dir, 2, {"tokens_seen": 20})
+    message = str(caught.value)
+    assert "No space left on device" in message and "step-1 is still the newest valid checkpoint" in message
+    assert checkpoint.latest_checkpoint(output_dir) == first
+    assert sorted(p.name for p in (output_dir / "checkpoints").iterdir()) == ["step-1"]
+    assert json.loads((first / checkpoint.MARKER).read_text())["tokens_seen"] == 10
+
+
+def test_diverging_loss_stops_naming_the_step(tmp_path):
+    out = tmp_path / "run"
+    result = run_recipe(
+        out, "train.learning_rate=1e30", "train.max_steps=30", "train.max_grad_norm=0", check=False
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "non-finite in a row" in last and "step " in last
+    assert not (out / "final").exists()
+
+
+def test_diverging_loss_with_skip_finishes_and_counts(tmp_path):
+    out = tmp_path / "run"
+    run_recipe(
+        out, "train.learning_rate=1e30", "train.max_steps=8", "train.max_grad_norm=0", "train.nonfinite=skip"
+    )
+    lines = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert lines[-1]["skipped_steps"] > 0
