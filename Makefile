@@ -12,13 +12,14 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q torch
 	$(PIP) install -q -e ".[dev]"
 	touch $(STAMP)
 
+# The embedded demo, from scratch each time (train.overwrite); add other key=value overrides with ARGS=...
 demo: install
-	$(VENV)/bin/accelerate launch --cpu --num_processes 1 recipes/finetune_llm.py
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/finetune_llm.py \
+		train.overwrite=true $(ARGS)
 
 test: install
 	$(PY) -m pytest tests

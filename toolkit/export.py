@@ -3,6 +3,7 @@ what was written, and optionally merge an adapter into a standalone model."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -63,11 +64,31 @@ def merge_adapter(adapter_dir: Path, out_dir: Path, dtype: str) -> None:
     from peft import PeftModel
 
     base_path = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=DTYPES[dtype] if dtype != "auto" else "auto")
+    with outside_zero3():
+        base = AutoModelForCausalLM.from_pretrained(
+            base_path, dtype=DTYPES[dtype] if dtype != "auto" else "auto"
+        )
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(str(out_dir))
     AutoTokenizer.from_pretrained(str(adapter_dir)).save_pretrained(str(out_dir))
     verify_export(out_dir)
+
+
+@contextlib.contextmanager
+def outside_zero3():
+    """Build a model on this process alone, even inside a ZeRO-3 run.
+
+    Under ZeRO-3 transformers partitions every model it builds across ranks, a collective; the main
+    process building one by itself (to check or merge an export) would wait forever for the others.
+    """
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def _saved_shapes(path: Path) -> dict[str, list[int]]:
@@ -89,7 +110,7 @@ def _expected_shapes(path: Path) -> tuple[dict[str, tuple], set[str]]:
         config = AutoConfig.from_pretrained(peft_config.base_model_name_or_path)
     else:
         config = AutoConfig.from_pretrained(str(path))
-    with torch.device("meta"):
+    with torch.device("meta"), outside_zero3():
         model = AutoModelForCausalLM.from_config(config)
         if is_adapter:
             peft_config.inference_mode = False

@@ -45,9 +45,9 @@ def load_model(cfg: ModelConfig, lora: LoraConfig, local_rank: int = 0):
 
 
 def count_parameters(model) -> tuple[int, int]:
-    """(trainable, total) parameter counts."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return trainable, sum(p.numel() for p in model.parameters())
+    """(trainable, total) parameter counts; ZeRO-3 partitioned parameters count at their full size."""
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+    return sum(n for n, trained in sizes if trained), sum(n for n, _ in sizes)
 
 
 def _peft_config(lora: LoraConfig) -> PeftLoraConfig:

@@ -43,4 +43,4 @@ class NonFiniteGuard:
     @property
     def weights_intact(self) -> bool:
         """False once a non-finite update reached the weights."""
-        return self.can_skip
+        return self.can_skip or not self.skipped
