@@ -32,6 +32,7 @@ from toolkit import (
     loss,
     metrics,
     optim,
+    portable,
 )
 from toolkit import model as models
 from toolkit.config import RecipeConfig, flat_dict, load_config, save_config
@@ -102,6 +103,12 @@ def main(argv: list[str]) -> int:
     )
     optimizer = optim.build_optimizer(model, cfg.train, accelerator.num_processes)
     scheduler = optim.build_scheduler(optimizer, cfg.train)
+    # Resuming under another backend or world size: the checkpoint goes into the plain model, before prepare.
+    marker = checkpoint.read_marker(resume_from) if resume_from is not None else None
+    layout = checkpoint.layout(accelerator)
+    exact = marker is not None and portable.resume_plan(marker, layout) == "exact"
+    if marker is not None and not exact:
+        accelerator.print(portable.restore_portable(resume_from, model, optimizer, scheduler, layout))
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     eval_loader = None
     if eval_set is not None:
@@ -120,9 +127,10 @@ def main(argv: list[str]) -> int:
         accelerator.is_main_process,
         accelerator.log if cfg.log.trackers else None,
     )
-    if resume_from is not None:
-        state = checkpoint.load_checkpoint(accelerator, resume_from)
-        start_step, tokens_seen = state["step"], state["tokens_seen"]
+    if marker is not None:
+        if exact:
+            checkpoint.load_checkpoint(accelerator, resume_from)
+        start_step, tokens_seen = marker["step"], marker["tokens_seen"]
         if accelerator.is_main_process:
             metrics.truncate_after(log.path, start_step)
         accelerator.print(f"resumed from {resume_from} at step {start_step}")
@@ -196,7 +204,8 @@ def main(argv: list[str]) -> int:
                 accelerator,
                 output_dir,
                 step,
-                run_state(accelerator, tokens_seen, eval_result.get("eval_loss")),
+                {"tokens_seen": tokens_seen, "eval_loss": eval_result.get("eval_loss")},
+                cfg,
             )
             schedule.saved(step)
             if accelerator.is_main_process and (cfg.train.keep_last or cfg.train.keep_best):
@@ -215,7 +224,7 @@ def main(argv: list[str]) -> int:
     # Finish: final checkpoint, the measured result, the exported model.
     if schedule.last_step < cfg.train.max_steps:
         checkpoint.save_checkpoint(
-            accelerator, output_dir, cfg.train.max_steps, run_state(accelerator, tokens_seen)
+            accelerator, output_dir, cfg.train.max_steps, {"tokens_seen": tokens_seen}, cfg
         )
     report(
         accelerator,
@@ -255,16 +264,6 @@ def prepare_output_dir(accelerator, output_dir: Path, cfg: RecipeConfig, fresh: 
         output_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, output_dir / "config.yaml")
     accelerator.wait_for_everyone()
-
-
-def run_state(accelerator, tokens_seen: int, eval_loss: float | None = None) -> dict:
-    """What a checkpoint records beside the states accelerate saves."""
-    return {
-        "tokens_seen": tokens_seen,
-        "world_size": accelerator.num_processes,
-        "backend": accelerator.distributed_type.value,
-        "eval_loss": eval_loss,
-    }
 
 
 def report(

@@ -8,10 +8,14 @@ import shutil
 import time
 from pathlib import Path
 
+from accelerate.utils import DistributedType
+
+from toolkit.config import RecipeConfig, save_config
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
 
 MARKER = "ftkit_checkpoint.json"
+CONFIG = "config.yaml"
 
 
 def checkpoint_dir(output_dir: Path) -> Path:
@@ -76,9 +80,13 @@ class SaveSchedule:
         self.last_step = step
 
 
-def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict) -> Path:
+def save_checkpoint(
+    accelerator, output_dir: Path, step: int, state: dict, config: RecipeConfig | None = None
+) -> Path:
     """Collective: every rank calls this; returns the finished checkpoint directory.
 
+    The marker records `state`, the step and the `layout`; `config` (the run's resolved recipe config) is
+    saved beside it, so that export and resume under another backend need nothing but the checkpoint.
     A failed write (disk full, permissions) on any rank raises UserError on every rank, removes the
     partial directory and leaves the previous checkpoint as the newest valid one.
     """
@@ -91,7 +99,8 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict) -> Pa
     error = _attempt(lambda: accelerator.save_state(str(tmp)))
     _agree_or_raise(accelerator, error, tmp, final, output_dir)
     if accelerator.is_main_process:
-        error = _attempt(lambda: _finalize(tmp, final, {**state, "step": step}))
+        marker = {**state, **layout(accelerator), "step": step}
+        error = _attempt(lambda: _finalize(tmp, final, marker, config))
     _agree_or_raise(accelerator, error if accelerator.is_main_process else "", tmp, final, output_dir)
     return final
 
@@ -121,7 +130,9 @@ def _attempt(action) -> str:
     return ""
 
 
-def _finalize(tmp: Path, final: Path, marker: dict) -> None:
+def _finalize(tmp: Path, final: Path, marker: dict, config: RecipeConfig | None) -> None:
+    if config is not None:
+        save_config(config, tmp / CONFIG)
     marker["files"] = _manifest(tmp)
     (tmp / MARKER).write_text(json.dumps(marker, indent=1))
     shutil.rmtree(final, ignore_errors=True)
@@ -146,7 +157,23 @@ def _agree_or_raise(accelerator, error: str, tmp: Path, final: Path, output_dir:
 def load_checkpoint(accelerator, path: Path) -> dict:
     """Restore model, optimizer, scheduler and RNG states; return the marker (step and counters)."""
     accelerator.load_state(str(path))
+    return read_marker(path)
+
+
+def read_marker(path: Path) -> dict:
+    if not is_complete(path):
+        raise UserError(f"{path}: not a complete checkpoint (no {MARKER})")
     return json.loads((path / MARKER).read_text())
+
+
+def layout(accelerator) -> dict:
+    """How this launch lays out the states it saves; a checkpoint with another layout needs portable.py."""
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    return {
+        "backend": accelerator.distributed_type.value,
+        "world_size": accelerator.num_processes,
+        "zero_stage": accelerator.state.deepspeed_plugin.zero_stage if deepspeed else 0,
+    }
 
 
 def _manifest(path: Path) -> dict[str, int]:

@@ -59,6 +59,17 @@ def main(argv: list[str] | None = None) -> int:
     plot.add_argument("run_dirs", nargs="+", metavar="OUTPUT_DIR")
     plot.add_argument("--out", help="PNG to write (default: metrics.png in the first OUTPUT_DIR)")
 
+    export = commands.add_parser(
+        "export", help="a checkpoint of any backend as a Hugging Face model or PEFT adapter, on one CPU"
+    )
+    export.add_argument(
+        "checkpoint_dir", metavar="CHECKPOINT_DIR", help="e.g. runs/demo/checkpoints/step-100"
+    )
+    export.add_argument("--out", required=True, help="directory to write (replaced if it exists)")
+    export.add_argument("--merge-lora", action="store_true", help="fold a LoRA adapter into a full model")
+    export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default: the run's export.dtype")
+    export.add_argument("--base-model", help="base model path, where the config's model.path moved")
+
     args = parser.parse_args(argv)
     try:
         return _run(args)
@@ -101,6 +112,15 @@ def _run(args) -> int:
         from toolkit.plot import plot_runs
 
         print(plot_runs([Path(d) for d in args.run_dirs], Path(args.out) if args.out else None))
+        return 0
+    if args.command == "export":
+        from toolkit.export_checkpoint import export_checkpoint
+
+        print(
+            export_checkpoint(
+                Path(args.checkpoint_dir), Path(args.out), args.merge_lora, args.dtype, args.base_model
+            )
+        )
         return 0
     raise AssertionError(args.command)
 

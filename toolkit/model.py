@@ -37,7 +37,7 @@ def load_model(cfg: ModelConfig, lora: LoraConfig, local_rank: int = 0):
     if cfg.method == "qlora":
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
     if cfg.method in ("lora", "qlora"):
-        model = get_peft_model(model, _peft_config(lora))
+        model = get_peft_model(model, peft_config(lora))
         if cfg.gradient_checkpointing:
             # Frozen embeddings give checkpointed blocks inputs without grad; the adapters need one.
             model.enable_input_require_grads()
@@ -50,7 +50,8 @@ def count_parameters(model) -> tuple[int, int]:
     return sum(n for n, trained in sizes if trained), sum(n for n, _ in sizes)
 
 
-def _peft_config(lora: LoraConfig) -> PeftLoraConfig:
+def peft_config(lora: LoraConfig) -> PeftLoraConfig:
+    """The peft LoRA/DoRA settings for a recipe's `lora` section."""
     return PeftLoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,

@@ -21,7 +21,8 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, world_size: int) -
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            # ZeRO-3 may have partitioned the parameter already (shape [0]); its full shape decides.
+            (decay if len(getattr(param, "ds_shape", param.shape)) >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     return torch.optim.AdamW(groups, lr=scaled_learning_rate(cfg, world_size), betas=tuple(cfg.adam_betas))

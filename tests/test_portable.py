@@ -1,0 +1,191 @@
+"""Checkpoints outlive their launch: `ftkit export` turns a checkpoint of any backend into the same files the
+run's own final/ export holds, and a run resumes under another world size or backend."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import REPO, free_port, run_recipe, step_losses
+from safetensors.torch import load_file
+
+from toolkit import cli, portable
+from toolkit.checkpoint import CONFIG, MARKER
+from toolkit.errors import UserError
+
+# Warmup off, so the steps around the resume move the weights enough for Adam's moments to matter.
+SETTINGS = {
+    "lora": [
+        "model.method=lora",
+        "train.learning_rate=1e-3",
+        "train.warmup_steps=0",
+        "train.save_every_steps=2",
+    ],
+    "full": [
+        "model.method=full",
+        "train.learning_rate=1e-4",
+        "train.warmup_steps=0",
+        "train.save_every_steps=2",
+    ],
+}
+RUNS = {  # name -> (accelerate config, processes, method, extra overrides)
+    "ddp": ("ddp", 2, "lora", ["export.merge=true"]),
+    "fsdp": ("fsdp", 2, "lora", []),
+    "zero2": ("zero2", 2, "lora", []),
+    "zero3": ("zero3", 2, "full", []),
+}
+RESUME_AT = 2  # of QUICK's 4 steps
+
+
+def launch(config: str, processes: int) -> list[str]:
+    return [
+        "--config_file",
+        str(REPO / "accelerate_configs" / f"{config}.yaml"),
+        "--num_processes",
+        str(processes),
+        "--main_process_port",
+        str(free_port()),
+    ]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """name -> output_dir of a run in RUNS, trained once for the whole module when first asked for."""
+    done = {}
+
+    def get(name: str):
+        if name not in done:
+            config, processes, method, extra = RUNS[name]
+            out = tmp_path_factory.mktemp(name) / "run"
+            run_recipe(out, *SETTINGS[method], *extra, launch=launch(config, processes))
+            done[name] = out
+        return done[name]
+
+    return get
+
+
+def tensors(directory) -> dict[str, torch.Tensor]:
+    adapter = (directory / "adapter_config.json").is_file()
+    return load_file(directory / ("adapter_model.safetensors" if adapter else "model.safetensors"))
+
+
+def assert_same_tensors(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert got[name].numel() > 0, name
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero3"])
+def test_export_of_the_last_checkpoint_equals_the_runs_final_export(name, trained, tmp_path):
+    run = trained(name)
+    checkpoint = run / "checkpoints" / "step-4"
+    assert (checkpoint / CONFIG).is_file()  # self-describing: base model and method travel with it
+    out = tmp_path / "export"
+    assert cli.main(["export", str(checkpoint), "--out", str(out)]) == 0
+    assert_same_tensors(tensors(out), tensors(run / "final"))
+
+
+@pytest.mark.multiproc
+def test_exported_adapter_loads_with_peft_and_merges_like_the_recipe(trained, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = trained("ddp")
+    checkpoint = run / "checkpoints" / "step-4"
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    assert cli.main(["export", str(checkpoint), "--out", str(adapter), "--dtype", "bf16"]) == 0
+    assert {t.dtype for t in tensors(adapter).values()} == {torch.bfloat16}
+    base = AutoModelForCausalLM.from_pretrained(REPO / "toolkit" / "assets" / "tiny-llama")
+    model = PeftModel.from_pretrained(base, str(adapter))
+    name, weight = next((n, p) for n, p in model.named_parameters() if "lora_B" in n)
+    assert weight.abs().sum() > 0, name  # trained, not the zero initialisation
+
+    assert cli.main(["export", str(checkpoint), "--out", str(merged), "--merge-lora"]) == 0
+    assert not (merged / "adapter_config.json").exists()
+    assert_same_tensors(tensors(merged), tensors(run / "final" / "merged"))
+
+
+def resume_copy(source, tmp_path):
+    """A copy of a run stopped after RESUME_AT: its later checkpoints and final export removed."""
+    out = tmp_path / "resumed"
+    shutil.copytree(source, out)
+    shutil.rmtree(out / "final")
+    for path in (out / "checkpoints").glob("step-*"):
+        if int(path.name[5:]) > RESUME_AT:
+            shutil.rmtree(path)
+    return out
+
+
+# (source run, target config, target processes, optimizer moments carried)
+RESUMES = {
+    "ddp world 2 -> single world 1": ("ddp", "single", 1, True),
+    "fsdp2 -> ddp": ("fsdp", "ddp", 2, True),
+    "zero2 -> ddp": ("zero2", "ddp", 2, False),
+}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("case", list(RESUMES))
+def test_resume_under_another_world_size_or_backend_continues_the_run(case, trained, tmp_path):
+    source_name, config, processes, carries_moments = RESUMES[case]
+    source = trained(source_name)
+    out = resume_copy(source, tmp_path)
+    result = run_recipe(out, *SETTINGS["lora"], launch=launch(config, processes))
+    assert f"at step {RESUME_AT}" in result.stdout
+    restarted = [line for line in result.stdout.splitlines() if "optimizer moments restart" in line]
+    assert len(restarted) == (0 if carries_moments else 1), result.stdout
+    straight, resumed = step_losses(source), step_losses(out)
+    assert len(resumed) == len(straight) == 4
+    # The first resumed step's loss is computed before its update: it sees only the restored weights.
+    assert resumed[RESUME_AT] == pytest.approx(straight[RESUME_AT], rel=1e-5)
+    # The next one follows an Adam update: identical with the moments carried over. Restarted moments make
+    # that update lr * sign(g) per weight instead of lr * m / sqrt(v): the loss lands elsewhere, though no
+    # further from the uninterrupted run's than that run's own step moved it.
+    after = RESUME_AT + 1
+    if carries_moments:
+        assert resumed[after:] == pytest.approx(straight[after:], rel=1e-5)
+    else:
+        gap = abs(resumed[after] - straight[after])
+        assert 1e-5 * straight[after] < gap < straight[RESUME_AT] - straight[after]
+
+
+def marker(backend: str, world_size: int, zero_stage: int = 0) -> dict:
+    return {"backend": backend, "world_size": world_size, "zero_stage": zero_stage}
+
+
+@pytest.mark.parametrize(
+    "saved, now, plan",
+    [
+        (marker("MULTI_CPU", 2), marker("NO", 1), "exact"),
+        (marker("NO", 1), marker("MULTI_GPU", 4), "exact"),
+        (marker("FSDP", 2), marker("FSDP", 2), "exact"),
+        (marker("FSDP", 2), marker("FSDP", 4), "weights"),
+        (marker("DEEPSPEED", 2, 2), marker("DEEPSPEED", 2, 2), "exact"),
+        (marker("DEEPSPEED", 2, 2), marker("DEEPSPEED", 2, 3), "weights"),
+        (marker("DEEPSPEED", 2, 2), marker("MULTI_CPU", 2), "weights"),
+        (marker("MULTI_GPU", 2), marker("DEEPSPEED", 2, 3), "weights"),
+        ({"backend": "DEEPSPEED", "world_size": 2}, marker("DEEPSPEED", 2, 2), "weights"),
+        ({"backend": "FSDP", "world_size": 2}, marker("FSDP", 2), "exact"),
+    ],
+)
+def test_resume_plan_loads_exactly_only_what_accelerate_can_load(saved, now, plan):
+    assert portable.resume_plan(saved, now) == plan
+
+
+def test_export_refuses_an_incomplete_checkpoint_and_an_unknown_layout(tmp_path, capsys):
+    partial = tmp_path / "checkpoints" / ".step-3.tmp"
+    partial.mkdir(parents=True)
+    assert cli.main(["export", str(partial), "--out", str(tmp_path / "out")]) == 2
+    assert f"not a complete checkpoint (no {MARKER})" in capsys.readouterr().err
+
+    odd = tmp_path / "checkpoints" / "step-3"
+    odd.mkdir()
+    (odd / MARKER).write_text(json.dumps({"step": 3, **marker("NO", 1)}))
+    (odd / "weights.pt").write_bytes(b"")
+    with pytest.raises(UserError, match="unknown checkpoint layout"):
+        portable.read_weights(odd)
+    assert cli.main(["export", str(odd), "--out", str(tmp_path / "out")]) == 2
+    assert "unknown checkpoint layout" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,101 @@
+"""`ftkit export`: a training checkpoint of any backend as Hugging Face files (a PEFT adapter or a full
+model, safetensors), written on one CPU process from the recipe config saved with the checkpoint."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from toolkit import data, export, portable
+from toolkit import model as models
+from toolkit.checkpoint import CONFIG, read_marker
+from toolkit.config import RecipeConfig, load_config
+from toolkit.errors import UserError
+
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def export_checkpoint(
+    checkpoint_dir: Path, out_dir: Path, merge_lora: bool, dtype: str | None, base_model: str | None
+) -> str:
+    """Write `checkpoint_dir` to `out_dir` and check it; returns a one-line summary.
+
+    `dtype` is bf16 | fp16 | fp32 or None (the run's export.dtype); `base_model` replaces the config's
+    model.path, for a checkpoint moved away from where it was trained.
+    """
+    marker = read_marker(checkpoint_dir)
+    portable.checkpoint_layout(checkpoint_dir)  # an unknown layout fails before any model is built
+    cfg = run_config(checkpoint_dir)
+    if base_model:
+        cfg.model.path = base_model
+    if merge_lora and cfg.model.method == "full":
+        raise UserError(f"--merge-lora: {checkpoint_dir} is a full fine-tune; there is no adapter to merge")
+    dtype = DTYPE_NAMES[dtype] if dtype else cfg.export.dtype
+    skeleton = model_skeleton(cfg)
+    weights = portable.read_weights(checkpoint_dir)
+    cast_weights(weights, skeleton, dtype)
+    tokenizer = models.load_tokenizer(cfg.model)
+    data.ensure_chat_template(tokenizer)  # as the recipe did before training, so prompts render the same
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    # A PEFT model saves only its adapter (peft's get_peft_model_state_dict picks those keys).
+    skeleton.save_pretrained(str(tmp), state_dict=weights)
+    tokenizer.save_pretrained(str(tmp))
+    del weights
+    if merge_lora:
+        adapter, tmp = tmp, out_dir.with_name(out_dir.name + ".merged.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        export.merge_adapter(adapter, tmp, dtype)
+        shutil.rmtree(adapter)
+    count = export.verify_export(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    what = "merged model" if merge_lora else "adapter" if cfg.model.method != "full" else "model"
+    return (
+        f"exported {what} ({count} tensors) of step {marker['step']} from a "
+        f"{portable.describe(marker)} checkpoint to {out_dir}"
+    )
+
+
+def run_config(checkpoint_dir: Path) -> RecipeConfig:
+    """The recipe config saved in the checkpoint, else the one its run saved in output_dir."""
+    for path in (checkpoint_dir / CONFIG, checkpoint_dir.parent.parent / CONFIG):
+        if path.is_file():
+            return load_config(path)
+    raise UserError(
+        f"{checkpoint_dir}: no {CONFIG} in the checkpoint or its run directory, so the base model and "
+        "method are unknown"
+    )
+
+
+def model_skeleton(cfg: RecipeConfig) -> torch.nn.Module:
+    """The model the run trained, on the meta device: names, shapes and dtypes without any weights."""
+    try:
+        config = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    except OSError:
+        raise UserError(
+            f"model.path: cannot read the base model {cfg.model.path} (pass --base-model)"
+        ) from None
+    dtype = config.dtype if cfg.model.dtype == "auto" else models.DTYPES[cfg.model.dtype]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code
+        )
+        if cfg.model.method != "full":
+            from peft import get_peft_model
+
+            model = get_peft_model(model, models.peft_config(cfg.lora))
+    return model
+
+
+def cast_weights(weights: dict[str, torch.Tensor], skeleton: torch.nn.Module, dtype: str) -> None:
+    """In place, so one copy exists at a time: `auto` restores each tensor's trained dtype (DeepSpeed
+    returns fp32 master weights), any other name casts every floating tensor."""
+    trained = {name: tensor.dtype for name, tensor in skeleton.state_dict().items()}
+    for name, tensor in weights.items():
+        target = trained.get(name, tensor.dtype) if dtype == "auto" else models.DTYPES[dtype]
+        if tensor.is_floating_point():
+            weights[name] = tensor.to(target)

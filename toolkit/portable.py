@@ -1,0 +1,180 @@
+"""Checkpoints that outlive their launch: read the full weights of a checkpoint written under any backend
+on one CPU process (no process group), and resume a run under another backend or world size.
+
+Three layouts exist, one per kind of writer behind `accelerator.save_state`:
+
+    replicated   single process / DDP: model.safetensors, optimizer.bin (both complete, on rank 0)
+    dcp          FSDP sharded state: pytorch_model_fsdp_0/ and optimizer_0/ (torch.distributed.checkpoint)
+    deepspeed    ZeRO-1/2/3: pytorch_model/ (DeepSpeed's own partitions, read with its zero_to_fp32)
+
+All three also hold scheduler.bin and random_states_<rank>.pkl, written by accelerate alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from toolkit.checkpoint import read_marker
+from toolkit.errors import UserError
+
+REPLICATED_MODEL = "model.safetensors"
+DCP_MODEL, DCP_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
+DEEPSPEED_TAG = "pytorch_model"
+SCHEDULER = "scheduler.bin"
+
+
+def checkpoint_layout(path: Path) -> str:
+    """replicated | dcp | deepspeed: which writer's files `path` holds."""
+    if (path / REPLICATED_MODEL).is_file():
+        return "replicated"
+    if (path / DCP_MODEL).is_dir():
+        return "dcp"
+    if (path / DEEPSPEED_TAG).is_dir():
+        return "deepspeed"
+    raise UserError(
+        f"{path}: unknown checkpoint layout (none of {REPLICATED_MODEL}, {DCP_MODEL}/, {DEEPSPEED_TAG}/)"
+    )
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The full model state (names as in the unwrapped model's state_dict), on CPU, in one copy."""
+    read_marker(path)
+    layout = checkpoint_layout(path)
+    if layout == "replicated":
+        return load_file(path / REPLICATED_MODEL)
+    if layout == "dcp":
+        return _read_dcp(path / DCP_MODEL, "model.")
+    return _read_zero(path)
+
+
+def read_optimizer_moments(path: Path) -> dict[str, dict[str, torch.Tensor]] | None:
+    """Per-parameter optimizer state by parameter name, where the layout keeps it by name (dcp), else None.
+
+    A replicated checkpoint's optimizer.bin is keyed by position and loads as it is (an exact resume);
+    DeepSpeed keeps its moments in flat partitions that only DeepSpeed at the same world size can read.
+    """
+    if checkpoint_layout(path) != "dcp":
+        return None
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in _read_dcp(path / DCP_OPTIMIZER, "optimizer.state.").items():
+        name, _, field = key.rpartition(".")
+        moments.setdefault(name, {})[field] = tensor
+    return moments
+
+
+def resume_plan(marker: dict, current: dict) -> str:
+    """exact: `accelerator.load_state` restores everything; weights: `restore_portable` before prepare.
+
+    `current` is `checkpoint.layout(accelerator)`. Replicated layouts (single, DDP) hold complete model
+    and optimizer states, so they load exactly at any world size; sharded ones only into their own layout.
+    """
+    if all(_replicated(backend) for backend in (marker["backend"], current["backend"])):
+        return "exact"
+    # Markers written before the ZeRO stage was recorded: unknown under DeepSpeed, 0 elsewhere.
+    saved = {"zero_stage": None if marker["backend"] == "DEEPSPEED" else 0, **marker}
+    same = all(saved[key] == current[key] for key in ("backend", "world_size", "zero_stage"))
+    return "exact" if same else "weights"
+
+
+def restore_portable(path: Path, model, optimizer, scheduler, current: dict) -> str:
+    """Load a checkpoint from another layout into the model, optimizer and scheduler built for this run.
+
+    Call it before `accelerator.prepare`, on every process, while the model is a plain module. Returns
+    the one line to print: what was carried over, or a warning that the optimizer moments restart.
+    """
+    marker = read_marker(path)
+    load_weights(model, read_weights(path))
+    restore_schedule(scheduler, optimizer, torch.load(path / SCHEDULER, weights_only=True))
+    source = f"a {describe(marker)} checkpoint"
+    moments = read_optimizer_moments(path) if _replicated(current["backend"]) else None
+    if moments is None:
+        return (
+            f"warning: optimizer moments restart: the optimizer state of {source} does not load under "
+            f"{describe(current)}; weights, learning-rate schedule and data position resumed"
+        )
+    load_optimizer_moments(model, optimizer, moments)
+    return f"resumed weights, optimizer and learning-rate schedule from {source} on {describe(current)}"
+
+
+def restore_schedule(scheduler, optimizer, saved: dict) -> None:
+    """Continue a LambdaLR schedule at its saved position, on this run's own parameter groups and peak
+    rates (another backend may group parameters differently, another world size may scale the peak)."""
+    factor = saved["_last_lr"][0] / saved["base_lrs"][0]
+    lrs = [base * factor for base in scheduler.base_lrs]
+    position = {key: saved[key] for key in ("last_epoch", "_step_count")}
+    scheduler.load_state_dict({**scheduler.state_dict(), **position, "_last_lr": lrs})
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+
+
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copy `weights` into `model`, also where ZeRO-3 already partitioned it at construction."""
+    expected = set(model.state_dict())
+    if expected != set(weights):
+        missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+        raise UserError(
+            f"checkpoint does not fit the model built from its config: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+    partitioned = {name: p for name, p in model.named_parameters() if hasattr(p, "ds_id")}
+    if partitioned:
+        import deepspeed
+
+        for name, param in partitioned.items():
+            # Each process holds every weight, so each writes the same values into the gathered tensor.
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+                param.copy_(weights[name])
+    model.load_state_dict({k: v for k, v in weights.items() if k not in partitioned}, strict=False)
+
+
+def load_optimizer_moments(model, optimizer, moments: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Give a plain optimizer the per-parameter state saved by name (its groups stay as built)."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    # A torch optimizer's state_dict numbers parameters in order through its groups.
+    params = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    state = {i: moments[name] for i, name in enumerate(params) if name in moments}
+    if len(state) != len(params):
+        raise UserError(f"optimizer state covers {len(state)} of {len(params)} trained parameters")
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def describe(layout: dict) -> str:
+    """e.g. `DEEPSPEED ZeRO-2 world 2` or `MULTI_CPU world 1`."""
+    zero = f" ZeRO-{layout['zero_stage']}" if layout.get("zero_stage") else ""
+    return f"{layout['backend']}{zero} world {layout['world_size']}"
+
+
+def _replicated(backend: str) -> bool:
+    return backend == "NO" or backend.startswith("MULTI_")
+
+
+def _read_dcp(directory: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """Every tensor under `prefix` in a torch.distributed.checkpoint directory, whole, without a group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(directory))
+    wanted = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():
+        # Reading without a process group is the point here, not an accident worth a warning.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(wanted, storage_reader=reader, no_dist=True)
+    return {key.removeprefix(prefix): tensor for key, tensor in wanted.items()}
+
+
+def _read_zero(path: Path) -> dict[str, torch.Tensor]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    # The helper reports each stage on stdout; a caller prints its own summary instead.
+    with contextlib.redirect_stdout(io.StringIO()):
+        return get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_TAG)
