@@ -2,7 +2,7 @@
 
 Reports assistant-token eval loss and greedy exact-match accuracy on the held-out split before and after
 training, so the demo recipe's defaults can be checked against a known-good reference:
-`python scripts/measure_demo_headroom.py --steps 200`.
+`python scripts/measure_demo_headroom.py` (about a minute on two CPU cores).
 """
 
 import argparse
@@ -112,7 +112,9 @@ def train(model, examples, pad_id, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    # Exact match jumps from ~10% to ~90% somewhere between 250 and 450 steps depending on the data
+    # order; 500 steps clears that jump for every seed tried.
+    parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--rank", type=int, default=16)

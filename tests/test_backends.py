@@ -110,12 +110,15 @@ def test_two_machines_on_loopback_match_one_process(config, single, tmp_path):
     if method != "lora":
         pytest.skip("one method is enough to prove the rendezvous")
     out, port = tmp_path / "run", str(free_port())
+    # DeepSpeed's default multi-machine launcher is pdsh over ssh; torchrun on each machine is "standard".
+    extra = ["--deepspeed_multinode_launcher", "standard"] if config.startswith("zero") else []
     machines = [
         start_recipe(
             out,
             *settings(method),
             launch=[
                 *launch(config)[:2],
+                *extra,
                 "--num_processes",
                 "2",
                 "--num_machines",
