@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from toolkit import (
@@ -74,27 +73,13 @@ def main(argv: list[str]) -> int:
         cfg.data, tokenizer, cfg.seed, accelerator.main_process_first
     )
     accelerator.print(stats.summary())
-    collate = data.Collator(tokenizer.pad_token_id)
-    train_collate = (
-        data.PackedCollator(
-            tokenizer.pad_token_id, flash_varlen=cfg.model.attn_implementation == "flash_attention_2"
-        )
-        if cfg.data.packing
-        else collate
-    )
-    if cfg.data.group_by_length:
-        sampler = data.LengthGroupedSampler(
-            data.row_lengths(train_set), cfg.train.global_batch_size, cfg.seed
-        )
-    else:
-        sampler = batches.EpochSampler(len(train_set), cfg.train.global_batch_size, cfg.seed)
-    train_loader = DataLoader(
+    train_loader, sampler = data.train_loader(
         train_set,
-        batch_size=cfg.train.micro_batch_size,
-        sampler=sampler,
-        collate_fn=train_collate,
-        num_workers=cfg.data.num_workers,
-        drop_last=True,
+        cfg.data,
+        cfg.train,
+        tokenizer.pad_token_id,
+        cfg.seed,
+        flash_varlen=cfg.model.attn_implementation == "flash_attention_2",
     )
     model = models.load_model(cfg.model, cfg.lora, accelerator.local_process_index)
     trainable, total = models.count_parameters(model)
@@ -117,7 +102,7 @@ def main(argv: list[str]) -> int:
             accelerator.process_index,
             accelerator.num_processes,
             cfg.train.micro_batch_size,
-            collate,
+            data.Collator(tokenizer.pad_token_id),
         )
 
     # Where to start: a checkpoint, or a fresh run whose starting point is measured first.

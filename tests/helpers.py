@@ -15,6 +15,8 @@ RECIPE = REPO / "recipes" / "finetune_llm.py"
 # Small and quick, but the real demo model, data and code path.
 QUICK = [
     "train.max_steps=4",
+    "train.log_every_steps=1",
+    "train.warmup_steps=0",
     "train.global_batch_size=8",
     "train.micro_batch_size=4",
     "data.max_length=64",

@@ -4,6 +4,7 @@ held out and mixed deterministically, optionally packed, and batched with paddin
 from toolkit.data.build import DataStats, build_datasets
 from toolkit.data.chat import ensure_chat_template
 from toolkit.data.collate import Collator, PackedCollator, count_tokens, model_inputs
+from toolkit.data.loader import train_loader
 from toolkit.data.packing import LengthGroupedSampler, row_lengths
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "ensure_chat_template",
     "model_inputs",
     "row_lengths",
+    "train_loader",
 ]
