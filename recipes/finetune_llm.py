@@ -136,6 +136,7 @@ def main(argv: list[str]) -> int:
     for step in range(start_step + 1, cfg.train.max_steps + 1):
         started = time.perf_counter()
         micro_batches = stream.next_step()
+        data_wait = time.perf_counter() - started
         counts = torch.tensor(
             [
                 sum(loss.count_targets(b["labels"]) for b in micro_batches),
@@ -170,6 +171,8 @@ def main(argv: list[str]) -> int:
                 tokens_per_s=step_tokens / elapsed,
                 tokens_seen=tokens_seen,
                 step_time_s=elapsed,
+                data_wait_frac=data_wait / elapsed,
+                peak_mem_mb=metrics.peak_memory_mb(accelerator.device),
                 skipped_steps=guard.skipped,
             )
             progress.set_postfix(

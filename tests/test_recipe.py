@@ -28,8 +28,10 @@ def test_lora_run_writes_every_contracted_output(lora_run):
     lines = read_metrics(out / "metrics.jsonl")
     train_lines = [r for r in lines if "loss" in r]
     assert [r["step"] for r in train_lines] == [1, 2, 3, 4]
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen"):
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen", "step_time_s", "peak_mem_mb"):
         assert all(isinstance(r[key], float | int) for r in train_lines), key
+    assert all(0 <= r["data_wait_frac"] < 1 for r in train_lines)
+    assert all(r["peak_mem_mb"] > 100 for r in train_lines)  # a Python process with torch loaded
     evals = [r for r in lines if "eval_loss" in r]
     assert [r["step"] for r in evals] == [0, 4] and all("exact_match" in r for r in evals)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import time
 from pathlib import Path
+
+import torch
 
 
 class MetricsLog:
@@ -24,6 +27,13 @@ class MetricsLog:
             if self._tracker_log is not None:
                 self._tracker_log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
         return record
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory so far: allocated device memory on CUDA, the process's peak RSS elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def read_metrics(path: Path) -> list[dict]:
