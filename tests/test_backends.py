@@ -2,6 +2,9 @@
 and checkpoints, exports, and gives the same per-step loss and final weights as one process."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,3 +140,32 @@ def test_two_machines_on_loopback_match_one_process(config, single, tmp_path):
     assert [m.returncode for m in machines] == [0, 0], outputs[0][1][-4000:] + outputs[1][1][-4000:]
     assert "| world 2 | 1 per node |" in outputs[0][0]
     assert step_losses(out) == pytest.approx(step_losses(reference), rel=1e-3)
+
+
+@pytest.mark.parametrize("naive", [False, True], ids=["accumulate", "naive"])
+def test_gradients_sync_once_per_optimizer_step(naive, tmp_path):
+    """DDP all-reduces each gradient bucket once per optimizer step, not once per micro-batch; the naive
+    loop (a plain backward per micro-batch) all-reduces every time, which this test tells apart."""
+    script = REPO / "tests" / "scripts" / "count_allreduce.py"
+    counts = {}
+    for grad_accum in (1, 4):
+        out = tmp_path / f"ga{grad_accum}.json"
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            *launch("ddp"),
+            str(script),
+            "--out",
+            str(out),
+            "--grad-accum",
+            str(grad_accum),
+        ] + (["--naive"] if naive else [])
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        counts[grad_accum] = json.loads(out.read_text())
+    per_step = counts[1]["allreduce_calls"] // 2
+    assert per_step == counts[1]["buckets"] >= 1
+    synced_once = counts[4]["allreduce_calls"] == counts[1]["allreduce_calls"]
+    assert synced_once != naive, counts

@@ -1,0 +1,52 @@
+"""Count DDP gradient all-reduces over optimizer steps with gradient accumulation, done the way the recipe
+does it (`accelerator.accumulate`), or naively (--naive: a plain backward per micro-batch)."""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from train_tiny import build_model
+
+from toolkit import distributed
+from toolkit.config import TrainConfig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--grad-accum", type=int, required=True)
+    parser.add_argument("--naive", action="store_true")
+    args = parser.parse_args()
+    launch = distributed.detect_launch()
+    train = TrainConfig(global_batch_size=2 * args.grad_accum * launch.world_size, micro_batch_size=2)
+    accelerator = Accelerator(**distributed.accelerator_kwargs(launch, train, args.grad_accum))
+    distributed.finish_setup(accelerator, launch)
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer = accelerator.prepare(model, optimizer)
+    calls = []
+
+    def counting_allreduce(state, bucket):
+        calls.append(bucket.index())
+        return allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, counting_allreduce)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(accelerator.process_index))
+    for _ in range(2):  # optimizer steps
+        for _ in range(args.grad_accum):
+            if args.naive:
+                accelerator.backward(model(input_ids=ids, labels=ids).loss)
+            else:
+                with accelerator.accumulate(model):
+                    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    if accelerator.is_main_process:
+        Path(args.out).write_text(json.dumps({"allreduce_calls": len(calls), "buckets": len(set(calls))}))
+
+
+if __name__ == "__main__":
+    main()
