@@ -77,3 +77,15 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def launch(config: str, processes: int = 2) -> list[str]:
+    """`accelerate launch` arguments for a shipped config on `processes` local processes."""
+    return [
+        "--config_file",
+        str(REPO / "accelerate_configs" / f"{config}.yaml"),
+        "--num_processes",
+        str(processes),
+        "--main_process_port",
+        str(free_port()),
+    ]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, free_port, run_recipe, start_recipe, step_losses
+from helpers import REPO, free_port, launch, run_recipe, start_recipe, step_losses
 from safetensors.torch import load_file
 
 from toolkit.checkpoint import MARKER
@@ -35,17 +35,6 @@ def settings(method: str) -> list[str]:
         f"train.learning_rate={LEARNING_RATE[method]}",
         f"train.max_steps={STEPS}",
         "train.save_every_steps=5",
-    ]
-
-
-def launch(config: str, processes: int = 2) -> list[str]:
-    return [
-        "--config_file",
-        str(REPO / "accelerate_configs" / f"{config}.yaml"),
-        "--num_processes",
-        str(processes),
-        "--main_process_port",
-        str(free_port()),
     ]
 
 

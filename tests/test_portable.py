@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import REPO, free_port, run_recipe, step_losses
+from helpers import REPO, launch, run_recipe, step_losses
 from safetensors.torch import load_file
 
 from toolkit import cli, portable
@@ -35,17 +35,6 @@ RUNS = {  # name -> (accelerate config, processes, method, extra overrides)
     "zero3": ("zero3", 2, "full", []),
 }
 RESUME_AT = 2  # of QUICK's 4 steps
-
-
-def launch(config: str, processes: int) -> list[str]:
-    return [
-        "--config_file",
-        str(REPO / "accelerate_configs" / f"{config}.yaml"),
-        "--num_processes",
-        str(processes),
-        "--main_process_port",
-        str(free_port()),
-    ]
 
 
 @pytest.fixture(scope="module")
