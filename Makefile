@@ -29,6 +29,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 bench: install
+	$(PIP) install -q -e ".[bench]"
 	$(PY) bench/run.py
 
 clean:

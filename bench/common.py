@@ -1,0 +1,108 @@
+"""What every contender shares: the model files, the data file, the padding collator and the stats file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENIZER_DIR = ROOT / "toolkit" / "assets" / "tiny-llama"
+SEQ_LEN = 256
+BATCH = 8
+STEPS = 8
+LEARNING_RATE = 5e-4
+SEED = 0
+EXAMPLES = 400
+
+
+def build_model_dir(out: Path) -> None:
+    """A random-init Llama (~1.6M parameters, sized for a shared 2-core CPU), saved with the tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def write_data(path: Path) -> None:
+    """Alpaca-like chats of plain words with lognormal lengths (many short, a long tail past SEQ_LEN)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    words = sorted(
+        {
+            t.lstrip("Ġ▁")
+            for t in tokenizer.get_vocab()
+            if t.lstrip("Ġ▁").isalpha() and len(t.lstrip("Ġ▁")) > 2
+        }
+    )
+    rng = random.Random(SEED)
+
+    def text(median_words: float, sigma: float) -> str:
+        n = max(1, int(rng.lognormvariate(math.log(median_words), sigma)))
+        return " ".join(rng.choice(words) for _ in range(n)) + "."
+
+    with path.open("w") as handle:
+        for _ in range(EXAMPLES):
+            messages = [
+                {"role": "user", "content": text(12, 0.8)},
+                {"role": "assistant", "content": text(30, 0.9)},
+            ]
+            handle.write(json.dumps({"messages": messages}) + "\n")
+
+
+def encode(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    return list(ids)[:SEQ_LEN]
+
+
+def pad_batch(rows: list[list[int]], pad_id: int, multiple: int = 8) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest row (rounded up to 8, as ftkit does); loss on every real token."""
+    width = -(-max(len(r) for r in rows) // multiple) * multiple
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class StepStats:
+    """Wall-clock time at the end of each optimizer step and the real tokens it consumed."""
+
+    def __init__(self):
+        self.step_end: list[float] = []
+        self.tokens: list[int] = []
+        self.loss: float | None = None
+
+    def step(self, tokens: int, loss: float | None = None) -> None:
+        self.step_end.append(time.time())
+        self.tokens.append(int(tokens))
+        if loss is not None:
+            self.loss = float(loss)
+
+    def save(self) -> None:
+        record = {"step_end": self.step_end, "tokens": self.tokens, "loss": self.loss}
+        Path(os.environ["BENCH_STATS"]).write_text(json.dumps(record))

@@ -1,0 +1,131 @@
+"""Side-by-side CPU benchmark: bare Accelerate loop, ftkit (with and without packing), TRL SFTTrainer
+(defaults and packing) and HF Trainer on the same model files, data and settings. Writes bench/RESULTS.md.
+
+    python bench/run.py [--repeats 3]
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import BATCH, LEARNING_RATE, ROOT, SEQ_LEN, STEPS, build_model_dir, write_data
+
+BENCH = Path(__file__).resolve().parent
+PY = sys.executable
+
+
+def commands(work: Path) -> dict[str, list[str]]:
+    model, data, out = str(work / "model"), str(work / "data.jsonl"), work / "out"
+    ftkit = [PY, str(ROOT / "recipes" / "finetune_llm.py"), "--config", str(BENCH / "ftkit.yaml"),
+             f"model.path={model}", f"data.train={data}", f"output_dir={out}/ftkit",
+             f"train.max_steps={STEPS}", f"train.global_batch_size={BATCH}",
+             f"train.micro_batch_size={BATCH}",
+             f"train.learning_rate={LEARNING_RATE}", f"data.max_length={SEQ_LEN}"]  # fmt: skip
+    hf = [PY, str(BENCH / "hf_trainers.py")]
+    return {
+        "bare accelerate loop": [PY, str(BENCH / "bare_loop.py"), model, data],
+        "ftkit": ftkit,
+        "ftkit packing": [*ftkit, "data.packing=true"],
+        "TRL SFTTrainer": [*hf, "trl", model, data, str(out / "trl")],
+        "TRL SFTTrainer packing": [*hf, "trl-packing", model, data, str(out / "trlp")],
+        "HF Trainer": [*hf, "hf-trainer", model, data, str(out / "hf")],
+    }
+
+
+def run_once(name: str, cmd: list[str], work: Path) -> dict:
+    stats_path = work / "stats.json"
+    stats_path.unlink(missing_ok=True)
+    env = {**os.environ, "BENCH_STATS": str(stats_path), "PYTHONPATH": str(BENCH)}
+    launched = time.time()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    stderr = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.time() - launched
+    if status != 0:
+        raise SystemExit(f"{name} failed:\n{stderr.decode()[-3000:]}")
+    if name.startswith("ftkit"):
+        lines = [json.loads(x) for x in (work / "out" / "ftkit" / "metrics.jsonl").read_text().splitlines()]
+        lines = [x for x in lines if "tokens_per_s" in x]
+        ends = [x["time"] for x in lines]
+        tokens = [round(x["tokens_per_s"] * x["step_time_s"]) for x in lines]
+        loss = lines[-1]["loss"]
+    else:
+        record = json.loads(stats_path.read_text())
+        ends, tokens, loss = record["step_end"], record["tokens"], record["loss"]
+    steps = [b - a for a, b in zip(ends, ends[1:])]
+    return {
+        "tokens_per_s": sum(tokens[1:]) / (ends[-1] - ends[0]),
+        "step_s": statistics.median(steps),
+        "first_step_s": ends[0] - launched,
+        "rss_mb": usage.ru_maxrss / 1024,
+        "loss": loss,
+        "wall_s": wall,
+    }
+
+
+COLUMNS = [
+    ("tokens_per_s", "real tokens/s", "{:.0f}"),
+    ("step_s", "step time median (s)", "{:.2f}"),
+    ("first_step_s", "launch → end of step 1 (s)", "{:.1f}"),
+    ("rss_mb", "peak RSS (MB)", "{:.0f}"),
+    ("loss", "final loss", "{:.3f}"),
+    ("wall_s", "whole run (s)", "{:.1f}"),
+]
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    lines = ["| contender | " + " | ".join(c[1] for c in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for name, runs in results.items():
+        cells = []
+        for key, _, fmt in COLUMNS:
+            values = sorted(r[key] for r in runs)
+            cells.append(
+                " / ".join(fmt.format(v) for v in (values[0], statistics.median(values), values[-1]))
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    cpu = next((x.split(":")[1].strip() for x in cpuinfo if x.startswith("model name")), "?")
+    ram = int(next(x.split()[1] for x in meminfo if x.startswith("MemTotal"))) / 2**20
+    load = os.getloadavg()
+    return (
+        f"{os.cpu_count()} cores ({cpu}), {ram:.0f} GiB RAM, {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__} (CPU), "
+        f"load average at the end {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        build_model_dir(work / "model")
+        write_data(work / "data.jsonl")
+        cmds = commands(work)
+        results: dict[str, list[dict]] = {name: [] for name in cmds}
+        for repeat in range(args.repeats):  # round-robin, so drift in machine speed hits every contender
+            for name, cmd in cmds.items():
+                results[name].append(run_once(name, cmd, work))
+                print(f"[{repeat + 1}/{args.repeats}] {name}: {results[name][-1]}", flush=True)
+    text = table(results)
+    print(text)
+    (BENCH / "raw_results.json").write_text(json.dumps({"machine": machine(), "runs": results}, indent=1))
+    print(machine())
+
+
+if __name__ == "__main__":
+    main()
