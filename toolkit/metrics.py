@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from toolkit.errors import UserError
+
 
 class MetricsLog:
     """Appends metric lines on the main process; other ranks hold an inert instance."""
@@ -37,10 +39,18 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """Every line of a metrics.jsonl file (an empty list when it does not exist)."""
+    """Every record of a metrics.jsonl file (an empty list when it does not exist)."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    return records
 
 
 def truncate_after(path: Path, step: int) -> None:

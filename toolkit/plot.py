@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from toolkit.errors import UserError
+from toolkit.metrics import read_metrics
 
 # (metric key, panel title); the loss panel also draws eval_loss.
 PANELS = (("loss", "loss (eval dashed)"), ("lr", "learning rate"), ("tokens_per_s", "tokens / s"))
@@ -16,16 +16,7 @@ def read_run(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{run_dir}: no metrics.jsonl (is it a run's output_dir?)")
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-        if isinstance(record, dict) and "step" in record:
-            records.append(record)
+    records = [r for r in read_metrics(path) if isinstance(r, dict) and "step" in r]
     if not records:
         raise UserError(f"{path}: no metrics logged yet")
     return records
