@@ -4,7 +4,6 @@ BENCH_STATS=stats.json python bench/bare_loop.py MODEL_DIR DATA_JSONL
 """
 
 import json
-import random
 import sys
 
 import torch
@@ -20,7 +19,9 @@ def main(model_dir: str, data_path: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with open(data_path) as handle:
         rows = [encode(tokenizer, json.loads(line)["messages"]) for line in handle]
-    random.Random(SEED).shuffle(rows)
+    # ftkit's sampler order (a torch permutation seeded with the run's seed): both train on the same batches.
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(SEED)).tolist()
+    rows = [rows[i] for i in order]
     batches = [rows[i : i + BATCH] for i in range(0, STEPS * BATCH, BATCH)]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)

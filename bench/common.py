@@ -22,17 +22,17 @@ EXAMPLES = 400
 
 
 def build_model_dir(out: Path) -> None:
-    """A random-init Llama (~1.6M parameters, sized for a shared 2-core CPU), saved with the tokenizer."""
+    """A random-init Llama (~20M parameters: large enough that compute shows), saved with the tokenizer."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
         max_position_embeddings=1024,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

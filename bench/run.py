@@ -1,7 +1,9 @@
 """Side-by-side CPU benchmark: bare Accelerate loop, ftkit (with and without packing), TRL SFTTrainer
-(defaults and packing) and HF Trainer on the same model files, data and settings. Writes bench/RESULTS.md.
+(defaults and packing) and HF Trainer on the same model files, data and settings. Prints the table, puts it
+with the machine and the target verdicts into bench/RESULTS.md (between its markers), and writes every run's
+figures to bench/raw_results.json.
 
-    python bench/run.py [--repeats 3]
+    python bench/run.py [--repeats 5]
 """
 
 import argparse
@@ -94,6 +96,46 @@ def table(results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+TARGETS = [
+    # (what, contender, reference, key, best ratio of contender to reference, higher is better)
+    ("ftkit overhead <= 2% over the bare loop (real tokens/s)", "ftkit", "bare accelerate loop",
+     "tokens_per_s", 0.98, True),
+    ("ftkit packing >= 1.3x TRL's default real tokens/s", "ftkit packing", "TRL SFTTrainer",
+     "tokens_per_s", 1.3, True),
+    ("ftkit time to first step no worse than TRL's", "ftkit", "TRL SFTTrainer", "first_step_s", 1.0, False),
+    ("ftkit packing time to first step no worse than TRL's", "ftkit packing", "TRL SFTTrainer",
+     "first_step_s", 1.0, False),
+]  # fmt: skip
+
+
+def verdicts(results: dict[str, list[dict]]) -> str:
+    """One line per target, judged on medians."""
+    lines = []
+    for what, name, reference, key, bound, higher in TARGETS:
+        ours = statistics.median(r[key] for r in results[name])
+        theirs = statistics.median(r[key] for r in results[reference])
+        ratio = ours / theirs
+        met = ratio >= bound if higher else ratio <= bound
+        lines.append(
+            f"- {what}: **{'met' if met else 'not met'}** — median {ours:.4g} ({name}) against "
+            f"{theirs:.4g} ({reference}), ratio {ratio:.3f}"
+        )
+    return "\n".join(lines)
+
+
+BEGIN, END = "<!-- make bench: begin -->", "<!-- make bench: end -->"
+
+
+def write_results(path: Path, block: str) -> None:
+    """Replace what lies between the RESULTS.md markers with `block`."""
+    text = path.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path}: the markers {BEGIN} and {END} are missing; table not written")
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    path.write_text(f"{head}{BEGIN}\n{block}\n{END}{tail}")
+
+
 def machine() -> str:
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     meminfo = Path("/proc/meminfo").read_text().splitlines()
@@ -109,7 +151,7 @@ def machine() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -121,10 +163,16 @@ def main() -> None:
             for name, cmd in cmds.items():
                 results[name].append(run_once(name, cmd, work))
                 print(f"[{repeat + 1}/{args.repeats}] {name}: {results[name][-1]}", flush=True)
-    text = table(results)
-    print(text)
+    block = "\n\n".join(
+        [
+            f"Machine: {machine()}. {args.repeats} runs of each contender; cells are min / median / max.",
+            table(results),
+            verdicts(results),
+        ]
+    )
+    print(block)
+    write_results(BENCH / "RESULTS.md", block)
     (BENCH / "raw_results.json").write_text(json.dumps({"machine": machine(), "runs": results}, indent=1))
-    print(machine())
 
 
 if __name__ == "__main__":

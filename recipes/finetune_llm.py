@@ -27,11 +27,13 @@ from toolkit import (
     distributed,
     evaluate,
     export,
+    flops,
     launch_check,
     loss,
     metrics,
     optim,
     portable,
+    speed,
 )
 from toolkit import model as models
 from toolkit.config import RecipeConfig, flat_dict, load_config, save_config
@@ -58,7 +60,8 @@ def main(argv: list[str]) -> int:
         step_scheduler_with_optimizer=False,  # one scheduler step per optimizer step, whatever the world size
     )
     distributed.finish_setup(accelerator, launch)
-    for line in [distributed.describe(accelerator, launch, cfg.train, grad_accum), *notes]:
+    features = speed.resolve(cfg.model, cfg.train, accelerator.device)
+    for line in [distributed.describe(accelerator, launch, cfg.train, grad_accum), *notes, *features.notes]:
         accelerator.print(line)
     set_seed(cfg.seed)
     resume_from = checkpoint.resolve_resume(output_dir, cfg.train.resume, cfg.train.overwrite)
@@ -79,14 +82,15 @@ def main(argv: list[str]) -> int:
         cfg.train,
         tokenizer.pad_token_id,
         cfg.seed,
-        flash_varlen=cfg.model.attn_implementation == "flash_attention_2",
+        flash_varlen=features.attention == "flash_attention_2",
     )
-    model = models.load_model(cfg.model, cfg.lora, accelerator.local_process_index)
+    model = models.load_model(cfg.model, cfg.lora, accelerator.local_process_index, features)
     trainable, total = models.count_parameters(model)
     accelerator.print(
         f"model: {cfg.model.path} ({cfg.model.method}), {trainable:,} of {total:,} parameters trained"
     )
-    optimizer = optim.build_optimizer(model, cfg.train, accelerator.num_processes)
+    meter = metrics.StepSpeed(flops.ModelShape.of(model), accelerator.device, accelerator.num_processes)
+    optimizer = optim.build_optimizer(model, cfg.train, accelerator.num_processes, features.fused_adamw)
     scheduler = optim.build_scheduler(optimizer, cfg.train)
     # Resuming under another backend or world size: the checkpoint goes into the plain model, before prepare.
     marker = checkpoint.read_marker(resume_from) if resume_from is not None else None
@@ -141,10 +145,11 @@ def main(argv: list[str]) -> int:
             [
                 sum(loss.count_targets(b["labels"]) for b in micro_batches),
                 sum(data.count_tokens(b) for b in micro_batches),
+                sum(len(b["input_ids"]) for b in micro_batches),
             ],
             device=accelerator.device,
         )
-        step_targets, step_tokens = accelerator.reduce(counts, reduction="sum").tolist()
+        step_targets, step_tokens, step_rows = accelerator.reduce(counts, reduction="sum").tolist()
         scale = loss.backward_scale(step_targets, grad_accum, accelerator.num_processes)
         loss_sum = torch.zeros((), device=accelerator.device)
         for batch in micro_batches:
@@ -163,21 +168,17 @@ def main(argv: list[str]) -> int:
         elapsed = time.perf_counter() - started
         if step % cfg.train.log_every_steps == 0 or step == cfg.train.max_steps:
             lr = scheduler.get_last_lr()[0]
+            measured = meter.measure(step_tokens, step_rows, elapsed, data_wait)
             log.write(
                 step,
                 loss=step_loss,
                 lr=lr,
                 grad_norm=grad_norm,
-                tokens_per_s=step_tokens / elapsed,
                 tokens_seen=tokens_seen,
-                step_time_s=elapsed,
-                data_wait_frac=data_wait / elapsed,
-                peak_mem_mb=metrics.peak_memory_mb(accelerator.device),
                 skipped_steps=guard.skipped,
+                **measured,
             )
-            progress.set_postfix(
-                loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{step_tokens / elapsed:.0f}"
-            )
+            progress.set_postfix(metrics.progress_fields(step_loss, lr, measured))
         progress.update(1)
         eval_result = {}
         if eval_loader is not None and cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0:
@@ -281,7 +282,10 @@ def report(
 
 if __name__ == "__main__":
     try:
-        sys.exit(main(sys.argv[1:]))
+        exit_code = main(sys.argv[1:])
     except UserError as exc:
         print(f"finetune_llm: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        exit_code = 2
+    finally:
+        distributed.close()  # also after a preemption stop or an error, so the exit code gets out
+    sys.exit(exit_code)

@@ -1,19 +1,20 @@
-"""Every shipped accelerate config runs the real recipe on 2 gloo CPU processes — LoRA and full fine-tune —
-and checkpoints, exports, and gives the same per-step loss and final weights as one process."""
+"""Every shipped accelerate config runs the real recipe on 2 gloo CPU processes — LoRA, full fine-tune, and
+LoRA on packed rows — and checkpoints, exports, and gives the same per-step loss and final weights as one
+process."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, free_port, launch, run_recipe, start_recipe, step_losses
+from helpers import REPO, free_port, launch, run_launched, run_recipe, start_recipe, step_losses
 from safetensors.torch import load_file
 
 from toolkit.checkpoint import MARKER
 from toolkit.export import verify_export
+from toolkit.metrics import read_metrics
 
 pytestmark = pytest.mark.multiproc
 
@@ -29,12 +30,15 @@ STEPS = 10
 LEARNING_RATE = {"lora": "1e-3", "full": "1e-4"}
 
 
-def settings(method: str) -> list[str]:
+def settings(variant: str) -> list[str]:
+    """`lora`, `full`, or `lora-packed` (packed rows: position ids restart, no attention across examples)."""
+    method, _, packed = variant.partition("-")
     return [
         f"model.method={method}",
         f"train.learning_rate={LEARNING_RATE[method]}",
         f"train.max_steps={STEPS}",
         "train.save_every_steps=5",
+        *(["data.packing=true"] if packed else []),
     ]
 
 
@@ -44,7 +48,7 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(final / name)
 
 
-@pytest.fixture(scope="module", params=["lora", "full"])
+@pytest.fixture(scope="module", params=["lora", "full", "lora-packed"])
 def single(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"single-{request.param}") / "run"
     run_recipe(out, *settings(request.param), launch=launch("single", 1))
@@ -53,12 +57,14 @@ def single(request, tmp_path_factory):
 
 @pytest.mark.parametrize("config", list(BACKENDS))
 def test_backend_trains_saves_exports_like_one_process(config, single, tmp_path):
-    method, reference = single
+    variant, reference = single
     out = tmp_path / "run"
-    result = run_recipe(out, *settings(method), launch=launch(config))
+    result = run_recipe(out, *settings(variant), launch=launch(config))
     assert BACKENDS[config] in result.stdout and "| world 2 | 2 per node |" in result.stdout
 
     assert len(step_losses(out)) == STEPS
+    speeds = [r for r in read_metrics(out / "metrics.jsonl") if "tokens_per_s" in r]
+    assert all(r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / 2) for r in speeds)
     assert step_losses(out) == pytest.approx(step_losses(reference), rel=1e-3)
 
     for step in (5, 10):
@@ -100,16 +106,16 @@ def test_split_of_the_global_batch_does_not_change_the_loss(micro, one_process_m
 @pytest.mark.parametrize("config", ["ddp", "zero2"])
 def test_two_machines_on_loopback_match_one_process(config, single, tmp_path):
     """Two `accelerate launch` invocations, one process each, joined over 127.0.0.1."""
-    method, reference = single
-    if method != "lora":
-        pytest.skip("one method is enough to prove the rendezvous")
+    variant, reference = single
+    if variant != "lora":
+        pytest.skip("one variant is enough to prove the rendezvous")
     out, port = tmp_path / "run", str(free_port())
     # DeepSpeed's default multi-machine launcher is pdsh over ssh; torchrun on each machine is "standard".
     extra = ["--deepspeed_multinode_launcher", "standard"] if config.startswith("zero") else []
     machines = [
         start_recipe(
             out,
-            *settings(method),
+            *settings(variant),
             launch=[
                 *launch(config)[:2],
                 *extra,
@@ -153,7 +159,7 @@ def test_gradients_sync_once_per_optimizer_step(naive, tmp_path):
             str(grad_accum),
         ] + (["--naive"] if naive else [])
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        done = run_launched(command, env, timeout=600)
         assert done.returncode == 0, done.stderr[-4000:]
         counts[grad_accum] = json.loads(out.read_text())
     per_step = counts[1]["allreduce_calls"] // 2

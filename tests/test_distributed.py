@@ -14,6 +14,7 @@ import torch
 import yaml
 from accelerate.commands.config import load_config_from_file
 from accelerate.utils import DistributedType
+from helpers import run_launched
 
 from toolkit import distributed, launch_check
 from toolkit.cli import main as cli
@@ -461,9 +462,11 @@ def launch_tiny(
     head = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), *launcher_args]
     tail = [str(SCRIPT), "--out", str(out), *script_args]
     ranks = [["--machine_rank", str(r), "--main_process_ip", "127.0.0.1"] for r in range(machines)]
-    if machines == 1:
-        ranks = [[]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    if machines == 1:
+        done = run_launched([*head, *tail], env, keep=out, timeout=600)
+        assert done.returncode == 0, f"{config.name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
+        return json.loads((out / "result.json").read_text())
     procs = [
         subprocess.Popen(
             [*head, *rank, *tail],

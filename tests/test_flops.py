@@ -5,7 +5,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from toolkit.flops import flops_per_token, mfu, peak_flops, training_flops_per_token
+from toolkit.flops import ModelShape, flops_per_token, mfu, peak_flops, training_flops_per_token
+from toolkit.metrics import StepSpeed
 from toolkit.model_counts import count_parameters
 
 SEQ = 4
@@ -117,3 +118,24 @@ def test_mfu():
     assert mfu(2000, 33_000_000_000, "NVIDIA GeForce RTX 4090", 2) == pytest.approx(0.2)
     assert mfu(2000, 33_000_000_000, "cpu", 1) is None
     assert mfu(2000, 33_000_000_000, None, 1) is None
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_shape_of_a_loaded_model_gives_the_counted_flops(method):
+    from peft import LoraConfig, get_peft_model
+
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    if method == "lora":
+        model = get_peft_model(model, LoraConfig(r=2, target_modules="all-linear", task_type="CAUSAL_LM"))
+    assert ModelShape.of(model).flops_per_token(SEQ) == hand_count(None if method == "full" else 2)
+
+
+def test_step_speed_reports_mfu_only_for_a_known_device():
+    shape = ModelShape(matmul_frozen=0, matmul_trainable=1408, layers=2, attn_dim=8)
+    speed = StepSpeed(shape, torch.device("cpu"), world_size=2)
+    values = speed.measure(tokens=4000, rows=1000, elapsed=2.0, data_wait=0.5)
+    assert values["tokens_per_s"] == 2000 and values["tokens_per_s_per_device"] == 1000
+    assert values["data_wait_frac"] == 0.25 and "mfu" not in values
+    speed.device_name = "NVIDIA GeForce RTX 4090"  # what torch.cuda.get_device_name reports there
+    # 2000 tokens/s x 9216 FLOPs (rows of 4 tokens: the attention term at SEQ) over 2 x 165 TFLOP/s.
+    assert speed.measure(4000, 1000, 2.0, 0.5)["mfu"] == pytest.approx(2000 * 9216 / (2 * 165e12))

@@ -28,8 +28,19 @@ def test_lora_run_writes_every_contracted_output(lora_run):
     lines = read_metrics(out / "metrics.jsonl")
     train_lines = [r for r in lines if "loss" in r]
     assert [r["step"] for r in train_lines] == [1, 2, 3, 4]
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen", "step_time_s", "peak_mem_mb"):
+    for key in (
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "tokens_per_s_per_device",
+        "tokens_seen",
+        "step_time_s",
+        "peak_mem_mb",
+    ):
         assert all(isinstance(r[key], float | int) for r in train_lines), key
+    assert all(r["tokens_per_s_per_device"] == r["tokens_per_s"] for r in train_lines)  # one process
+    assert not any("mfu" in r for r in train_lines)  # no peak FLOP/s is known for a CPU
     assert all(0 <= r["data_wait_frac"] < 1 for r in train_lines)
     assert all(r["peak_mem_mb"] > 100 for r in train_lines)  # a Python process with torch loaded
     evals = [r for r in lines if "eval_loss" in r]

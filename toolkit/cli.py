@@ -70,6 +70,20 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default: the run's export.dtype")
     export.add_argument("--base-model", help="base model path, where the config's model.path moved")
 
+    scaling = commands.add_parser(
+        "bench-scaling", help="the recipe at several process counts: tokens/s, speedup, efficiency"
+    )
+    scaling.add_argument(
+        "--config_file", required=True, help="accelerate config, e.g. accelerate_configs/ddp.yaml"
+    )
+    scaling.add_argument("--nprocs", default="1,2", help="process counts to compare (default 1,2)")
+    scaling.add_argument("--config", help="recipe config YAML (default: the demo config)")
+    scaling.add_argument("--recipe", default="recipes/finetune_llm.py", help="recipe script to launch")
+    scaling.add_argument("--out", default="runs/bench-scaling", help="where the runs and scaling.json go")
+    scaling.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the timing")
+    scaling.add_argument("--json", action="store_true")
+    scaling.add_argument("overrides", nargs="*", help="after --: dotted.key=value recipe overrides")
+
     args = parser.parse_args(argv)
     try:
         return _run(args)
@@ -121,6 +135,26 @@ def _run(args) -> int:
                 Path(args.checkpoint_dir), Path(args.out), args.merge_lora, args.dtype, args.base_model
             )
         )
+        return 0
+    if args.command == "bench-scaling":
+        from dataclasses import asdict
+
+        from toolkit import bench_scaling
+        from toolkit.distributed import count_gpus
+
+        points = bench_scaling.run_scaling(
+            args.config_file,
+            bench_scaling.parse_counts(args.nprocs),
+            args.overrides,
+            Path(args.out),
+            Path(args.recipe),
+            args.config,
+            args.warmup_steps,
+            echo=(lambda line: print(line, file=sys.stderr)) if args.json else print,
+        )
+        report = [asdict(p) for p in points] if args.json else None
+        text = bench_scaling.render(points, args.config_file, on_cpu=count_gpus() == 0)
+        print(json.dumps(report, indent=2) if args.json else text)
         return 0
     raise AssertionError(args.command)
 

@@ -25,9 +25,14 @@ class ModelConfig:
     dtype: str = "float32"
     """Dtype the weights are loaded in: float32 | bfloat16 | float16 | auto."""
     attn_implementation: str = "sdpa"
-    """Attention kernel: sdpa | eager | flash_attention_2."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass (non-reentrant) to save memory."""
+    """Attention kernel: sdpa | eager | flash_attention_2 (CUDA + flash-attn, else sdpa with a note)."""
+    gradient_checkpointing: bool | str = "auto"
+    """Recompute activations in the backward pass to save memory: true | false | auto (on for LoRA/QLoRA
+    of models with 1B+ parameters)."""
+    liger_kernels: bool = False
+    """Liger's Triton kernels for norms, rotary embedding and MLP (CUDA + liger-kernel, else a note)."""
+    compile: bool = False
+    """torch.compile the model's forward pass (in place: checkpoint and export names are unchanged)."""
     trust_remote_code: bool = False
     """Allow modelling code shipped with the checkpoint to run."""
 
@@ -92,6 +97,8 @@ class TrainConfig:
     """Floor of the decayed learning rate, as a fraction of the peak."""
     weight_decay: float = 0.0
     """AdamW weight decay (never applied to biases and norm weights)."""
+    fused_adamw: bool | str = "auto"
+    """torch's fused AdamW kernel: auto (on CUDA) | true (a note where unavailable) | false."""
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW betas."""
     max_grad_norm: float = 1.0
@@ -229,6 +236,9 @@ def validate(cfg: RecipeConfig) -> None:
         raise UserError(
             f"data.weights: {len(cfg.data.weights)} weights for {len(sources)} data.train sources"
         )
+    for key in ("model.gradient_checkpointing", "train.fused_adamw"):
+        if _get_dotted(flat, key) not in (True, False, "auto"):
+            raise UserError(f"{key}: {_get_dotted(flat, key)!r} is not one of true, false, auto")
     if cfg.data.packing and cfg.data.group_by_length:
         raise UserError("data.group_by_length has no effect with data.packing; set only one")
     if not 0 <= cfg.data.eval_fraction < 1:

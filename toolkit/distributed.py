@@ -290,6 +290,13 @@ def any_rank(accelerator, *flags: bool) -> list[bool]:
     return [value > 0 for value in accelerator.reduce(values, reduction="sum").tolist()]
 
 
+def close() -> None:
+    """Destroy the process group, whatever way the run ends: with it still alive when Python shuts down, a
+    gloo worker thread can abort the process (SIGABRT) instead of letting it return its exit code."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _offloads(launch: Launch) -> bool:
     zero = launch.ds_config.get("zero_optimization", {})
     devices = [zero.get(key, {}).get("device") for key in ("offload_optimizer", "offload_param")]

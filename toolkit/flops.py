@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
 # Peak dense bf16 tensor-core FLOP/s (fp32 accumulate), never the 2:4-sparse figure vendors headline.
 # Each entry: substrings that must all appear in the upper-cased device name; the first match wins.
 PEAK_BF16_FLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
@@ -64,3 +68,37 @@ def mfu(tokens_per_s: float, flops_per_token: int, device_name: str | None, n_de
     if peak is None or n_devices < 1:
         return None
     return tokens_per_s * flops_per_token / (peak * n_devices)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What `training_flops_per_token` needs from a loaded model; read it before `prepare` shards weights."""
+
+    matmul_frozen: int
+    matmul_trainable: int
+    layers: int
+    attn_dim: int
+
+    @classmethod
+    def of(cls, model) -> ModelShape:
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        # ZeRO-3 partitions weights as the model loads; `ds_numel` keeps their full size.
+        sizes = [(getattr(m.weight, "ds_numel", m.weight.numel()), m.weight.requires_grad) for m in linears]
+        text = model.config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return cls(
+            matmul_frozen=sum(n for n, trained in sizes if not trained),
+            matmul_trainable=sum(n for n, trained in sizes if trained),
+            layers=text.num_hidden_layers,
+            attn_dim=text.num_attention_heads * head_dim,
+        )
+
+    def flops_per_token(self, seq_len: int) -> int:
+        return training_flops_per_token(
+            self.matmul_frozen, self.matmul_trainable, self.layers, seq_len, self.attn_dim
+        )
+
+
+def device_name(device: torch.device) -> str | None:
+    """The name `peak_flops` looks up: the CUDA device's, None elsewhere."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None

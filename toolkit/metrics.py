@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit import flops
 from toolkit.errors import UserError
 
 
@@ -29,6 +30,34 @@ class MetricsLog:
             if self._tracker_log is not None:
                 self._tracker_log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
         return record
+
+
+class StepSpeed:
+    """The speed numbers of one optimizer step: real-token throughput (all ranks and per device), step time,
+    share of it spent waiting for data, MFU where the device's peak is known (CUDA), peak memory."""
+
+    def __init__(self, shape: flops.ModelShape, device: torch.device, world_size: int):
+        self.shape = shape
+        self.device = device
+        self.world_size = world_size
+        self.device_name = flops.device_name(device)
+
+    def measure(self, tokens: int, rows: int, elapsed: float, data_wait: float) -> dict:
+        """`tokens` (non-padding) and `rows` (sequences) of the step summed over ranks, times in seconds."""
+        tokens_per_s = tokens / elapsed
+        values = {
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": tokens_per_s / self.world_size,
+            "step_time_s": elapsed,
+            "data_wait_frac": data_wait / elapsed,
+            "peak_mem_mb": peak_memory_mb(self.device),
+        }
+        # Attention cost grows with the sequence: the step's mean real length stands in for it.
+        per_token = self.shape.flops_per_token(round(tokens / max(rows, 1)))
+        utilisation = flops.mfu(tokens_per_s, per_token, self.device_name, self.world_size)
+        if utilisation is not None:
+            values["mfu"] = utilisation
+        return values
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -57,6 +86,19 @@ def truncate_after(path: Path, step: int) -> None:
     """Drop lines logged after `step`, so a resumed run continues the file without duplicates."""
     kept = [r for r in read_metrics(path) if r["step"] <= step]
     path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def progress_fields(loss: float, lr: float, speed: dict) -> dict[str, str]:
+    """The progress bar's short summary of a step."""
+    fields = {
+        "loss": f"{loss:.4f}",
+        "lr": f"{lr:.2e}",
+        "tok/s": f"{speed['tokens_per_s']:.0f}",
+        "tok/s/dev": f"{speed['tokens_per_s_per_device']:.0f}",
+    }
+    if "mfu" in speed:
+        fields["mfu"] = f"{speed['mfu']:.1%}"
+    return fields
 
 
 def _plain(value):

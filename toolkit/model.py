@@ -9,8 +9,10 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model, prepare_model_for_kbit_training
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from toolkit import speed
 from toolkit.config import LoraConfig, ModelConfig
 from toolkit.errors import UserError
+from toolkit.speed import SpeedFeatures
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -24,24 +26,48 @@ def load_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
-def load_model(cfg: ModelConfig, lora: LoraConfig, local_rank: int = 0):
-    """The trainable model: everything trainable for `full`, only the adapter for `lora`/`qlora`."""
+AUTO_CHECKPOINTING_PARAMS = 1_000_000_000
+"""`gradient_checkpointing: auto` turns it on for adapters over a base this large: activations, not weights,
+are then what fills the GPU."""
+
+
+def load_model(
+    cfg: ModelConfig, lora: LoraConfig, local_rank: int = 0, features: SpeedFeatures | None = None
+):
+    """The trainable model: everything trainable for `full`, only the adapter for `lora`/`qlora`.
+
+    `features` (from `speed.resolve`) chooses the attention kernel, Liger kernels and compilation.
+    """
     _check_path(cfg.path)
-    kwargs = {"dtype": DTYPES[cfg.dtype], "attn_implementation": cfg.attn_implementation}
+    attention = features.attention if features else cfg.attn_implementation
+    kwargs = {"dtype": DTYPES[cfg.dtype], "attn_implementation": attention}
     if cfg.method == "qlora":
         kwargs.update(_qlora_kwargs(local_rank))
     model = _from_pretrained(AutoModelForCausalLM, cfg, **kwargs)
-    if cfg.gradient_checkpointing:
+    if features and features.liger:
+        speed.apply_liger(model)
+    checkpointing = wants_checkpointing(cfg, model)
+    if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if cfg.method == "qlora":
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
     if cfg.method in ("lora", "qlora"):
         model = get_peft_model(model, peft_config(lora))
-        if cfg.gradient_checkpointing:
+        if checkpointing:
             # Frozen embeddings give checkpointed blocks inputs without grad; the adapters need one.
             model.enable_input_require_grads()
+    if features and features.compile:
+        model.compile()
     return model
+
+
+def wants_checkpointing(cfg: ModelConfig, model) -> bool:
+    """The config's choice; `auto` is on for LoRA/QLoRA over a base of AUTO_CHECKPOINTING_PARAMS or more."""
+    if cfg.gradient_checkpointing != "auto":
+        return bool(cfg.gradient_checkpointing)
+    base = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    return cfg.method != "full" and base >= AUTO_CHECKPOINTING_PARAMS
 
 
 def count_parameters(model) -> tuple[int, int]:

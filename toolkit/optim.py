@@ -16,8 +16,13 @@ def scaled_learning_rate(cfg: TrainConfig, world_size: int) -> float:
     return cfg.learning_rate * factor
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, world_size: int) -> torch.optim.AdamW:
-    """AdamW over trainable parameters; biases and norm weights (1-D tensors) are never decayed."""
+def build_optimizer(
+    model: torch.nn.Module, cfg: TrainConfig, world_size: int, fused: bool = False
+) -> torch.optim.AdamW:
+    """AdamW over trainable parameters; biases and norm weights (1-D tensors) are never decayed.
+
+    `fused` picks torch's single-kernel CUDA implementation (`speed.resolve` decides where it applies).
+    """
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
@@ -25,7 +30,12 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, world_size: int) -
             (decay if len(getattr(param, "ds_shape", param.shape)) >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-    return torch.optim.AdamW(groups, lr=scaled_learning_rate(cfg, world_size), betas=tuple(cfg.adam_betas))
+    return torch.optim.AdamW(
+        groups,
+        lr=scaled_learning_rate(cfg, world_size),
+        betas=tuple(cfg.adam_betas),
+        fused=True if fused else None,
+    )
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> LambdaLR:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from train_tiny import build_model
 
 from toolkit import distributed
@@ -27,25 +26,25 @@ def main() -> None:
     model = build_model()
     optimizer = torch.optim.AdamW(model.parameters())
     model, optimizer = accelerator.prepare(model, optimizer)
-    calls = []
-
-    def counting_allreduce(state, bucket):
-        calls.append(bucket.index())
-        return allreduce_hook(None, bucket)
-
-    model.register_comm_hook(None, counting_allreduce)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(accelerator.process_index))
-    for _ in range(2):  # optimizer steps
-        for _ in range(args.grad_accum):
-            if args.naive:
-                accelerator.backward(model(input_ids=ids, labels=ids).loss)
-            else:
-                with accelerator.accumulate(model):
+    # The profiler records every collective the DDP reducer issues (its bucket all-reduces included); a
+    # Python comm hook would count them too, but leaves Python state on gloo's worker threads that can
+    # deadlock the process when the model is freed at exit.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        for _ in range(2):  # optimizer steps
+            for _ in range(args.grad_accum):
+                if args.naive:
                     accelerator.backward(model(input_ids=ids, labels=ids).loss)
-        optimizer.step()
-        optimizer.zero_grad()
+                else:
+                    with accelerator.accumulate(model):
+                        accelerator.backward(model(input_ids=ids, labels=ids).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    calls = [e for e in profile.events() if e.name == "gloo:all_reduce"]
+    buckets = len(model._get_ddp_logging_data()["bucket_sizes"].split(","))
     if accelerator.is_main_process:
-        Path(args.out).write_text(json.dumps({"allreduce_calls": len(calls), "buckets": len(set(calls))}))
+        Path(args.out).write_text(json.dumps({"allreduce_calls": len(calls), "buckets": buckets}))
+    accelerator.end_training()
 
 
 if __name__ == "__main__":

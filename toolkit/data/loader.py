@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch.utils.data import DataLoader
 
 from toolkit.batches import EpochSampler
@@ -23,6 +24,9 @@ def train_loader(dataset, data: DataConfig, train: TrainConfig, pad_id: int, see
         sampler=sampler,
         collate_fn=collate,
         num_workers=data.num_workers,
+        # Page-locked batches copy to the GPU asynchronously; workers stay alive across epochs.
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=data.num_workers > 0,
         drop_last=True,
     )
     return loader, sampler

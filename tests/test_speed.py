@@ -1,0 +1,91 @@
+"""Optional speed features: used where the machine has them, a one-line note and a working run where not,
+and never a change to the math."""
+
+import pytest
+import torch
+from helpers import run_recipe, step_losses
+
+from toolkit import model as models
+from toolkit.config import ModelConfig, TrainConfig, load_config
+from toolkit.errors import UserError
+from toolkit.speed import resolve
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def features(device, installed=(), compiler=True, **settings):
+    model = ModelConfig(**{k: v for k, v in settings.items() if k != "fused_adamw"})
+    train = TrainConfig(**({"fused_adamw": settings["fused_adamw"]} if "fused_adamw" in settings else {}))
+    return resolve(
+        model, train, device, installed=lambda name: name in installed, has_compiler=lambda: compiler
+    )
+
+
+def test_defaults_ask_for_nothing_unavailable():
+    for device in (CPU, CUDA):
+        got = features(device)
+        assert (got.attention, got.liger, got.compile, got.notes) == ("sdpa", False, False, [])
+    assert features(CUDA).fused_adamw and not features(CPU).fused_adamw  # auto: where the kernel exists
+
+
+def test_flash_attention_needs_cuda_and_the_package():
+    assert (
+        features(CUDA, {"flash_attn"}, attn_implementation="flash_attention_2").attention
+        == "flash_attention_2"
+    )
+    on_cpu = features(CPU, {"flash_attn"}, attn_implementation="flash_attention_2")
+    assert on_cpu.attention == "sdpa" and on_cpu.notes == [
+        "model.attn_implementation: flash_attention_2 needs a CUDA GPU; using sdpa"
+    ]
+    missing = features(CUDA, attn_implementation="flash_attention_2")
+    assert missing.attention == "sdpa" and "pip install flash-attn" in missing.notes[0]
+
+
+def test_liger_compile_and_fused_adamw_fall_back_with_a_note():
+    assert features(CUDA, {"liger_kernel"}, liger_kernels=True).liger
+    assert "pip install liger-kernel" in features(CUDA, liger_kernels=True).notes[0]
+    assert not features(CPU, {"liger_kernel"}, liger_kernels=True).liger
+    assert features(CPU, compile=True).compile
+    no_compiler = features(CPU, compiler=False, compile=True)
+    assert not no_compiler.compile and "C++ compiler" in no_compiler.notes[0]
+    asked = features(CPU, fused_adamw=True)
+    assert not asked.fused_adamw and asked.notes == [
+        "train.fused_adamw: the fused kernel needs a CUDA GPU; using the default AdamW"
+    ]
+    assert not features(CUDA, fused_adamw=False).fused_adamw
+
+
+@pytest.mark.parametrize("key", ["model.gradient_checkpointing", "train.fused_adamw"])
+def test_switches_take_true_false_or_auto(key):
+    assert load_config(None, [f"{key}=false"])
+    with pytest.raises(UserError, match=f"{key}: 'sometimes' is not one of true, false, auto"):
+        load_config(None, [f"{key}=sometimes"])
+
+
+def test_auto_checkpointing_is_for_adapters_on_large_bases(monkeypatch):
+    tiny = torch.nn.Linear(1000, 1000)  # 1,001,000 parameters
+    assert not models.wants_checkpointing(ModelConfig(method="lora"), tiny)  # below 1B: activations are small
+    monkeypatch.setattr(models, "AUTO_CHECKPOINTING_PARAMS", 1_000_000)
+    assert models.wants_checkpointing(ModelConfig(method="lora"), tiny)
+    assert not models.wants_checkpointing(ModelConfig(method="full"), tiny)
+    assert models.wants_checkpointing(ModelConfig(method="full", gradient_checkpointing=True), tiny)
+
+
+def test_unavailable_features_run_with_notes(tmp_path):
+    result = run_recipe(
+        tmp_path / "run",
+        "model.attn_implementation=flash_attention_2",
+        "model.liger_kernels=true",
+        "train.fused_adamw=true",
+        "data.packing=true",
+    )
+    for note in ("flash_attention_2 needs a CUDA GPU", "liger_kernels: needs a CUDA GPU", "fused_adamw"):
+        assert note in result.stdout
+    assert len(step_losses(tmp_path / "run")) == 4
+
+
+def test_compiled_model_trains_like_eager(tmp_path):
+    settings = ["data.packing=true", "train.max_steps=3", "eval.max_batches=1"]
+    run_recipe(tmp_path / "eager", *settings)
+    run_recipe(tmp_path / "compiled", *settings, "model.compile=true")
+    assert step_losses(tmp_path / "compiled") == pytest.approx(step_losses(tmp_path / "eager"), rel=1e-4)
