@@ -28,6 +28,7 @@ def main(model_dir: str, data_path: str) -> None:
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
     for chunk in batches:
+        stats.begin()
         batch = pad_batch(chunk, tokenizer.pad_token_id)
         loss = model(**batch, use_cache=False).loss
         accelerator.backward(loss)

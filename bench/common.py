@@ -90,12 +90,18 @@ def pad_batch(rows: list[list[int]], pad_id: int, multiple: int = 8) -> dict[str
 
 
 class StepStats:
-    """Wall-clock time at the end of each optimizer step and the real tokens it consumed."""
+    """Wall-clock time at the start of the first optimizer step, at the end of each, and the real tokens
+    each consumed."""
 
     def __init__(self):
+        self.first_step_begin: float | None = None
         self.step_end: list[float] = []
         self.tokens: list[int] = []
         self.loss: float | None = None
+
+    def begin(self) -> None:
+        if self.first_step_begin is None:
+            self.first_step_begin = time.time()
 
     def step(self, tokens: int, loss: float | None = None) -> None:
         self.step_end.append(time.time())
@@ -104,5 +110,10 @@ class StepStats:
             self.loss = float(loss)
 
     def save(self) -> None:
-        record = {"step_end": self.step_end, "tokens": self.tokens, "loss": self.loss}
+        record = {
+            "first_step_begin": self.first_step_begin,
+            "step_end": self.step_end,
+            "tokens": self.tokens,
+            "loss": self.loss,
+        }
         Path(os.environ["BENCH_STATS"]).write_text(json.dumps(record))

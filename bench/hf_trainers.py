@@ -36,7 +36,8 @@ SHARED = dict(
 
 
 class Recorder(TrainerCallback):
-    """Counts real tokens the model sees and stamps the end of every optimizer step."""
+    """Counts real tokens the model sees and stamps the start of the first optimizer step and the end of
+    every one."""
 
     def __init__(self, model, pad_id: int):
         self.stats = StepStats()
@@ -47,6 +48,9 @@ class Recorder(TrainerCallback):
     def count(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         self.pending += int((ids != self.pad_id).sum())
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.stats.begin()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.stats.step(self.pending)

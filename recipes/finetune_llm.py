@@ -36,7 +36,7 @@ from toolkit import (
     speed,
 )
 from toolkit import model as models
-from toolkit.config import RecipeConfig, flat_dict, load_config, save_config
+from toolkit.config import flat_dict, load_config
 from toolkit.errors import UserError
 from toolkit.nonfinite import NonFiniteGuard
 from toolkit.preemption import PREEMPTED_EXIT_CODE, StopRequest
@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
         accelerator.print(line)
     set_seed(cfg.seed)
     resume_from = checkpoint.resolve_resume(output_dir, cfg.train.resume, cfg.train.overwrite)
-    prepare_output_dir(accelerator, output_dir, cfg, fresh=resume_from is None)
+    checkpoint.prepare_output_dir(accelerator, output_dir, cfg, fresh=resume_from is None)
     if cfg.log.trackers:
         accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg))
 
@@ -124,7 +124,7 @@ def main(argv: list[str]) -> int:
             metrics.truncate_after(log.path, start_step)
         accelerator.print(f"resumed from {resume_from} at step {start_step}")
     else:
-        report(accelerator, model, tokenizer, eval_loader, eval_set, cfg, log, step=0, label="before")
+        evaluate.report(accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, log, 0, "before")
 
     # The loop: one iteration per optimizer step, `grad_accum` micro-batches each.
     stream = batches.StepStream(train_loader, sampler, grad_accum, start_step, accelerator.skip_first_batches)
@@ -215,16 +215,8 @@ def main(argv: list[str]) -> int:
         checkpoint.save_checkpoint(
             accelerator, output_dir, cfg.train.max_steps, {"tokens_seen": tokens_seen}, cfg
         )
-    report(
-        accelerator,
-        model,
-        tokenizer,
-        eval_loader,
-        eval_set,
-        cfg,
-        log,
-        step=cfg.train.max_steps,
-        label="after",
+    evaluate.report(
+        accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, log, cfg.train.max_steps, "after"
     )
     final_dir = output_dir / "final"
     export.export_model(accelerator, model, tokenizer, final_dir, cfg.export.dtype)
@@ -243,41 +235,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--config", help="recipe config YAML (default: recipes/configs/demo.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=20")
     return parser.parse_args(argv)
-
-
-def prepare_output_dir(accelerator, output_dir: Path, cfg: RecipeConfig, fresh: bool) -> None:
-    """A fresh run starts in an empty output_dir (cleared if allowed) with its config saved."""
-    accelerator.wait_for_everyone()  # every rank has looked at output_dir before it changes
-    if fresh and accelerator.is_main_process:
-        checkpoint.clear_output_dir(output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, output_dir / "config.yaml")
-    accelerator.wait_for_everyone()
-
-
-def report(
-    accelerator, model, tokenizer, eval_loader, eval_set, cfg: RecipeConfig, log, step: int, label: str
-):
-    """Eval loss, exact match and one sample answer: shown before and after training, and logged."""
-    results = {}
-    if eval_loader is not None:
-        results = evaluate.evaluate(model, eval_loader, accelerator, cfg.eval.max_batches)
-    synced = accelerator.num_processes > 1
-    generator = accelerator.unwrap_model(model)
-    if eval_set is not None and cfg.eval.exact_match_samples:
-        results["exact_match"] = evaluate.exact_match(
-            generator, tokenizer, eval_set, cfg.eval.exact_match_samples, cfg.eval.max_new_tokens, synced
-        )
-    if results:
-        log.write(step, **results)
-        accelerator.print(f"[{label}] " + "  ".join(f"{k}={v:.4g}" for k, v in results.items()))
-    prompt = cfg.eval.sample_prompt
-    pair = evaluate.split_prompt(eval_set[0]) if not prompt and eval_set is not None else None
-    prompt_ids = evaluate.chat_prompt_ids(tokenizer, prompt) if prompt else pair[0] if pair else None
-    if prompt_ids is not None:
-        answer = evaluate.greedy_answer(generator, tokenizer, prompt_ids, cfg.eval.max_new_tokens, synced)
-        question = " ".join(tokenizer.decode(prompt_ids, skip_special_tokens=True).split())
-        accelerator.print(f"[{label}] sample: {question!r} -> {answer!r}")
 
 
 if __name__ == "__main__":

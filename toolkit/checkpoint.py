@@ -58,6 +58,16 @@ def clear_output_dir(output_dir: Path) -> None:
             shutil.rmtree(child) if child.is_dir() else child.unlink()
 
 
+def prepare_output_dir(accelerator, output_dir: Path, cfg: RecipeConfig, fresh: bool) -> None:
+    """A fresh run starts in an empty output_dir (cleared if allowed) with its config saved."""
+    accelerator.wait_for_everyone()  # every rank has looked at output_dir before it changes
+    if fresh and accelerator.is_main_process:
+        clear_output_dir(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, output_dir / "config.yaml")
+    accelerator.wait_for_everyone()
+
+
 def _holds_a_run(output_dir: Path) -> bool:
     return output_dir.is_dir() and any(output_dir.iterdir())
 

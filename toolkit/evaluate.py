@@ -7,6 +7,7 @@ import math
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from toolkit.config import EvalConfig
 from toolkit.data import model_inputs
 from toolkit.loss import IGNORE, count_targets, summed_token_loss
 
@@ -102,3 +103,28 @@ def chat_prompt_ids(tokenizer, text: str) -> list[int]:
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
     )
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def report(
+    accelerator, model, tokenizer, eval_loader, eval_set, cfg: EvalConfig, log, step: int, label: str
+) -> None:
+    """Eval loss, exact match and one sample answer: shown before and after training, and logged."""
+    results = {}
+    if eval_loader is not None:
+        results = evaluate(model, eval_loader, accelerator, cfg.max_batches)
+    synced = accelerator.num_processes > 1
+    generator = accelerator.unwrap_model(model)
+    if eval_set is not None and cfg.exact_match_samples:
+        results["exact_match"] = exact_match(
+            generator, tokenizer, eval_set, cfg.exact_match_samples, cfg.max_new_tokens, synced
+        )
+    if results:
+        log.write(step, **results)
+        accelerator.print(f"[{label}] " + "  ".join(f"{k}={v:.4g}" for k, v in results.items()))
+    prompt = cfg.sample_prompt
+    pair = split_prompt(eval_set[0]) if not prompt and eval_set is not None else None
+    prompt_ids = chat_prompt_ids(tokenizer, prompt) if prompt else pair[0] if pair else None
+    if prompt_ids is not None:
+        answer = greedy_answer(generator, tokenizer, prompt_ids, cfg.max_new_tokens, synced)
+        question = " ".join(tokenizer.decode(prompt_ids, skip_special_tokens=True).split())
+        accelerator.print(f"[{label}] sample: {question!r} -> {answer!r}")
