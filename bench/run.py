@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from common import BATCH, LEARNING_RATE, ROOT, SEQ_LEN, STEPS, build_model_dir, write_data
 
+from toolkit.metrics import read_metrics
+
 BENCH = Path(__file__).resolve().parent
 PY = sys.executable
 
@@ -54,8 +56,7 @@ def run_once(name: str, cmd: list[str], work: Path) -> dict:
     if status != 0:
         raise SystemExit(f"{name} failed:\n{stderr.decode()[-3000:]}")
     if name.startswith("ftkit"):
-        lines = [json.loads(x) for x in (work / "out" / "ftkit" / "metrics.jsonl").read_text().splitlines()]
-        lines = [x for x in lines if "tokens_per_s" in x]
+        lines = [x for x in read_metrics(work / "out" / "ftkit" / "metrics.jsonl") if "tokens_per_s" in x]
         ends = [x["time"] for x in lines]
         tokens = [round(x["tokens_per_s"] * x["step_time_s"]) for x in lines]
         loss = lines[-1]["loss"]

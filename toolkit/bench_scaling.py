@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from accelerate.utils.other import get_free_port
 
 from toolkit.errors import UserError
 from toolkit.metrics import read_metrics
@@ -55,7 +56,7 @@ def launch_command(
         "--num_processes",
         str(processes),
         "--main_process_port",
-        str(_free_port()),
+        str(get_free_port()),
         str(recipe),
         *(["--config", recipe_config] if recipe_config else []),
         f"output_dir={run_dir}",
@@ -147,9 +148,3 @@ def _error_line(path: Path) -> str:
     lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
     errors = [line for line in lines if ": error: " in line]
     return (errors or lines or ["no output"])[-1]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

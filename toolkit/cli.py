@@ -152,9 +152,10 @@ def _run(args) -> int:
             args.warmup_steps,
             echo=(lambda line: print(line, file=sys.stderr)) if args.json else print,
         )
-        report = [asdict(p) for p in points] if args.json else None
-        text = bench_scaling.render(points, args.config_file, on_cpu=count_gpus() == 0)
-        print(json.dumps(report, indent=2) if args.json else text)
+        if args.json:
+            print(json.dumps([asdict(p) for p in points], indent=2))
+        else:
+            print(bench_scaling.render(points, args.config_file, on_cpu=count_gpus() == 0))
         return 0
     raise AssertionError(args.command)
 

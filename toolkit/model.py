@@ -66,8 +66,7 @@ def wants_checkpointing(cfg: ModelConfig, model) -> bool:
     """The config's choice; `auto` is on for LoRA/QLoRA over a base of AUTO_CHECKPOINTING_PARAMS or more."""
     if cfg.gradient_checkpointing != "auto":
         return bool(cfg.gradient_checkpointing)
-    base = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    return cfg.method != "full" and base >= AUTO_CHECKPOINTING_PARAMS
+    return cfg.method != "full" and count_parameters(model)[1] >= AUTO_CHECKPOINTING_PARAMS
 
 
 def count_parameters(model) -> tuple[int, int]:
