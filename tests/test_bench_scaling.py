@@ -7,7 +7,7 @@ import sys
 import pytest
 from helpers import QUICK, REPO
 
-from toolkit.bench_scaling import parse_counts, scaling_points, timed_throughput
+from toolkit.commands.bench_scaling import parse_counts, scaling_points, timed_throughput
 from toolkit.errors import UserError
 
 
@@ -44,7 +44,7 @@ def test_timed_throughput_leaves_out_warm_up_and_weighs_steps_by_time(tmp_path):
 
 
 def run_cli(tmp_path, *overrides):
-    command = [sys.executable, "-m", "toolkit.cli", "bench-scaling", "--config_file"]
+    command = [sys.executable, "-m", "toolkit.commands.cli", "bench-scaling", "--config_file"]
     command += [str(REPO / "accelerate_configs" / "ddp.yaml"), "--nprocs", "1,2", "--out", str(tmp_path)]
     return subprocess.run(
         [*command, "--json", "--", *QUICK, "train.max_steps=6", *overrides],

@@ -17,7 +17,7 @@ from accelerate.utils import DistributedType
 from helpers import run_launched
 
 from toolkit import distributed, launch_check
-from toolkit.cli import main as cli
+from toolkit.commands.cli import main as cli
 from toolkit.config import RecipeConfig, TrainConfig
 from toolkit.distributed import Launch
 from toolkit.errors import UserError

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from toolkit import cli
-from toolkit.doctor import GIB, Gpu, Probes, diagnose, exit_code, render_text, to_json
+from toolkit.commands import cli
+from toolkit.commands.doctor import GIB, Gpu, Probes, diagnose, exit_code, render_text, to_json
 
 RTX_4090 = Gpu("NVIDIA GeForce RTX 4090", 24 * GIB)
 A100 = Gpu("NVIDIA A100-SXM4-80GB", 80 * GIB)

@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from toolkit.flops import ModelShape, flops_per_token, mfu, peak_flops, training_flops_per_token
 from toolkit.metrics import StepSpeed
-from toolkit.model_counts import count_parameters
+from toolkit.plan.counts import count_parameters
 
 SEQ = 4
 # 2 layers, hidden 8, 2 heads of 4, 1 key/value head (k and v project 8 -> 4), MLP width 16, vocab 32.

@@ -7,11 +7,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from toolkit import architectures, cli, memory
+from toolkit.commands import cli
 from toolkit.errors import UserError
-from toolkit.memory import FP32, model_state_bytes
-from toolkit.model_counts import count_parameters, load_model_config
-from toolkit.plan import CostRequest, PlanRequest, estimate_cost, make_plan, measured_tokens_per_s
+from toolkit.plan import architectures, memory
+from toolkit.plan.counts import count_parameters, load_model_config
+from toolkit.plan.estimate import CostRequest, PlanRequest, estimate_cost, make_plan, measured_tokens_per_s
+from toolkit.plan.memory import FP32, model_state_bytes
 
 SMALL = dict(
     vocab_size=128,

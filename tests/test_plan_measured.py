@@ -11,8 +11,8 @@ import pytest
 from helpers import REPO, launch, run_launched
 from transformers import LlamaConfig
 
-from toolkit.memory import model_state_bytes
-from toolkit.model_counts import count_parameters
+from toolkit.plan.counts import count_parameters
+from toolkit.plan.memory import model_state_bytes
 
 pytestmark = pytest.mark.multiproc
 

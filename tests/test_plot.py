@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from toolkit import cli
+from toolkit.commands import cli
+from toolkit.commands.plot import draw_runs, plot_runs, read_run
 from toolkit.errors import UserError
-from toolkit.plot import draw_runs, plot_runs, read_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -63,7 +63,7 @@ def test_overlays_runs_with_their_names_as_legend(tmp_path):
 
 def test_same_directory_names_are_told_apart(tmp_path):
     runs = [write_run(tmp_path / "a" / "run"), write_run(tmp_path / "b" / "run")]
-    from toolkit.plot import labels_for
+    from toolkit.commands.plot import labels_for
 
     assert labels_for(runs) == [str(runs[0]), str(runs[1])]
 

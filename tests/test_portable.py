@@ -9,8 +9,9 @@ import torch
 from helpers import REPO, launch, run_recipe, step_losses
 from safetensors.torch import load_file
 
-from toolkit import cli, portable
+from toolkit import portable
 from toolkit.checkpoint import CONFIG, MARKER
+from toolkit.commands import cli
 from toolkit.errors import UserError
 
 # Warmup off, so the steps around the resume move the weights enough for Adam's moments to matter.

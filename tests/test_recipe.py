@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from toolkit.checkpoint import MARKER
-from toolkit.cli import main as ftkit
+from toolkit.commands.cli import main as ftkit
 from toolkit.export import verify_export
 from toolkit.metrics import read_metrics
 

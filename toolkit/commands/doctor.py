@@ -164,7 +164,7 @@ def _pyproject_dependencies() -> list[str]:
         import tomllib
     except ImportError:  # Python 3.10 has no tomllib; the version check is then skipped
         return []
-    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     if not pyproject.is_file():
         return []
     return tomllib.loads(pyproject.read_text()).get("project", {}).get("dependencies", [])

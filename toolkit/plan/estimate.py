@@ -9,12 +9,13 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit import architectures, flops, memory
+from toolkit import flops
 from toolkit.config import DEMO_CONFIG, flat_dict, load_config
 from toolkit.errors import UserError
-from toolkit.memory import GIB, MemoryEstimate, Precision
 from toolkit.metrics import read_metrics
-from toolkit.model_counts import ModelCounts, count_parameters, load_model_config
+from toolkit.plan import architectures, memory
+from toolkit.plan.counts import ModelCounts, count_parameters, load_model_config
+from toolkit.plan.memory import GIB, MemoryEstimate, Precision
 
 METHODS = ("full", "lora", "qlora")
 GRAD_CKPT = ("auto", "on", "off")

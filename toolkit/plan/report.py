@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from toolkit.memory import GIB, MemoryEstimate
-from toolkit.plan import Plan
+from toolkit.plan.estimate import Plan
+from toolkit.plan.memory import GIB, MemoryEstimate
 
 COLUMNS = ("weights", "lora", "grads", "optimizer", "activations", "overhead", "total")
 HEADINGS = ("weights", "lora", "grads", "optim", "activ", "other", "total")
@@ -19,7 +19,7 @@ def render_text(plan: Plan) -> str:
     lines += [
         "",
         "Model states (weights, lora, grads, optim) are exact bytes; activations and other (CUDA context, "
-        "NCCL, fragmentation) are estimates: see toolkit/memory.py.",
+        "NCCL, fragmentation) are estimates: see toolkit/plan/memory.py.",
     ]
     return "\n".join(lines)
 

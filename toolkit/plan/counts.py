@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from toolkit import architectures
 from toolkit.errors import UserError
+from toolkit.plan import architectures
 
 
 @dataclass(frozen=True)

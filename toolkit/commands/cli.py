@@ -94,12 +94,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args) -> int:
     if args.command == "generate":
-        from toolkit.generate import generate_cli
+        from toolkit.commands.generate import generate_cli
 
         print(generate_cli(args.model, args.prompt, args.max_new_tokens))
         return 0
     if args.command == "plan":
-        from toolkit import plan, plan_report
+        from toolkit.plan import estimate as plan
+        from toolkit.plan import report as plan_report
 
         request, cost = plan.requests_from_options(vars(args))
         result = plan.make_plan(request, cost)
@@ -107,7 +108,7 @@ def _run(args) -> int:
         print(json.dumps(report, indent=2) if args.json else plan_report.render_text(result))
         return 0 if result.choice is not None else 1
     if args.command == "doctor":
-        from toolkit import doctor
+        from toolkit.commands import doctor
 
         probes = doctor.gather_probes(Path(args.output_dir))
         findings = doctor.diagnose(probes)
@@ -123,12 +124,12 @@ def _run(args) -> int:
         print(check_config_cli(args.accelerate_config, args.config, args.num_processes, dict(os.environ)))
         return 0
     if args.command == "plot":
-        from toolkit.plot import plot_runs
+        from toolkit.commands.plot import plot_runs
 
         print(plot_runs([Path(d) for d in args.run_dirs], Path(args.out) if args.out else None))
         return 0
     if args.command == "export":
-        from toolkit.export_checkpoint import export_checkpoint
+        from toolkit.commands.export import export_checkpoint
 
         print(
             export_checkpoint(
@@ -139,7 +140,7 @@ def _run(args) -> int:
     if args.command == "bench-scaling":
         from dataclasses import asdict
 
-        from toolkit import bench_scaling
+        from toolkit.commands import bench_scaling
         from toolkit.distributed import count_gpus
 
         points = bench_scaling.run_scaling(

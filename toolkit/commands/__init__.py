@@ -1,0 +1,1 @@
+"""What only the command line uses: doctor, generate, export of checkpoints, plot, bench-scaling."""

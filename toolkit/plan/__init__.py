@@ -1,0 +1,1 @@
+"""The estimator behind `ftkit plan`: parameter counts, per-GPU memory by backend, the report."""
