@@ -35,6 +35,8 @@ class ModelConfig:
     """torch.compile the model's forward pass (in place: checkpoint and export names are unchanged)."""
     trust_remote_code: bool = False
     """Allow modelling code shipped with the checkpoint to run."""
+    adapter: str | None = None
+    """LoRA adapter directory (e.g. an SFT run's final/) merged into the base before training starts."""
 
 
 @dataclass
@@ -193,8 +195,12 @@ POSITIVE = (
 )
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RecipeConfig:
-    """Read a YAML recipe config (the demo when `path` is None) and apply `key=value` overrides."""
+def load_config(
+    path: str | Path | None = None, overrides: list[str] = (), schema: type[RecipeConfig] = RecipeConfig
+) -> RecipeConfig:
+    """Read a YAML recipe config (the demo when `path` is None) and apply `key=value` overrides.
+
+    `schema` is the recipe's config class: RecipeConfig or a subclass adding sections of its own."""
     path = Path(path) if path else DEMO_CONFIG
     if not path.is_file():
         raise UserError(f"{path}: config file not found")
@@ -211,7 +217,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Re
         if not sep:
             raise UserError(f"override {item!r} must look like key=value (e.g. train.max_steps=50)")
         _set_dotted(raw, key.strip(), yaml.safe_load(value), source="command line")
-    cfg = _build(RecipeConfig, raw, prefix="", source=str(path))
+    cfg = _build(schema, raw, prefix="", source=str(path))
     validate(cfg)
     return cfg
 
@@ -241,6 +247,8 @@ def validate(cfg: RecipeConfig) -> None:
             raise UserError(f"{key}: {_get_dotted(flat, key)!r} is not one of true, false, auto")
     if cfg.data.packing and cfg.data.group_by_length:
         raise UserError("data.group_by_length has no effect with data.packing; set only one")
+    if cfg.model.adapter and cfg.model.method == "qlora":
+        raise UserError("model.adapter cannot be merged into a 4-bit base; use model.method lora or full")
     if not 0 <= cfg.data.eval_fraction < 1:
         raise UserError(f"data.eval_fraction: must be in [0, 1), got {cfg.data.eval_fraction}")
 
@@ -325,6 +333,10 @@ def _coerce(value, hint, key: str, source: str):
     if hint is type(None):
         if value is None:
             return None
+    elif origin is typing.Literal:
+        if value in typing.get_args(hint):
+            return value
+        raise UserError(f"{source}: {key}: {value!r} is not one of {_type_name(hint)}")
     elif origin is list:
         if isinstance(value, list):
             (item,) = typing.get_args(hint)
@@ -353,6 +365,8 @@ def _type_name(hint) -> str:
         return " or ".join(_type_name(h) for h in typing.get_args(hint))
     if hint is type(None):
         return "null"
+    if typing.get_origin(hint) is typing.Literal:
+        return ", ".join(str(option) for option in typing.get_args(hint))
     return getattr(hint, "__name__", str(hint))
 
 

@@ -44,6 +44,8 @@ def load_model(
     if cfg.method == "qlora":
         kwargs.update(_qlora_kwargs(local_rank))
     model = _from_pretrained(AutoModelForCausalLM, cfg, **kwargs)
+    if cfg.adapter:
+        model = merge_start_adapter(model, cfg.adapter)
     if features and features.liger:
         speed.apply_liger(model)
     checkpointing = wants_checkpointing(cfg, model)
@@ -60,6 +62,16 @@ def load_model(
     if features and features.compile:
         model.compile()
     return model
+
+
+def merge_start_adapter(model, adapter: str):
+    """The base with a trained adapter folded in: the starting point (and, for preference tuning, the
+    reference) is then the adapted model, and a new adapter or a full fine-tune continues from it."""
+    from peft import PeftModel
+
+    if not (Path(adapter) / "adapter_config.json").is_file():
+        raise UserError(f"model.adapter: {adapter} is not an adapter directory (no adapter_config.json)")
+    return PeftModel.from_pretrained(model, adapter).merge_and_unload()
 
 
 def wants_checkpointing(cfg: ModelConfig, model) -> bool:
