@@ -72,7 +72,7 @@ def uses_reference(cfg: PreferenceConfig) -> bool:
 
 
 def precomputes_reference(cfg: PreferenceConfig) -> bool:
-    """Reference log-probs computed in a first pass: asked for, or a full fine-tune with no other reference."""
+    """Reference log-probs from a first pass: asked for, or a full fine-tune with no other reference."""
     if not uses_reference(cfg):
         return False
     return cfg.dpo.precompute_reference or (cfg.model.method == "full" and not cfg.dpo.reference_model)
