@@ -1,0 +1,156 @@
+"""Preference pairs to token rows and batches: the prompt and each completion rendered through the chat
+template and tokenized apart, cut to data.max_length (prompt from the left first), and batched with
+chosen and rejected rows stacked so both go through the model in one forward pass."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import datasets
+import numpy as np
+import torch
+
+from toolkit.config import DataConfig
+from toolkit.data.cache import cache_key, load_or_build, tokenizer_fingerprint
+from toolkit.data.chat import ensure_chat_template, render
+from toolkit.data.mixture import hold_out, mix
+from toolkit.data.sources import Source, read_source
+from toolkit.errors import UserError
+from toolkit.loss import IGNORE
+from toolkit.preference.records import Pair, detect_layout, to_pair
+
+logger = logging.getLogger(__name__)
+COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+
+@dataclass
+class EncodedPairs:
+    columns: dict[str, list[list[int]]] = field(default_factory=lambda: {name: [] for name in COLUMNS})
+    truncated: int = 0
+    """Pairs longer than the limit, cut to it."""
+    dropped: int = 0
+    """Pairs left out: after cutting, the two completions were the same tokens."""
+
+    def add(self, prompt: list[int], chosen: list[int], rejected: list[int], max_length: int, keep: int):
+        if len(prompt) + max(len(chosen), len(rejected)) > max_length:
+            self.truncated += 1
+            prompt = prompt[-keep:] if len(prompt) > keep else prompt
+            chosen, rejected = chosen[: max_length - len(prompt)], rejected[: max_length - len(prompt)]
+        if chosen == rejected:
+            self.dropped += 1
+            return
+        for name, ids in zip(COLUMNS, (prompt, chosen, rejected)):
+            self.columns[name].append(ids)
+
+
+def render_pair(tokenizer, pair: Pair, where: str) -> tuple[str, str, str]:
+    """(prompt text ending with the assistant header, chosen completion text, rejected completion text)."""
+    prompt = render(tokenizer, pair.prompt, where, generation_prompt=True)
+    completions = []
+    for turns in (pair.chosen, pair.rejected):
+        full = render(tokenizer, pair.prompt + turns, where)
+        if not full.startswith(prompt):
+            raise UserError(f"{where}: the chat template does not render the answer after the prompt")
+        completions.append(full[len(prompt) :])
+    return prompt, completions[0], completions[1]
+
+
+def encode_pairs(source: Source, tokenizer, max_length: int, keep_prompt: int) -> EncodedPairs:
+    layout = detect_layout(source.records[0], source.where(0))
+    out = EncodedPairs()
+    for i, record in enumerate(source.records):
+        texts = render_pair(tokenizer, to_pair(record, layout, source.where(i)), source.where(i))
+        # Chat templates write any bos/eos themselves; tokenizing apart keeps the prompt/answer boundary.
+        prompt, chosen, rejected = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        out.add(prompt, chosen, rejected, max_length, keep_prompt)
+    return out
+
+
+@dataclass
+class PairStats:
+    train_pairs: dict[str, int]
+    eval_pairs: int
+    truncated: int
+    dropped: int
+
+    def summary(self) -> str:
+        sources = ", ".join(f"{name}: {count}" for name, count in self.train_pairs.items())
+        return (
+            f"data: {sum(self.train_pairs.values())} train pairs ({sources}), {self.eval_pairs} eval, "
+            f"{self.truncated} truncated, {self.dropped} dropped"
+        )
+
+
+def build_pairs(
+    cfg: DataConfig, tokenizer, keep_prompt: int, seed: int, main_process_first=contextlib.nullcontext
+):
+    """(train, eval or None, stats): datasets of token pairs, held out and mixed as SFT data is."""
+    names = cfg.train if isinstance(cfg.train, list) else [cfg.train]
+    if not names:
+        raise UserError("data.train: no training source given")
+    ensure_chat_template(tokenizer)
+    with main_process_first():
+        parts = [_prepare(name, cfg, tokenizer, keep_prompt) for name in names]
+        held = _prepare(cfg.eval, cfg, tokenizer, keep_prompt) if cfg.eval else None
+    rng = np.random.default_rng(seed)
+    eval_rows, remaining = hold_out([len(p[0]) for p in parts], 0.0 if held else cfg.eval_fraction, rng)
+    train_rows = mix(remaining, cfg.weights, rng)
+    pool = datasets.concatenate_datasets([p[0] for p in parts])
+    train = pool.select(train_rows, keep_in_memory=True)
+    eval_set = held[0] if held else (pool.select(eval_rows, keep_in_memory=True) if len(eval_rows) else None)
+    origin = np.repeat(np.arange(len(parts)), [len(p[0]) for p in parts])[train_rows]
+    every = parts + ([held] if held else [])
+    stats = PairStats(
+        {name: int((origin == i).sum()) for i, name in enumerate(names)},
+        len(eval_set) if eval_set is not None else 0,
+        sum(p[1]["truncated"] for p in every),
+        sum(p[1]["dropped"] for p in every),
+    )
+    if stats.truncated:
+        logger.warning(
+            "%d pairs were longer than data.max_length=%d and cut", stats.truncated, cfg.max_length
+        )
+    return train, eval_set, stats
+
+
+def _prepare(name: str, cfg: DataConfig, tokenizer, keep_prompt: int):
+    source = read_source(name, cfg.split)
+    if not len(source.records):
+        raise UserError(f"{name}: no records")
+
+    def build():
+        encoded = encode_pairs(source, tokenizer, cfg.max_length, keep_prompt)
+        if not encoded.columns["prompt_ids"]:
+            raise UserError(f"{name}: no pair left after cutting to data.max_length={cfg.max_length}")
+        return encoded.columns, {"truncated": encoded.truncated, "dropped": encoded.dropped}
+
+    key = cache_key("pairs", source.identity, cfg.max_length, keep_prompt, tokenizer_fingerprint(tokenizer))
+    return load_or_build(key, build)
+
+
+class PairCollator:
+    """Pairs to one batch of 2B right-padded rows, the B chosen then the B rejected: input_ids, labels
+    (IGNORE on prompt and padding), attention_mask, and `pair_index` (each pair's row in its dataset)."""
+
+    def __init__(self, pad_id: int, multiple: int = 8):
+        self.pad_id = pad_id
+        self.multiple = multiple
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        sequences = [(r["prompt_ids"], r[side]) for side in ("chosen_ids", "rejected_ids") for r in rows]
+        longest = max(len(p) + len(c) for p, c in sequences)
+        width = -(-longest // self.multiple) * self.multiple
+        input_ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
+        labels = torch.full_like(input_ids, IGNORE)
+        attention_mask = torch.zeros_like(input_ids)
+        for i, (prompt, completion) in enumerate(sequences):
+            ids = torch.as_tensor(prompt + completion, dtype=torch.long)
+            input_ids[i, : len(ids)] = ids
+            labels[i, len(prompt) : len(ids)] = ids[len(prompt) :]
+            attention_mask[i, : len(ids)] = 1
+        batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+        if "pair_index" in rows[0]:
+            batch["pair_index"] = torch.tensor([r["pair_index"] for r in rows], dtype=torch.long)
+        return batch
