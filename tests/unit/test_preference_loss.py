@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from toolkit.loss import backward_scale
 from toolkit.preference.config import DpoConfig
 from toolkit.preference.data import PairCollator
-from toolkit.preference.loss import micro_objective, pair_terms, sequence_logps, step_metrics, pair_stats
+from toolkit.preference.loss import micro_objective, pair_stats, pair_terms, sequence_logps, step_metrics
 
 LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
 # Prompt and completion lengths that differ wildly, so padding differs between micro-batch splits.

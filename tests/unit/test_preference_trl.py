@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from toolkit.data.sources import Source
 from toolkit.loss import IGNORE
 from toolkit.preference.config import DpoConfig
 from toolkit.preference.data import PairCollator, encode_pairs
 from toolkit.preference.loss import pair_terms, sequence_logps
-from toolkit.data.sources import Source
 
 trl = pytest.importorskip("trl")
 cpo = pytest.importorskip("trl.experimental.cpo")
