@@ -26,7 +26,6 @@ from toolkit import (
     data,
     distributed,
     evaluate,
-    export,
     flops,
     launch_check,
     loss,
@@ -34,12 +33,13 @@ from toolkit import (
     optim,
     portable,
     speed,
+    steps,
 )
 from toolkit import model as models
 from toolkit.config import flat_dict, load_config
 from toolkit.errors import UserError
 from toolkit.nonfinite import NonFiniteGuard
-from toolkit.preemption import PREEMPTED_EXIT_CODE, StopRequest
+from toolkit.preemption import StopRequest
 
 
 def main(argv: list[str]) -> int:
@@ -141,15 +141,14 @@ def main(argv: list[str]) -> int:
         started = time.perf_counter()
         micro_batches = stream.next_step()
         data_wait = time.perf_counter() - started
-        counts = torch.tensor(
+        step_targets, step_tokens, step_rows = steps.global_counts(
+            accelerator,
             [
                 sum(loss.count_targets(b["labels"]) for b in micro_batches),
                 sum(data.count_tokens(b) for b in micro_batches),
                 sum(len(b["input_ids"]) for b in micro_batches),
             ],
-            device=accelerator.device,
         )
-        step_targets, step_tokens, step_rows = accelerator.reduce(counts, reduction="sum").tolist()
         scale = loss.backward_scale(step_targets, grad_accum, accelerator.num_processes)
         loss_sum = torch.zeros((), device=accelerator.device)
         for batch in micro_batches:
@@ -159,14 +158,12 @@ def main(argv: list[str]) -> int:
                 accelerator.backward(micro_loss * scale)
                 loss_sum += micro_loss.detach()
         step_loss = accelerator.reduce(loss_sum, reduction="sum").item() / max(step_targets, 1)
-        grad_norm = float(distributed.clip_grad_norm(accelerator, model, cfg.train.max_grad_norm))
-        if guard.allows_update(step, step_loss, grad_norm):
-            optimizer.step()
-            scheduler.step()
-        optimizer.zero_grad()
+        grad_norm = steps.apply_update(
+            accelerator, model, optimizer, scheduler, guard, step, step_loss, cfg.train.max_grad_norm
+        )
         tokens_seen += step_tokens
         elapsed = time.perf_counter() - started
-        if step % cfg.train.log_every_steps == 0 or step == cfg.train.max_steps:
+        if steps.every(step, cfg.train.log_every_steps, cfg.train.max_steps):
             lr = scheduler.get_last_lr()[0]
             measured = meter.measure(step_tokens, step_rows, elapsed, data_wait)
             log.write(
@@ -181,51 +178,23 @@ def main(argv: list[str]) -> int:
             progress.set_postfix(metrics.progress_fields(step_loss, lr, measured))
         progress.update(1)
         eval_result = {}
-        if eval_loader is not None and cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0:
+        if eval_loader is not None and steps.every(step, cfg.train.eval_every_steps):
             eval_result = log.write(
                 step, **evaluate.evaluate(model, eval_loader, accelerator, cfg.eval.max_batches)
             )
-        stopping, save_due = distributed.any_rank(
-            accelerator, stop.requested or bool(guard.failure), schedule.due(step)
-        )
-        if (save_due or stopping) and guard.weights_intact:
-            checkpoint.save_checkpoint(
-                accelerator,
-                output_dir,
-                step,
-                {"tokens_seen": tokens_seen, "eval_loss": eval_result.get("eval_loss")},
-                cfg,
-            )
-            schedule.saved(step)
-            if accelerator.is_main_process and (cfg.train.keep_last or cfg.train.keep_best):
-                checkpoint.prune_checkpoints(output_dir, cfg.train.keep_last, cfg.train.keep_best)
-        if stopping:
+        state = {"tokens_seen": tokens_seen, "eval_loss": eval_result.get("eval_loss")}
+        exit_code = steps.end_of_step(accelerator, cfg, output_dir, step, state, schedule, guard, stop)
+        if exit_code is not None:
             progress.close()
-            if guard.failure:
-                raise UserError(guard.failure)
-            accelerator.print(
-                f"stopped by {stop.signal_name or 'another rank'} after step {step}; checkpoint saved, "
-                "launch again with train.resume=auto to continue"
-            )
-            return PREEMPTED_EXIT_CODE
+            return exit_code
     progress.close()
 
     # Finish: final checkpoint, the measured result, the exported model.
-    if schedule.last_step < cfg.train.max_steps:
-        checkpoint.save_checkpoint(
-            accelerator, output_dir, cfg.train.max_steps, {"tokens_seen": tokens_seen}, cfg
-        )
+    steps.final_checkpoint(accelerator, cfg, output_dir, schedule, {"tokens_seen": tokens_seen})
     evaluate.report(
         accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, log, cfg.train.max_steps, "after"
     )
-    final_dir = output_dir / "final"
-    export.export_model(accelerator, model, tokenizer, final_dir, cfg.export.dtype)
-    if cfg.export.merge and cfg.model.method != "full" and accelerator.is_main_process:
-        export.merge_adapter(final_dir, final_dir / "merged", cfg.export.dtype)
-    accelerator.wait_for_everyone()
-    accelerator.print(
-        f"saved: {final_dir.resolve()}  (try: ftkit generate --model {final_dir} --prompt '...')"
-    )
+    steps.export_final(accelerator, model, tokenizer, cfg, output_dir)
     accelerator.end_training()
     return 0
 

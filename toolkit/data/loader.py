@@ -11,13 +11,17 @@ from toolkit.data.collate import Collator, PackedCollator
 from toolkit.data.packing import LengthGroupedSampler, row_lengths
 
 
-def train_loader(dataset, data: DataConfig, train: TrainConfig, pad_id: int, seed: int, flash_varlen: bool):
-    """(loader, sampler): micro-batches of `dataset` whose order depends on (seed, epoch) alone."""
+def train_loader(
+    dataset, data: DataConfig, train: TrainConfig, pad_id: int, seed: int, flash_varlen: bool, collate=None
+):
+    """(loader, sampler): micro-batches of `dataset` whose order depends on (seed, epoch) alone; `collate`
+    replaces the SFT collators (e.g. for preference pairs)."""
     if data.group_by_length:
         sampler = LengthGroupedSampler(row_lengths(dataset), train.global_batch_size, seed)
     else:
         sampler = EpochSampler(len(dataset), train.global_batch_size, seed)
-    collate = PackedCollator(pad_id, flash_varlen=flash_varlen) if data.packing else Collator(pad_id)
+    if collate is None:
+        collate = PackedCollator(pad_id, flash_varlen=flash_varlen) if data.packing else Collator(pad_id)
     loader = DataLoader(
         dataset,
         batch_size=train.micro_batch_size,

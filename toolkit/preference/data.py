@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass, field
 
 import datasets
@@ -154,3 +155,14 @@ class PairCollator:
         if "pair_index" in rows[0]:
             batch["pair_index"] = torch.tensor([r["pair_index"] for r in rows], dtype=torch.long)
         return batch
+
+
+def strided_batches(dataset, rank: int, world: int, batch_size: int):
+    """This rank's share of `dataset` (pairs rank, rank + world, ...) in batches of rows, padded with
+    copies of pair 0 so every rank runs the same number of forward passes (sharded weights need it);
+    yields (rows, which of them are real)."""
+    per_rank = math.ceil(len(dataset) / world)
+    mine = [rank + world * i for i in range(per_rank)]
+    for start in range(0, per_rank, batch_size):
+        wanted = mine[start : start + batch_size]
+        yield [dataset[i if i < len(dataset) else 0] for i in wanted], [i < len(dataset) for i in wanted]
