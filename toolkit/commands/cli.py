@@ -40,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), help="weights (default as recipes)")
     plan.add_argument("--mixed-precision", choices=("bf16", "no"), help="autocast (default bf16)")
     plan.add_argument("--cpu-mem", type=float, help="GiB of CPU RAM; setups needing more do not fit")
+    plan.add_argument("--objective", choices=("sft", "dpo"), help="dpo: chosen + rejected per example")
+    plan.add_argument(
+        "--reference-model", action="store_true", default=None, help="dpo with a separate reference model"
+    )
     plan.add_argument("--tokens", type=float, help="tokens to train on, for time and cost")
     plan.add_argument("--tokens-per-s", type=float, help="throughput of the whole machine")
     plan.add_argument("--from-run", help="a run's output_dir on the same hardware: its measured tokens/s")

@@ -18,6 +18,7 @@ from toolkit.plan.counts import ModelCounts, count_parameters, load_model_config
 from toolkit.plan.memory import GIB, MemoryEstimate, Precision
 
 METHODS = ("full", "lora", "qlora")
+RECIPES = {"sft": "finetune_llm.py", "dpo": "dpo_llm.py"}
 GRAD_CKPT = ("auto", "on", "off")
 REPO = DEMO_CONFIG.parent.parent.parent
 # Fastest first. Gradient checkpointing costs about a third more compute; ZeRO-1/2 move no more data than
@@ -54,6 +55,11 @@ class PlanRequest:
     """Autocast: bf16 | no."""
     cpu_mem: float | None = None
     """CPU RAM of the machine in GiB; when set, setups needing more do not fit."""
+    objective: str = "sft"
+    """sft | dpo (preference tuning: two sequences, chosen and rejected, per example)."""
+    reference_model: bool = False
+    """dpo with a separate reference model: its frozen weights too (none with LoRA or precomputed
+    reference log-probs)."""
 
     def validate(self) -> None:
         for name, allowed in (
@@ -61,6 +67,7 @@ class PlanRequest:
             ("grad_ckpt", GRAD_CKPT),
             ("mixed_precision", ("bf16", "no")),
             ("dtype", ("auto", "float32", "bfloat16")),
+            ("objective", ("sft", "dpo")),
         ):
             if getattr(self, name) not in allowed:
                 raise UserError(
@@ -71,6 +78,8 @@ class PlanRequest:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise UserError(f"--micro-batch must be positive, got {self.micro_batch}")
+        if self.reference_model and self.objective != "dpo":
+            raise UserError("--reference-model is for --objective dpo")
         if not 0 <= self.lora_dropout < 1:
             raise UserError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         per_step = (self.micro_batch or 1) * self.gpus
@@ -207,9 +216,28 @@ def _grow_micro_batch(row: MemoryEstimate, counts, request: PlanRequest, precisi
 def _estimate(
     counts, request: PlanRequest, precision, backend: str, ckpt: bool, micro: int
 ) -> MemoryEstimate:
+    sequences = 2 if request.objective == "dpo" else 1
     return memory.estimate(
-        counts, backend, request.gpus, request.seq_len, micro, ckpt, precision, request.lora_dropout
+        counts,
+        backend,
+        request.gpus,
+        request.seq_len,
+        micro,
+        ckpt,
+        precision,
+        request.lora_dropout,
+        sequences_per_example=sequences,
+        reference=reference_bytes(counts, request, precision, backend),
     )
+
+
+def reference_bytes(counts, request: PlanRequest, precision: Precision, backend: str) -> int:
+    """A separate reference model's weights per GPU: the model whole, sharded like the policy under
+    FSDP/ZeRO-3."""
+    if not request.reference_model:
+        return 0
+    whole = counts.total * (4 if precision.weights == "float32" else 2)
+    return whole // request.gpus if backend in ("fsdp", "zero3", "zero3_offload") else whole
 
 
 def _ckpt_options(request: PlanRequest) -> tuple[bool, ...]:
@@ -218,7 +246,7 @@ def _ckpt_options(request: PlanRequest) -> tuple[bool, ...]:
 
 def launch_command(row: MemoryEstimate, request: PlanRequest, precision: Precision) -> str | None:
     """The exact `accelerate launch` line: a shipped recipe config plus the overrides this plan assumed."""
-    template = _template_config(request.model, request.method)
+    template = _template_config(request.model, request.method, request.objective)
     if template is None:
         return None
     path, current = template
@@ -243,19 +271,25 @@ def launch_command(row: MemoryEstimate, request: PlanRequest, precision: Precisi
     procs = "" if row.backend == "single" else f" --num_processes {request.gpus}"
     return (
         f"accelerate launch --config_file accelerate_configs/{row.backend}.yaml{procs} "
-        f"recipes/finetune_llm.py --config {path} " + " ".join(shlex.quote(item) for item in overrides)
+        f"recipes/{RECIPES[request.objective]} --config {path} "
+        + " ".join(shlex.quote(item) for item in overrides)
     )
 
 
-def _template_config(model: str, method: str) -> tuple[str, dict] | None:
-    """The shipped recipe config closest to this run: same method first, then same model, then same shapes."""
-    configs = sorted((REPO / "recipes" / "configs").glob("*.yaml"))
+def _template_config(model: str, method: str, objective: str = "sft") -> tuple[str, dict] | None:
+    """The shipped recipe config closest to this run: same method first, then same model, then same shapes
+    (among the preference configs, named *dpo*, for `dpo`)."""
+    configs = [
+        path
+        for path in sorted((REPO / "recipes" / "configs").glob("*.yaml"))
+        if ("dpo" in path.name) == (objective == "dpo")
+    ]
     if not configs:
         return None
     arch = architectures.lookup(model)
 
     def closeness(path: Path):
-        cfg = load_config(path)
+        cfg = _load(path)
         same_arch = arch is not None and architectures.lookup(cfg.model.path) == arch
         return (
             cfg.model.method == method,
@@ -265,7 +299,15 @@ def _template_config(model: str, method: str) -> tuple[str, dict] | None:
         )
 
     best = max(configs, key=closeness)
-    return str(best.relative_to(REPO)), flat_dict(load_config(best))
+    return str(best.relative_to(REPO)), flat_dict(_load(best))
+
+
+def _load(path: Path):
+    if "dpo" in path.name:
+        from toolkit.preference.config import load_preference_config
+
+        return load_preference_config(path, [])
+    return load_config(path)
 
 
 def _yaml_value(value) -> str:
