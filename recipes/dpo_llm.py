@@ -233,9 +233,10 @@ def main(argv: list[str]) -> int:
         progress.update(1)
         eval_result = held_out(step) if steps.every(step, cfg.train.eval_every_steps) else {}
         state = {"tokens_seen": tokens_seen, "eval_loss": eval_result.get("eval_loss")}
-        exit_code = steps.end_of_step(accelerator, cfg, output_dir, step, state, schedule, guard, stop)
+        exit_code = steps.end_of_step(
+            accelerator, cfg, output_dir, step, state, schedule, guard, stop, progress
+        )
         if exit_code is not None:
-            progress.close()
             return exit_code
     progress.close()
 

@@ -183,9 +183,10 @@ def main(argv: list[str]) -> int:
                 step, **evaluate.evaluate(model, eval_loader, accelerator, cfg.eval.max_batches)
             )
         state = {"tokens_seen": tokens_seen, "eval_loss": eval_result.get("eval_loss")}
-        exit_code = steps.end_of_step(accelerator, cfg, output_dir, step, state, schedule, guard, stop)
+        exit_code = steps.end_of_step(
+            accelerator, cfg, output_dir, step, state, schedule, guard, stop, progress
+        )
         if exit_code is not None:
-            progress.close()
             return exit_code
     progress.close()
 

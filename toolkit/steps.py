@@ -46,9 +46,11 @@ def end_of_step(
     schedule: checkpoint.SaveSchedule,
     guard: NonFiniteGuard,
     stop: StopRequest,
+    progress,
 ) -> int | None:
     """Collective: checkpoint when due or stopping (never weights a non-finite update reached), then the
-    exit code when the run must stop now (a stop request: PREEMPTED_EXIT_CODE; a failure: UserError)."""
+    exit code when the run must stop now (a stop request: PREEMPTED_EXIT_CODE; a failure: UserError),
+    with the progress bar closed first so the last line printed says why."""
     stopping, save_due = distributed.any_rank(
         accelerator, stop.requested or bool(guard.failure), schedule.due(step)
     )
@@ -59,6 +61,7 @@ def end_of_step(
             checkpoint.prune_checkpoints(output_dir, cfg.train.keep_last, cfg.train.keep_best)
     if not stopping:
         return None
+    progress.close()
     if guard.failure:
         raise UserError(guard.failure)
     accelerator.print(
