@@ -9,6 +9,7 @@ its optimizer step. Writes {rank: bytes} and the model's config to --out.
 import argparse
 import gc
 import json
+import sys
 import warnings
 from pathlib import Path
 
@@ -20,6 +21,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from toolkit import distributed
 from toolkit.config import TrainConfig
 
+# A launched script sees only its own folder; the shared test helpers are one up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import tiny_llama_config  # noqa: E402
+
 SIZES = {
     "small": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, vocab_size=512),
     "large": dict(hidden_size=128, intermediate_size=320, num_hidden_layers=4, vocab_size=1024),
@@ -30,9 +35,7 @@ SEQ_LEN = 16
 
 
 def model_config(size: str) -> LlamaConfig:
-    return LlamaConfig(
-        **SIZES[size], num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN
-    )
+    return tiny_llama_config(**SIZES[size], max_position_embeddings=SEQ_LEN)
 
 
 def build_model(config: LlamaConfig, method: str):

@@ -1,12 +1,10 @@
-from pathlib import Path
-
 import pytest
+from helpers import REPO
 
 from toolkit.batches import grad_accum_steps
 from toolkit.config import RecipeConfig, field_docs, flat_dict, load_config
 from toolkit.errors import UserError
 
-REPO = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((REPO / "recipes" / "configs").rglob("*.yaml"))
 
 
