@@ -61,7 +61,11 @@ def main(argv: list[str]) -> int:
     )
     distributed.finish_setup(accelerator, launch)
     features = speed.resolve(cfg.model, cfg.train, accelerator.device)
-    for line in [distributed.describe(accelerator, launch, cfg.train, grad_accum), *notes, *features.notes]:
+    for line in [
+        distributed.setup_summary(accelerator, launch, cfg.train, grad_accum),
+        *notes,
+        *features.notes,
+    ]:
         accelerator.print(line)
     set_seed(cfg.seed)
     resume_from = checkpoint.resolve_resume(output_dir, cfg.train.resume, cfg.train.overwrite)
@@ -85,7 +89,7 @@ def main(argv: list[str]) -> int:
         flash_varlen=features.attention == "flash_attention_2",
     )
     model = models.load_model(cfg.model, cfg.lora, accelerator.local_process_index, features)
-    trainable, total = models.count_parameters(model)
+    trainable, total = models.trainable_and_total(model)
     accelerator.print(
         f"model: {cfg.model.path} ({cfg.model.method}), {trainable:,} of {total:,} parameters trained"
     )

@@ -7,7 +7,7 @@ The recipe creates the Accelerator; this module supplies its arguments and check
     ga = batches.grad_accum_steps(cfg.train, launch.world_size)
     accelerator = Accelerator(**distributed.accelerator_kwargs(launch, cfg.train, ga), ...)
     distributed.finish_setup(accelerator, launch)
-    log(distributed.describe(accelerator, launch, cfg.train, ga)), then each of `notes`
+    log(distributed.setup_summary(accelerator, launch, cfg.train, ga)), then each of `notes`
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def verify(accelerator, launch: Launch) -> None:
         raise UserError(f"{launch.source} asked for {launch.backend} but accelerate set up {got.value}")
 
 
-def describe(accelerator, launch: Launch, train: TrainConfig, grad_accum_steps: int) -> str:
+def setup_summary(accelerator, launch: Launch, train: TrainConfig, grad_accum_steps: int) -> str:
     """One line: backend, world size, processes per node, device, precision, how the global batch is made."""
     ga = grad_accum_steps
     world = accelerator.num_processes

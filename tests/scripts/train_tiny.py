@@ -81,7 +81,7 @@ def main() -> None:
     accelerator = Accelerator(**distributed.accelerator_kwargs(launch, TRAIN, grad_accum_steps=ga))
     distributed.finish_setup(accelerator, launch)
     result = train(accelerator)
-    result["describe"] = distributed.describe(accelerator, launch, TRAIN, ga)
+    result["describe"] = distributed.setup_summary(accelerator, launch, TRAIN, ga)
     if accelerator.is_main_process:
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(

@@ -155,7 +155,7 @@ def make_plan(request: PlanRequest, cost: CostRequest | None = None) -> Plan:
         precision=precision,
         rows=rows,
         choice=choice,
-        command=launch_command(choice, request, precision) if choice else None,
+        command=launch_line(choice, request, precision) if choice else None,
         flops_per_token=flops.flops_per_token(counts, request.seq_len),
         cost=estimate_cost(cost, request.gpus) if cost else None,
     )
@@ -216,7 +216,7 @@ def _ckpt_options(request: PlanRequest) -> tuple[bool, ...]:
     return {"auto": (False, True), "on": (True,), "off": (False,)}[request.grad_ckpt]
 
 
-def launch_command(row: MemoryEstimate, request: PlanRequest, precision: Precision) -> str | None:
+def launch_line(row: MemoryEstimate, request: PlanRequest, precision: Precision) -> str | None:
     """The exact `accelerate launch` line: a shipped recipe config plus the overrides this plan assumed."""
     template = _template_config(request.model, request.method)
     if template is None:
