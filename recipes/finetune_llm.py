@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
@@ -53,13 +52,14 @@ def main(argv: list[str]) -> int:
         launch, cfg, args.config or "recipes/configs/demo.yaml", launch_check.probe_machine(), os.environ
     )
     grad_accum = batches.grad_accum_steps(cfg.train, launch.world_size)
-    accelerator = Accelerator(
-        **distributed.accelerator_kwargs(launch, cfg.train, grad_accum),
+    accelerator = distributed.setup(
+        launch,
+        cfg.train,
+        grad_accum,
         log_with=cfg.log.trackers or None,
         project_dir=str(output_dir),
         step_scheduler_with_optimizer=False,  # one scheduler step per optimizer step, whatever the world size
     )
-    distributed.finish_setup(accelerator, launch)
     features = speed.resolve(cfg.model, cfg.train, accelerator.device)
     for line in [
         distributed.setup_summary(accelerator, launch, cfg.train, grad_accum),

@@ -14,7 +14,6 @@ import warnings
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -81,8 +80,7 @@ def main() -> None:
     args = parser.parse_args()
 
     launch = distributed.detect_launch()
-    accelerator = Accelerator(**distributed.accelerator_kwargs(launch, TRAIN, grad_accum_steps=1))
-    distributed.finish_setup(accelerator, launch)
+    accelerator = distributed.setup(launch, TRAIN, grad_accum_steps=1)
     tokens = torch.randint(
         0, 100, (TRAIN.micro_batch_size, SEQ_LEN), generator=torch.Generator().manual_seed(1)
     )

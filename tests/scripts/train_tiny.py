@@ -78,8 +78,7 @@ def main() -> None:
             (args.out / "result.json").write_text(json.dumps({"error": error}))
         return
     ga = batches.grad_accum_steps(TRAIN, launch.world_size)
-    accelerator = Accelerator(**distributed.accelerator_kwargs(launch, TRAIN, grad_accum_steps=ga))
-    distributed.finish_setup(accelerator, launch)
+    accelerator = distributed.setup(launch, TRAIN, grad_accum_steps=ga)
     result = train(accelerator)
     result["describe"] = distributed.setup_summary(accelerator, launch, TRAIN, ga)
     if accelerator.is_main_process:

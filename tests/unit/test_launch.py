@@ -206,6 +206,17 @@ def test_verify_refuses_processes_that_train_alone():
     distributed.verify(stub_accelerator(1, DistributedType.NO), Launch("single", 1, 1, on_cpu=False))
 
 
+def test_setup_returns_a_checked_accelerator_with_the_callers_options(tmp_path):
+    single = Launch("single", 1, 1, on_cpu=True)
+    accelerator = distributed.setup(single, TrainConfig(), 4, project_dir=str(tmp_path))
+    assert (accelerator.distributed_type, accelerator.gradient_accumulation_steps) == (DistributedType.NO, 4)
+    assert accelerator.project_dir == str(tmp_path)
+    with pytest.raises(UserError, match="2 processes were launched .* joined 1 \\(NO\\)"):
+        distributed.setup(Launch("ddp", 2, 2, on_cpu=True), TrainConfig(), 4)
+    with pytest.raises(TypeError, match="mixed_precision"):
+        distributed.setup(single, TrainConfig(), 4, mixed_precision="bf16")
+
+
 # --- the launch checker ----------------------------------------------------------------------------------
 
 
