@@ -88,6 +88,15 @@ def main(argv: list[str]) -> int:
         cfg.seed,
         flash_varlen=features.attention == "flash_attention_2",
     )
+    eval_loader = None  # each rank its own share, so it is not given to prepare
+    if eval_set is not None:
+        eval_loader = data.eval_loader(
+            eval_set,
+            accelerator.process_index,
+            accelerator.num_processes,
+            cfg.train.micro_batch_size,
+            tokenizer.pad_token_id,
+        )
     model = models.load_model(cfg.model, cfg.lora, accelerator.local_process_index, features)
     trainable, total = models.trainable_and_total(model)
     accelerator.print(
@@ -103,15 +112,6 @@ def main(argv: list[str]) -> int:
     if marker is not None and not exact:
         accelerator.print(portable.restore_portable(resume_from, model, optimizer, scheduler, layout))
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
-    eval_loader = None
-    if eval_set is not None:
-        eval_loader = evaluate.eval_loader(
-            eval_set,
-            accelerator.process_index,
-            accelerator.num_processes,
-            cfg.train.micro_batch_size,
-            data.Collator(tokenizer.pad_token_id),
-        )
 
     # Where to start: a checkpoint, or a fresh run whose starting point is measured first.
     start_step, tokens_seen = 0, 0
@@ -120,6 +120,7 @@ def main(argv: list[str]) -> int:
         accelerator.is_main_process,
         accelerator.log if cfg.log.trackers else None,
     )
+    evaluator = evaluate.Evaluator(accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, log)
     if marker is not None:
         if exact:
             checkpoint.load_checkpoint(accelerator, resume_from)
@@ -128,7 +129,7 @@ def main(argv: list[str]) -> int:
             metrics.truncate_after(log.path, start_step)
         accelerator.print(f"resumed from {resume_from} at step {start_step}")
     else:
-        evaluate.report(accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, log, 0, "before")
+        evaluator.report(0, "before")
 
     # The loop: one iteration per optimizer step, `grad_accum` micro-batches each.
     stream = batches.StepStream(train_loader, sampler, grad_accum, start_step, accelerator.skip_first_batches)
@@ -185,10 +186,8 @@ def main(argv: list[str]) -> int:
             progress.set_postfix(metrics.progress_fields(step_loss, lr, measured))
         progress.update(1)
         eval_result = {}
-        if eval_loader is not None and cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0:
-            eval_result = log.write(
-                step, **evaluate.evaluate(model, eval_loader, accelerator, cfg.eval.max_batches)
-            )
+        if cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0:
+            eval_result = evaluator.evaluate(step)
         stopping, save_due = distributed.any_rank(
             accelerator, stop.requested or bool(guard.failure), schedule.due(step)
         )
@@ -219,9 +218,7 @@ def main(argv: list[str]) -> int:
         checkpoint.save_checkpoint(
             accelerator, output_dir, cfg.train.max_steps, {"tokens_seen": tokens_seen}, cfg
         )
-    evaluate.report(
-        accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, log, cfg.train.max_steps, "after"
-    )
+    evaluator.report(cfg.train.max_steps, "after")
     final_dir = output_dir / "final"
     export.export_model(accelerator, model, tokenizer, final_dir, cfg.export.dtype)
     if cfg.export.merge and cfg.model.method != "full" and accelerator.is_main_process:
