@@ -40,10 +40,12 @@ from toolkit.errors import UserError
 from toolkit.nonfinite import NonFiniteGuard
 from toolkit.preemption import PREEMPTED_EXIT_CODE, StopRequest
 
+DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"
+
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config or DEMO_CONFIG, args.overrides)
     output_dir = Path(cfg.output_dir)
 
     # Backend: whatever `accelerate launch` was told; checked, never silently degraded to lone ranks.
