@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
@@ -58,15 +57,17 @@ def main(argv: list[str]) -> int:
         launch, cfg, args.config or str(pref.DEMO_DPO_CONFIG), launch_check.probe_machine(), os.environ
     )
     grad_accum = batches.grad_accum_steps(cfg.train, launch.world_size)
-    accelerator = Accelerator(
-        **distributed.accelerator_kwargs(launch, cfg.train, grad_accum),
+    accelerator = distributed.setup(
+        launch,
+        cfg.train,
+        grad_accum,
         log_with=cfg.log.trackers or None,
         project_dir=str(output_dir),
         step_scheduler_with_optimizer=False,
     )
-    distributed.finish_setup(accelerator, launch)
     features = speed.resolve(cfg.model, cfg.train, accelerator.device)
-    for line in [distributed.describe(accelerator, launch, cfg.train, grad_accum), *notes, *features.notes]:
+    summary = distributed.setup_summary(accelerator, launch, cfg.train, grad_accum)
+    for line in [summary, *notes, *features.notes]:
         accelerator.print(line)
     set_seed(cfg.seed)
     resume_from = checkpoint.resolve_resume(output_dir, cfg.train.resume, cfg.train.overwrite)
@@ -88,7 +89,7 @@ def main(argv: list[str]) -> int:
         train_set, cfg.data, cfg.train, tokenizer.pad_token_id, cfg.seed, False, collate
     )
     model = models.load_model(cfg.model, cfg.lora, accelerator.local_process_index, features)
-    trainable, total = models.count_parameters(model)
+    trainable, total = models.trainable_and_total(model)
     accelerator.print(
         f"model: {cfg.model.path} ({cfg.model.method}), {trainable:,} of {total:,} parameters trained"
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from toolkit.data import model_inputs
-from toolkit.evaluate import greedy_answer
+from toolkit.generation import greedy_answer
 from toolkit.preference.config import DpoConfig
 from toolkit.preference.data import strided_batches
 from toolkit.preference.loss import pair_terms, sequence_logps, step_metrics
