@@ -104,52 +104,15 @@ def main(argv: list[str]) -> int:
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     # The reference: adapter off, a separate frozen model, or log-probs computed before the policy moves.
-    separate = reference.load_separate(accelerator, cfg, features) if cfg.dpo.reference_model else None
-    tables = None
-    if pref.precomputes_reference(cfg):
-        tables = reference.precompute_or_load(
-            accelerator,
-            model,
-            separate,
-            {"train": train_set, "eval": eval_set},
-            collate,
-            cfg,
-            output_dir,
-            fresh=marker is None,
-        )
-        separate = None
-
-    def reference_logps(batch, split="train"):
-        if not pref.uses_reference(cfg):
-            return None
-        if tables is not None:
-            return tables[split].lookup(batch)
-        return reference.live_logps(accelerator, model, batch, separate)
-
-    def held_out(step: int, label: str = "") -> dict:
-        if eval_set is None:
-            return {}
-        results = evaluate.evaluate_pairs(
-            model,
-            eval_set,
-            collate,
-            accelerator,
-            cfg.dpo,
-            lambda batch: reference_logps(batch, "eval"),
-            cfg.train.micro_batch_size,
-        )
-        if label and cfg.eval.exact_match_samples:
-            results["exact_match"] = evaluate.pair_exact_match(
-                accelerator.unwrap_model(model),
-                tokenizer,
-                eval_set,
-                cfg.eval.exact_match_samples,
-                cfg.eval.max_new_tokens,
-                accelerator.num_processes > 1,
-            )
-        if label:
-            accelerator.print(f"[{label}] " + "  ".join(f"{k}={v:.4g}" for k, v in results.items()))
-        return log.write(step, **results)
+    ref = reference.Reference.build(
+        accelerator,
+        model,
+        cfg,
+        features,
+        {"train": train_set, "eval": eval_set},
+        collate,
+        fresh=marker is None,
+    )
 
     # Where to start: a checkpoint, or a fresh run whose starting point is measured first.
     start_step, tokens_seen = 0, 0
@@ -158,6 +121,7 @@ def main(argv: list[str]) -> int:
         accelerator.is_main_process,
         accelerator.log if cfg.log.trackers else None,
     )
+    evaluator = evaluate.PairEvaluator(accelerator, model, tokenizer, eval_set, collate, cfg, ref, log)
     if marker is not None:
         if exact:
             checkpoint.load_checkpoint(accelerator, resume_from)
@@ -166,7 +130,7 @@ def main(argv: list[str]) -> int:
             metrics.truncate_after(log.path, start_step)
         accelerator.print(f"resumed from {resume_from} at step {start_step}")
     else:
-        held_out(0, "before")
+        evaluator.report(0, "before")
 
     # The loop: one iteration per optimizer step, `grad_accum` micro-batches of pairs each.
     stream = batches.StepStream(loader, sampler, grad_accum, start_step, accelerator.skip_first_batches)
@@ -195,10 +159,10 @@ def main(argv: list[str]) -> int:
         token_scale = loss.backward_scale(chosen_tokens, grad_accum, accelerator.num_processes)
         sums = torch.zeros(8, dtype=torch.float64, device=accelerator.device)
         for batch in micro_batches:
-            ref = reference_logps(batch)
+            ref_logps = ref.logps(batch)
             with accelerator.accumulate(model):
                 logps, counts = pref_loss.sequence_logps(model(**model_inputs(batch)).logits, batch["labels"])
-                terms = pref_loss.pair_terms(cfg.dpo, logps, counts, ref)
+                terms = pref_loss.pair_terms(cfg.dpo, logps, counts, ref_logps)
                 accelerator.backward(pref_loss.micro_objective(terms, pair_scale, token_scale))
                 sums += pref_loss.pair_stats(terms, logps)
         step_metrics = pref_loss.step_metrics(
@@ -232,7 +196,7 @@ def main(argv: list[str]) -> int:
             fields = metrics.progress_fields(step_metrics["loss"], lr, measured)
             progress.set_postfix({**fields, "acc": f"{step_metrics['reward_accuracy']:.2f}"})
         progress.update(1)
-        eval_result = held_out(step) if steps.every(step, cfg.train.eval_every_steps) else {}
+        eval_result = evaluator.evaluate(step) if steps.every(step, cfg.train.eval_every_steps) else {}
         state = {"tokens_seen": tokens_seen, "eval_loss": eval_result.get("eval_loss")}
         exit_code = steps.end_of_step(
             accelerator, cfg, output_dir, step, state, schedule, guard, stop, progress
@@ -243,7 +207,7 @@ def main(argv: list[str]) -> int:
 
     # Finish: final checkpoint, the measured result, the exported model.
     steps.final_checkpoint(accelerator, cfg, output_dir, schedule, {"tokens_seen": tokens_seen})
-    held_out(cfg.train.max_steps, "after")
+    evaluator.report(cfg.train.max_steps, "after")
     steps.export_final(accelerator, model, tokenizer, cfg, output_dir)
     accelerator.end_training()
     return 0

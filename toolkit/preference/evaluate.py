@@ -42,6 +42,53 @@ def evaluate_pairs(model, dataset, collate, accelerator, cfg: DpoConfig, referen
     return step_metrics(totals[:8], pairs=int(totals[8]), chosen_tokens=int(totals[9]), prefix="eval_")
 
 
+class PairEvaluator:
+    """The held-out pairs' evaluations, gathered once: metrics at `evaluate`, plus exact match and the
+    printed before/after line at `report`."""
+
+    def __init__(self, accelerator, model, tokenizer, dataset, collate, cfg, reference, log):
+        self.accelerator = accelerator
+        self.model = model
+        self.tokenizer = tokenizer
+        self.dataset = dataset
+        self.collate = collate
+        self.cfg = cfg
+        self.reference = reference
+        self.log = log
+
+    def _metrics(self) -> dict:
+        return evaluate_pairs(
+            self.model,
+            self.dataset,
+            self.collate,
+            self.accelerator,
+            self.cfg.dpo,
+            lambda batch: self.reference.logps(batch, "eval"),
+            self.cfg.train.micro_batch_size,
+        )
+
+    def evaluate(self, step: int) -> dict:
+        """Collective: eval_* metrics logged at `step`; {} when the run has no eval pairs."""
+        return self.log.write(step, **self._metrics()) if self.dataset is not None else {}
+
+    def report(self, step: int, label: str) -> None:
+        """Collective: the metrics and exact match of greedy answers, shown (tagged `label`) and logged."""
+        if self.dataset is None:
+            return
+        results = self._metrics()
+        if self.cfg.eval.exact_match_samples:
+            results["exact_match"] = pair_exact_match(
+                self.accelerator.unwrap_model(self.model),
+                self.tokenizer,
+                self.dataset,
+                self.cfg.eval.exact_match_samples,
+                self.cfg.eval.max_new_tokens,
+                self.accelerator.num_processes > 1,
+            )
+        self.accelerator.print(f"[{label}] " + "  ".join(f"{k}={v:.4g}" for k, v in results.items()))
+        self.log.write(step, **results)
+
+
 def pair_exact_match(model, tokenizer, dataset, samples: int, max_new_tokens: int, synced: bool) -> float:
     """Share of the first `samples` eval pairs whose greedy answer equals the chosen completion."""
     rows = [dataset[i] for i in range(min(samples, len(dataset)))]

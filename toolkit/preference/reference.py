@@ -19,6 +19,7 @@ from toolkit.config import LoraConfig, ModelConfig
 from toolkit.data import model_inputs
 from toolkit.errors import UserError
 from toolkit.model import load_model
+from toolkit.preference.config import precomputes_reference, uses_reference
 from toolkit.preference.data import strided_batches
 from toolkit.preference.loss import sequence_logps
 
@@ -128,6 +129,39 @@ def load_separate(accelerator, cfg, features):
     model = load_model(spec, LoraConfig(), accelerator.local_process_index, features).eval()
     model.requires_grad_(False)
     return accelerator.prepare_model(model, evaluation_mode=True)
+
+
+class Reference:
+    """Where a run's reference log-probs come from: nothing (reference-free losses), precomputed tables,
+    a separate frozen model, or the policy with its adapter off."""
+
+    def __init__(self, accelerator, model, tables=None, separate=None, needed: bool = True):
+        self.accelerator = accelerator
+        self.model = model
+        self.tables = tables
+        self.separate = separate
+        self.needed = needed
+
+    @classmethod
+    def build(cls, accelerator, model, cfg, features, datasets: dict, collate, fresh: bool) -> Reference:
+        """Collective: the reference `cfg` asks for; tables are computed now (fresh run) or read back."""
+        if not uses_reference(cfg):
+            return cls(accelerator, model, needed=False)
+        separate = load_separate(accelerator, cfg, features) if cfg.dpo.reference_model else None
+        if not precomputes_reference(cfg):
+            return cls(accelerator, model, separate=separate)
+        tables = precompute_or_load(
+            accelerator, model, separate, datasets, collate, cfg, Path(cfg.output_dir), fresh
+        )
+        return cls(accelerator, model, tables=tables)
+
+    def logps(self, batch: dict, split: str = "train") -> torch.Tensor | None:
+        """Reference log-probs of a stacked batch of `split` pairs (None for reference-free losses)."""
+        if not self.needed:
+            return None
+        if self.tables is not None:
+            return self.tables[split].lookup(batch)
+        return live_logps(self.accelerator, self.model, batch, self.separate)
 
 
 def precompute_or_load(accelerator, model, separate, datasets: dict, collate, cfg, output_dir, fresh: bool):
