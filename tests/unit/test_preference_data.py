@@ -86,7 +86,7 @@ def test_only_completion_tokens_are_scored(tmp_path, tokenizer):
     scored = [
         tokenizer.decode(ids[labels != IGNORE]) for ids, labels in zip(batch["input_ids"], batch["labels"])
     ]
-    assert scored == ["5<|im_end|>\n"] * 2 + ["16<|im_end|>\n"] * 2
+    assert scored == ["5<|im_end|>"] * 2 + ["16<|im_end|>"] * 2
     assert (batch["attention_mask"].sum(1) == batch["input_ids"].ne(tokenizer.pad_token_id).sum(1)).all()
 
 

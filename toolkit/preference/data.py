@@ -24,6 +24,8 @@ from toolkit.preference.records import Pair, detect_layout, to_pair
 
 logger = logging.getLogger(__name__)
 COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+# Bump when the encoding of pairs changes, so rows cached by older code are not reused.
+ENCODING_VERSION = 2
 
 
 @dataclass
@@ -54,7 +56,9 @@ def render_pair(tokenizer, pair: Pair, where: str) -> tuple[str, str, str]:
         full = render(tokenizer, pair.prompt + turns, where)
         if not full.startswith(prompt):
             raise UserError(f"{where}: the chat template does not render the answer after the prompt")
-        completions.append(full[len(prompt) :])
+        # As in SFT's assistant spans, what a template writes after the end-of-turn text (ChatML's newline)
+        # is not part of the answer: scoring it would teach the model that text instead of stopping.
+        completions.append(full[len(prompt) :].rstrip())
     return prompt, completions[0], completions[1]
 
 
@@ -127,7 +131,14 @@ def _prepare(name: str, cfg: DataConfig, tokenizer, keep_prompt: int):
             raise UserError(f"{name}: no pair left after cutting to data.max_length={cfg.max_length}")
         return encoded.columns, {"truncated": encoded.truncated, "dropped": encoded.dropped}
 
-    key = cache_key("pairs", source.identity, cfg.max_length, keep_prompt, tokenizer_fingerprint(tokenizer))
+    key = cache_key(
+        "pairs",
+        ENCODING_VERSION,
+        source.identity,
+        cfg.max_length,
+        keep_prompt,
+        tokenizer_fingerprint(tokenizer),
+    )
     return load_or_build(key, build)
 
 
