@@ -22,7 +22,8 @@ trl = pytest.importorskip("trl")
 cpo = pytest.importorskip("trl.experimental.cpo")
 orpo = pytest.importorskip("trl.experimental.orpo")
 TINY = Path(__file__).resolve().parents[2] / "toolkit" / "assets" / "tiny-llama"
-TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+# Within 1e-5: rewards are beta x a difference of two float32 sums of ~20, whose rounding alone is ~1e-6.
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 PAIRS = [
     {"prompt": "What is 2 + 3?", "chosen": "5", "rejected": "16"},
     {"prompt": "What is 40 plus 7? Answer briefly.", "chosen": "47", "rejected": "It is 48, I think"},
