@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from toolkit import (
     batches,
     checkpoint,
+    console,
     data,
     distributed,
     evaluate,
@@ -238,11 +239,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
+    console.quiet_third_party()
+    error = ""
     try:
         exit_code = main(sys.argv[1:])
     except UserError as exc:
-        print(f"finetune_llm: error: {exc}", file=sys.stderr)
-        exit_code = 2
+        exit_code, error = 2, str(exc)
     finally:
         distributed.close()  # also after a preemption stop or an error, so the exit code gets out
-    sys.exit(exit_code)
+    sys.exit(console.finish("finetune_llm", exit_code, error))

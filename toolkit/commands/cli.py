@@ -11,10 +11,18 @@ from toolkit.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
+    from toolkit.commands import train
+
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(
         prog="ftkit", description="Fine-tuning toolkit on Hugging Face Accelerate."
     )
     commands = parser.add_subparsers(dest="command", required=True)
+
+    train_parser = commands.add_parser(
+        "train", help="launch a recipe on this machine: picks the backend, prints the accelerate command"
+    )
+    train.add_arguments(train_parser)
 
     gen = commands.add_parser("generate", help="chat with a fine-tuned model, adapter or full")
     gen.add_argument("--model", required=True, help="final/ or merged model directory, or a PEFT adapter")
@@ -84,7 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     scaling.add_argument("--json", action="store_true")
     scaling.add_argument("overrides", nargs="*", help="after --: dotted.key=value recipe overrides")
 
-    args = parser.parse_args(argv)
+    if argv[:1] == ["train"]:
+        # Options and key=value overrides mix freely; what follows `--` goes to accelerate launch.
+        cut = argv.index("--") if "--" in argv else len(argv)
+        args = train_parser.parse_intermixed_args(argv[1:cut])
+        args.command, args.accelerate_args = "train", argv[cut + 1 :]
+    else:
+        args = parser.parse_args(argv)
     try:
         return _run(args)
     except UserError as exc:
@@ -93,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    if args.command == "train":
+        from toolkit.commands.train import train_cli
+
+        return train_cli(args)
     if args.command == "generate":
         from toolkit.commands.generate import generate_cli
 

@@ -91,8 +91,9 @@ class Finding:
     fix: str = ""
 
 
-def gather_probes(output_dir: Path) -> Probes:
-    """Look at this machine (a few seconds; no network, nothing heavy is built)."""
+def gather_probes(output_dir: Path, deepspeed_ops: bool = True) -> Probes:
+    """Look at this machine (a few seconds; no network, nothing heavy is built). Without `deepspeed_ops`
+    the seconds-long op probe is skipped: it only ever warns, so `ftkit train`'s fail-level check skips it."""
     import torch
 
     requirements = _requirements()
@@ -122,7 +123,7 @@ def gather_probes(output_dir: Path) -> Probes:
         disk_free_bytes=_disk_free(output_dir),
         accelerate_config_path=str(config_path),
         accelerate_config=_read_yaml(config_path),
-        deepspeed_ops=_deepspeed_ops() if packages["deepspeed"] else {},
+        deepspeed_ops=_deepspeed_ops() if packages["deepspeed"] and deepspeed_ops else {},
         build_tools={"ninja": shutil.which("ninja"), "c++": shutil.which("c++") or shutil.which("g++")},
     )
 
