@@ -21,6 +21,7 @@ EXIT_DIR_ENV = "FTKIT_EXIT_DIR"
 # Warnings that say nothing the user can act on: torch deprecations raised inside DeepSpeed's collectives
 # (hundreds per ZeRO-3 step) and inside transformers' own calls.
 KNOWN_WARNINGS = (r"`torch\.distributed\.\w+` is deprecated", r"`is_gradient_checkpointing` is deprecated")
+SCHEDULER_ORDER = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
 # Whole lines from the launcher and libraries, matched wherever they appear (`ftkit train` drops them).
 KNOWN_LINES = re.compile(
     "|".join(
@@ -45,6 +46,10 @@ def quiet_third_party() -> None:
         return
     for pattern in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        # The engine steps the optimizer inside backward (CPU Adam under offload), out of sight of the
+        # counter torch's scheduler checks; the recipe's loop order is right by construction.
+        warnings.filterwarnings("ignore", message=SCHEDULER_ORDER, category=UserWarning)
     # DeepSpeed logs this on every process whenever no GPU exists: the run's own backend line says so.
     logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to" not in record.msg)
     if os.environ.get("RANK", "0") != "0":
