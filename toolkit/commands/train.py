@@ -17,10 +17,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.config import DEMO_CONFIG, RecipeConfig, load_config
+from toolkit.config import RecipeConfig, load_config
 from toolkit.errors import UserError
 
-REPO = DEMO_CONFIG.parent.parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 RECIPES = {"sft": "recipes/finetune_llm.py", "dpo": "recipes/dpo_llm.py"}
 CPU_PROCESSES = 2  # without GPUs: a dry run of the same command on gloo CPU processes
 DEFAULT_PORT = 29500
