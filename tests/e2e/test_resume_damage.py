@@ -86,7 +86,10 @@ def losses(out) -> list[int]:
 @pytest.mark.parametrize(
     "damage, reason",
     [
-        (lambda c: (c / "model.safetensors").write_bytes((c / "model.safetensors").read_bytes()[:1000]), "bytes"),
+        (
+            lambda c: (c / "model.safetensors").write_bytes((c / "model.safetensors").read_bytes()[:1000]),
+            "bytes",
+        ),
         (lambda c: (c / "optimizer.bin").unlink(), "optimizer.bin is missing"),
         (lambda c: _corrupt_header(c / "model.safetensors"), "unreadable safetensors header"),
     ],
@@ -191,8 +194,7 @@ def test_changed_learning_rate_is_listed_and_used(runs, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "override, key",
-    [("lora.r=8", "lora.r"), ("model.method=full", "model.method"), ("seed=7", "seed")],
+    "override, key", [("lora.r=8", "lora.r"), ("model.method=full", "model.method"), ("seed=7", "seed")]
 )
 def test_changed_model_or_data_is_refused_naming_the_key(runs, tmp_path, override, key):
     out = copy_run(runs("ddp"), tmp_path)

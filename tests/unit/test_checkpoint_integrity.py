@@ -144,7 +144,8 @@ def test_config_changes_that_shape_training_are_listed():
 
 
 @pytest.mark.parametrize(
-    "override", ["model.method=full", "lora.r=4", "data.max_length=32", "seed=1", "train.global_batch_size=32"]
+    "override",
+    ["model.method=full", "lora.r=4", "data.max_length=32", "seed=1", "train.global_batch_size=32"],
 )
 def test_config_changes_of_model_or_data_are_refused(override):
     base = to_dict(load_config(None))
