@@ -20,8 +20,18 @@ from toolkit.distributed import any_rank
 from toolkit.errors import UserError
 from toolkit.nonfinite import nonfinite_names, refuse_nonfinite
 
-FIXED = ("seed", "model.path", "model.method", "model.dtype", "lora.r", "lora.alpha", "lora.target_modules")
-FIXED += ("lora.use_dora", "data", "train.global_batch_size")
+FIXED = (
+    "seed",
+    "model.path",
+    "model.method",
+    "model.dtype",
+    "lora.r",
+    "lora.alpha",
+    "lora.target_modules",
+    "lora.use_dora",
+    "data",
+    "train.global_batch_size",
+)
 """Keys (or whole sections) that make a checkpoint another model or another data stream if changed."""
 FREE = ("data.num_workers",)
 """Keys inside a FIXED section that only change how the same data is read."""

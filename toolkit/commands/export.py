@@ -36,7 +36,9 @@ def export_checkpoint(
     reason = damage(checkpoint_dir)
     if reason:
         raise UserError(f"{checkpoint_dir}: damaged checkpoint: {reason}")
-    portable.checkpoint_layout(checkpoint_dir)  # an unknown layout fails before any model is built
+    portable.check_pickles(
+        checkpoint_dir
+    )  # an unknown layout or a refused pickle fails before any model is built
     cfg = run_config(checkpoint_dir)
     cfg.model.trust_remote_code = trust_remote_code
     if base_model:
