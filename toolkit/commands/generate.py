@@ -7,8 +7,8 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.errors import UserError
-from toolkit.evaluate import chat_prompt_ids, greedy_answer
 from toolkit.export import ADAPTER_CONFIG
+from toolkit.generation import chat_prompt_ids, greedy_answer
 from toolkit.model import remote_code_refusal
 
 
