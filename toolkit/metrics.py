@@ -70,8 +70,8 @@ def peak_memory_mb(device: torch.device) -> float:
 def read_metrics(path: Path, on_torn_tail=None) -> list[dict]:
     """Every record of a metrics.jsonl file (an empty list when it does not exist).
 
-    A last line cut short (the writer stopped mid-line) is dropped and reported to `on_torn_tail`; a bad
-    line anywhere else is an error naming it."""
+    With `on_torn_tail`, a last line cut short (the writer stopped mid-line) is dropped and reported to it;
+    any other bad line is an error naming it."""
     if not path.exists():
         return []
     lines = path.read_text().splitlines()
@@ -82,9 +82,8 @@ def read_metrics(path: Path, on_torn_tail=None) -> list[dict]:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as exc:
-            if number == len(lines):
-                if on_torn_tail is not None:
-                    on_torn_tail(f"warning: {path}:{number}: dropped a torn last line ({exc.msg})")
+            if number == len(lines) and on_torn_tail is not None:
+                on_torn_tail(f"warning: {path}:{number}: dropped a torn last line ({exc.msg})")
                 break
             raise UserError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
     return records
