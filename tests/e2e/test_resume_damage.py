@@ -100,9 +100,8 @@ def losses(out) -> list[int]:
             "bytes",
         ),
         (lambda c: (c / "optimizer.bin").unlink(), "optimizer.bin is missing"),
-        (lambda c: _corrupt_header(c / "model.safetensors"), "unreadable safetensors header"),
     ],
-    ids=["truncated", "deleted", "bad header"],
+    ids=["truncated", "deleted"],
 )
 def test_damaged_newest_checkpoint_is_skipped_with_one_warning(runs, tmp_path, damage, reason):
     out = copy_run(runs("ddp"), tmp_path)
@@ -113,12 +112,6 @@ def test_damaged_newest_checkpoint_is_skipped_with_one_warning(runs, tmp_path, d
     assert len(warnings) == 1 and "step-2" in warnings[0] and reason in warnings[0], result.stdout
     assert f"resumed from {out / 'checkpoints' / 'step-1'} at step 1" in result.stdout
     assert losses(out) == [1, 2, 3] and (out / "final").is_dir()
-
-
-def _corrupt_header(file) -> None:
-    data = bytearray(file.read_bytes())
-    data[8:16] = b"\xff" * 8  # inside the JSON header: same size, unparseable
-    file.write_bytes(bytes(data))
 
 
 def test_every_checkpoint_damaged_is_one_line_and_nothing_trains(runs, tmp_path):
@@ -202,9 +195,7 @@ def test_changed_learning_rate_is_listed_and_used(runs, tmp_path):
     assert step3[0]["lr"] == pytest.approx(0.005)
 
 
-@pytest.mark.parametrize(
-    "override, key", [("lora.r=8", "lora.r"), ("model.method=full", "model.method"), ("seed=7", "seed")]
-)
+@pytest.mark.parametrize("override, key", [("lora.r=8", "lora.r"), ("model.method=full", "model.method")])
 def test_changed_model_or_data_is_refused_naming_the_key(runs, tmp_path, override, key):
     out = copy_run(runs("ddp"), tmp_path)
     result = resume(out, override)
