@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from toolkit.errors import UserError
 from toolkit.export import ADAPTER_CONFIG
 from toolkit.generation import chat_prompt_ids, greedy_answer
-from toolkit.model import remote_code_refusal
+from toolkit.model import remote_code_refusal, with_pad_token
 
 
 def load_for_generation(path: Path, trust_remote_code: bool = False):
@@ -27,9 +27,7 @@ def load_for_generation(path: Path, trust_remote_code: bool = False):
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except ValueError as exc:
         raise UserError(f"--model: {path}: {remote_code_refusal(exc)}") from None
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model.eval(), tokenizer
+    return model.eval(), with_pad_token(tokenizer)
 
 
 def generate_cli(model_dir: str, prompt: str, max_new_tokens: int, trust_remote_code: bool = False) -> str:
