@@ -32,7 +32,6 @@ from toolkit import (
     loss,
     metrics,
     optim,
-    portable,
     speed,
 )
 from toolkit import model as models
@@ -40,6 +39,7 @@ from toolkit.config import flat_dict, load_config
 from toolkit.errors import UserError
 from toolkit.nonfinite import NonFiniteGuard
 from toolkit.preemption import PREEMPTED_EXIT_CODE, StopRequest
+from toolkit.resume import Resume
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"
 
@@ -71,8 +71,8 @@ def main(argv: list[str]) -> int:
     ]:
         accelerator.print(line)
     set_seed(cfg.seed)
-    resume_from = checkpoint.resolve_resume(output_dir, cfg.train.resume, cfg.train.overwrite)
-    checkpoint.prepare_output_dir(accelerator, output_dir, cfg, fresh=resume_from is None)
+    resume = Resume.find(output_dir, cfg, say=accelerator.print)
+    checkpoint.prepare_output_dir(accelerator, output_dir, cfg, fresh=resume.new_run)
     if cfg.log.trackers:
         accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg))
 
@@ -108,30 +108,18 @@ def main(argv: list[str]) -> int:
     meter = metrics.StepSpeed(flops.ModelShape.of(model), accelerator.device, accelerator.num_processes)
     optimizer = optim.build_optimizer(model, cfg.train, accelerator.num_processes, features.fused_adamw)
     scheduler = optim.build_scheduler(optimizer, cfg.train)
-    # Resuming under another backend or world size: the checkpoint goes into the plain model, before prepare.
-    marker = checkpoint.read_marker(resume_from) if resume_from is not None else None
-    layout = checkpoint.layout(accelerator)
-    exact = marker is not None and portable.resume_plan(marker, layout) == "exact"
-    if marker is not None and not exact:
-        accelerator.print(portable.restore_portable(resume_from, model, optimizer, scheduler, layout))
+    resume.before_prepare(model, optimizer, scheduler, accelerator)
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
 
     # Where to start: a checkpoint, or a fresh run whose starting point is measured first.
-    start_step, tokens_seen = 0, 0
     log = metrics.MetricsLog(
         output_dir / "metrics.jsonl",
         accelerator.is_main_process,
         accelerator.log if cfg.log.trackers else None,
     )
     evaluator = evaluate.Evaluator(accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, log)
-    if marker is not None:
-        if exact:
-            checkpoint.load_checkpoint(accelerator, resume_from)
-        start_step, tokens_seen = marker["step"], marker["tokens_seen"]
-        if accelerator.is_main_process:
-            metrics.truncate_after(log.path, start_step)
-        accelerator.print(f"resumed from {resume_from} at step {start_step}")
-    else:
+    start_step, tokens_seen = resume.after_prepare(accelerator, log)
+    if resume.checkpoint is None:
         evaluator.report(0, "before")
 
     # The loop: one iteration per optimizer step, `grad_accum` micro-batches each.

@@ -116,8 +116,17 @@ def _check_path(path: str) -> None:
         raise UserError(f"model.path: {path} does not exist")
 
 
+def remote_code_refusal(exc: ValueError) -> str:
+    """One line for transformers' refusal to run a model's own code (else the error itself, unchanged)."""
+    if "trust_remote_code" not in str(exc):
+        raise exc
+    return "it ships its own modelling code, which runs only with trust_remote_code set by you"
+
+
 def _from_pretrained(cls, cfg: ModelConfig, **kwargs):
     try:
         return cls.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code, **kwargs)
     except OSError as exc:
         raise UserError(f"model.path: cannot load {cfg.path}: {str(exc).splitlines()[0]}") from None
+    except ValueError as exc:
+        raise UserError(f"model.path: {cfg.path}: {remote_code_refusal(exc)}") from None

@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--model", required=True, help="final/ or merged model directory, or a PEFT adapter")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument(
+        "--trust-remote-code", action="store_true", help="run modelling code shipped with the model"
+    )
 
     # plan: options left out take the defaults of toolkit.plan.estimate.PlanRequest (the one place they live).
     plan = commands.add_parser(
@@ -77,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--merge-lora", action="store_true", help="fold a LoRA adapter into a full model")
     export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default: the run's export.dtype")
     export.add_argument("--base-model", help="base model path, where the config's model.path moved")
+    export.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run modelling code shipped with the base model (never taken from the checkpoint's config)",
+    )
 
     scaling = commands.add_parser(
         "bench-scaling", help="the recipe at several process counts: tokens/s, speedup, efficiency"
@@ -114,7 +122,7 @@ def _run(args) -> int:
     if args.command == "generate":
         from toolkit.commands.generate import generate_cli
 
-        print(generate_cli(args.model, args.prompt, args.max_new_tokens))
+        print(generate_cli(args.model, args.prompt, args.max_new_tokens, args.trust_remote_code))
         return 0
     if args.command == "plan":
         from toolkit.plan import estimate, report
@@ -149,7 +157,12 @@ def _run(args) -> int:
 
         print(
             export_checkpoint(
-                Path(args.checkpoint_dir), Path(args.out), args.merge_lora, args.dtype, args.base_model
+                Path(args.checkpoint_dir),
+                Path(args.out),
+                args.merge_lora,
+                args.dtype,
+                args.base_model,
+                args.trust_remote_code,
             )
         )
         return 0

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from toolkit import data, export, portable
 from toolkit import model as models
-from toolkit.checkpoint import CONFIG, read_marker
+from toolkit.checkpoint import CONFIG, damage, read_marker
 from toolkit.config import RecipeConfig, load_config
 from toolkit.errors import UserError
 
@@ -19,16 +19,28 @@ DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def export_checkpoint(
-    checkpoint_dir: Path, out_dir: Path, merge_lora: bool, dtype: str | None, base_model: str | None
+    checkpoint_dir: Path,
+    out_dir: Path,
+    merge_lora: bool,
+    dtype: str | None,
+    base_model: str | None,
+    trust_remote_code: bool = False,
 ) -> str:
     """Write `checkpoint_dir` to `out_dir` and check it; returns a one-line summary.
 
     `dtype` is bf16 | fp16 | fp32 or None (the run's export.dtype); `base_model` replaces the config's
-    model.path, for a checkpoint moved away from where it was trained.
+    model.path, for a checkpoint moved away from where it was trained. Modelling code shipped with the
+    base model runs only with `trust_remote_code` (the command line's), whatever the saved config says.
     """
     marker = read_marker(checkpoint_dir)
-    portable.checkpoint_layout(checkpoint_dir)  # an unknown layout fails before any model is built
+    reason = damage(checkpoint_dir)
+    if reason:
+        raise UserError(f"{checkpoint_dir}: damaged checkpoint: {reason}")
+    portable.check_pickles(
+        checkpoint_dir
+    )  # an unknown layout or a refused pickle fails before any model is built
     cfg = run_config(checkpoint_dir)
+    cfg.model.trust_remote_code = trust_remote_code
     if base_model:
         cfg.model.path = base_model
     if merge_lora and cfg.model.method == "full":
@@ -48,9 +60,9 @@ def export_checkpoint(
     if merge_lora:
         adapter, tmp = tmp, out_dir.with_name(out_dir.name + ".merged.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        export.merge_adapter(adapter, tmp, dtype)
+        export.merge_adapter(adapter, tmp, dtype, trust_remote_code)
         shutil.rmtree(adapter)
-    count = export.verify_export(tmp)
+    count = export.verify_export(tmp, trust_remote_code)
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     what = "merged model" if merge_lora else "adapter" if cfg.model.method != "full" else "model"
@@ -79,6 +91,8 @@ def model_skeleton(cfg: RecipeConfig) -> torch.nn.Module:
         raise UserError(
             f"model.path: cannot read the base model {cfg.model.path} (pass --base-model)"
         ) from None
+    except ValueError as exc:
+        raise UserError(f"model.path: {cfg.model.path}: {models.remote_code_refusal(exc)}") from None
     dtype = config.dtype if cfg.model.dtype == "auto" else models.DTYPES[cfg.model.dtype]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
