@@ -11,7 +11,24 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-WORDS = "the sea sun wind answer is four hello help poem short French bonjour good morning repeat".split()
+WORDS = [
+    "the",
+    "sea",
+    "sun",
+    "wind",
+    "answer",
+    "is",
+    "four",
+    "hello",
+    "help",
+    "poem",
+    "short",
+    "French",
+    "bonjour",
+    "good",
+    "morning",
+    "repeat",
+]
 
 
 def sentence(rng: random.Random, low: int, high: int) -> str:

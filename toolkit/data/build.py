@@ -11,17 +11,21 @@ import numpy as np
 import pyarrow.compute as pc
 
 from toolkit.config import DataConfig
-from toolkit.data.cache import cache_key, load_or_build, tokenizer_fingerprint
+from toolkit.data.cache import cache_key, encode_to_cache, tokenizer_fingerprint
 from toolkit.data.chat import ensure_chat_template
-from toolkit.data.encode import encode_source
+from toolkit.data.encode import ChunkEncoder, check_encoder
 from toolkit.data.formats import detect_format
 from toolkit.data.mixture import hold_out, mix
 from toolkit.data.packing import pack_dataset
+from toolkit.data.parallel import default_num_proc
 from toolkit.data.sources import read_source
 from toolkit.errors import UserError
 from toolkit.loss import IGNORE
 
 logger = logging.getLogger(__name__)
+
+# Records per encoded chunk: large enough that the Rust tokenizer batches well, small enough to hold a few.
+CHUNK = 1000
 
 
 @dataclass
@@ -120,33 +124,39 @@ def _stats(
 
 
 def _prepare(name: str, cfg: DataConfig, tokenizer) -> _Part:
-    """One source read, checked and encoded, from the cache when this exact work was done before."""
+    """One source read, checked and encoded chunk by chunk, from the cache when this exact work was done
+    before."""
     source = read_source(name, cfg.split)
-    if not len(source.records):
+    first = source.first()
+    if first is None:
         raise UserError(f"{name}: no records")
-    fmt = detect_format(source.records[0], source.where(0)) if cfg.format == "auto" else cfg.format
+    fmt = detect_format(*first) if cfg.format == "auto" else cfg.format
     if fmt != "text":
         ensure_chat_template(tokenizer)
-
-    def build() -> tuple[dict, dict]:
-        encoded = encode_source(source, fmt, tokenizer, cfg.max_length, cfg.assistant_only_loss)
-        if not encoded.input_ids:
-            raise UserError(
-                f"{name}: none of its {len(source.records)} examples has a trained token left "
-                f"(no assistant turn, or cut off by data.max_length={cfg.max_length}; try a larger one)"
-            )
-        columns = {"input_ids": encoded.input_ids, "labels": encoded.labels}
-        return columns, {"truncated": encoded.truncated, "dropped": encoded.dropped}
-
+    check_encoder(tokenizer, fmt, cfg.assistant_only_loss)
     key = cache_key(
         source.identity, fmt, cfg.max_length, cfg.assistant_only_loss, tokenizer_fingerprint(tokenizer)
     )
-    dataset, counts = load_or_build(key, build)
+    dataset, counts = encode_to_cache(
+        key,
+        source.read(CHUNK),
+        ChunkEncoder(fmt, tokenizer, cfg.max_length, cfg.assistant_only_loss),
+        cfg.num_proc or default_num_proc(),
+        desc=f"encoding {name}",
+        empty_error=lambda counts: (
+            f"{name}: none of its {counts['dropped']} examples has a trained token left (no assistant "
+            f"turn, or cut off by data.max_length={cfg.max_length}; try a larger one)"
+        ),
+    )
     return _Part(dataset, counts["truncated"], counts["dropped"], _trained_per_row(dataset))
 
 
 def _trained_per_row(dataset: datasets.Dataset) -> np.ndarray:
-    labels = dataset.data.column("labels").combine_chunks()
-    flat = pc.list_flatten(labels).to_numpy()
-    rows = pc.list_parent_indices(labels).to_numpy()
-    return np.bincount(rows[flat != IGNORE], minlength=len(dataset))
+    """Trained tokens of each row, read one record batch at a time from the memory-mapped file."""
+    counts = []
+    for batch in dataset.data.to_batches():
+        labels = batch.column("labels")
+        flat = pc.list_flatten(labels).to_numpy()
+        rows = pc.list_parent_indices(labels).to_numpy()
+        counts.append(np.bincount(rows[flat != IGNORE], minlength=len(labels)))
+    return np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)
