@@ -77,6 +77,8 @@ class DataConfig:
     """Pack examples into rows of max_length tokens (no attention across examples); batch sizes count rows."""
     group_by_length: bool = False
     """Without packing: fill each global batch with examples of similar length, so micro-batches pad less."""
+    streaming: bool = False
+    """Read, encode and pack the training data as training goes (no cache): for corpora larger than RAM."""
 
 
 @dataclass

@@ -19,6 +19,7 @@ from toolkit.data.mixture import hold_out, mix
 from toolkit.data.packing import pack_dataset
 from toolkit.data.parallel import default_num_proc
 from toolkit.data.sources import read_source
+from toolkit.data.streaming import StreamRows
 from toolkit.errors import UserError
 from toolkit.loss import IGNORE
 
@@ -44,8 +45,15 @@ class DataStats:
     """Rows the training examples were packed into (0 without data.packing)."""
     packing_efficiency: float = 0.0
     """Real tokens over the packed rows' capacity (rows x data.max_length)."""
+    streaming: bool = False
+    """Training rows are read, encoded and packed as training goes (data.streaming): counts unknown."""
 
     def summary(self) -> str:
+        if self.streaming:
+            return (
+                f"data: streaming {', '.join(self.train_examples)} (read, encoded and packed into rows as "
+                f"training goes; no totals ahead), {self.eval_examples} eval"
+            )
         sources = ", ".join(f"{name}: {count}" for name, count in self.train_examples.items())
         total = sum(self.train_examples.values())
         packed = ""
@@ -75,6 +83,8 @@ def build_datasets(
     names = cfg.train if isinstance(cfg.train, list) else [cfg.train]
     if not names:
         raise UserError("data.train: no training source given")
+    if cfg.streaming:
+        return _streaming(names, cfg, tokenizer, main_process_first)
     with main_process_first():
         parts = [_prepare(name, cfg, tokenizer) for name in names]
         held = _prepare(cfg.eval, cfg, tokenizer) if cfg.eval else None
@@ -106,6 +116,50 @@ def build_datasets(
     return train, eval_set, stats
 
 
+def _streaming(names: list[str], cfg: DataConfig, tokenizer, main_process_first):
+    """(stream of packed training rows, eval set from data.eval or None, stats without totals)."""
+    if cfg.weights is not None:
+        raise UserError("data.weights: mixtures need the whole data up front; not with data.streaming")
+    sources, identities = [], []
+    for name in names:
+        source = read_source(name, cfg.split, streaming=True)
+        encoder = ChunkEncoder(
+            _format(source, cfg, tokenizer), tokenizer, cfg.max_length, cfg.assistant_only_loss
+        )
+        sources.append((source, encoder))
+        identities.append((source.identity, encoder.fmt))
+    key = cache_key(
+        identities, cfg.max_length, cfg.assistant_only_loss, tokenizer_fingerprint(tokenizer), CHUNK
+    )
+    held = None
+    if cfg.eval:
+        with main_process_first():
+            held = _prepare(cfg.eval, cfg, tokenizer)
+    eval_set = held.dataset if held else None
+    stats = DataStats(
+        train_examples={name: 0 for name in names},
+        eval_examples=len(eval_set) if eval_set is not None else 0,
+        truncated=held.truncated if held else 0,
+        dropped=held.dropped if held else 0,
+        label_tokens=0,
+        streaming=True,
+    )
+    return StreamRows(sources, CHUNK, cfg.max_length, key), eval_set, stats
+
+
+def _format(source, cfg: DataConfig, tokenizer) -> str:
+    """The source's record layout (detected from its first record with data.format auto), checked to be
+    encodable with this tokenizer."""
+    first = source.first()
+    if first is None:
+        raise UserError(f"{source.name}: no records")
+    fmt = detect_format(*first) if cfg.format == "auto" else cfg.format
+    if fmt != "text":
+        ensure_chat_template(tokenizer)
+    check_encoder(tokenizer, fmt, cfg.assistant_only_loss)
+    return fmt
+
+
 def _stats(
     names: list[str], parts: list[_Part], held: _Part | None, eval_set, train_rows: np.ndarray
 ) -> DataStats:
@@ -127,13 +181,7 @@ def _prepare(name: str, cfg: DataConfig, tokenizer) -> _Part:
     """One source read, checked and encoded chunk by chunk, from the cache when this exact work was done
     before."""
     source = read_source(name, cfg.split)
-    first = source.first()
-    if first is None:
-        raise UserError(f"{name}: no records")
-    fmt = detect_format(*first) if cfg.format == "auto" else cfg.format
-    if fmt != "text":
-        ensure_chat_template(tokenizer)
-    check_encoder(tokenizer, fmt, cfg.assistant_only_loss)
+    fmt = _format(source, cfg, tokenizer)
     key = cache_key(
         source.identity, fmt, cfg.max_length, cfg.assistant_only_loss, tokenizer_fingerprint(tokenizer)
     )

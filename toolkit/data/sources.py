@@ -66,13 +66,14 @@ class Source:
         return None
 
 
-def read_source(name: str, split: str) -> Source:
-    """An existing file is read by its extension; a missing path is an error, never a hub lookup."""
+def read_source(name: str, split: str, streaming: bool = False) -> Source:
+    """An existing file is read by its extension; a missing path is an error, never a hub lookup. With
+    `streaming`, a hub dataset is read as it downloads instead of being prepared on disk first."""
     path = Path(name).expanduser()
     if path.is_file():
         return _read_file(name, path)
     if path.is_dir() or not _looks_local(name):
-        return _read_hub(name, split)
+        return _read_hub(name, split, streaming)
     raise UserError(f"{name}: file not found")
 
 
@@ -207,9 +208,9 @@ def _csv_chunks(name: str, path: Path, size: int) -> Iterator[Chunk]:
         yield Chunk(name, start, records, lines)
 
 
-def _read_hub(name: str, split: str) -> Source:
+def _read_hub(name: str, split: str, streaming: bool) -> Source:
     try:
-        dataset = datasets.load_dataset(name, split=split)
+        dataset = datasets.load_dataset(name, split=split, **({"streaming": True} if streaming else {}))
     except Exception as exc:  # datasets raises many types; each means the id, split or access is wrong
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(
@@ -217,7 +218,14 @@ def _read_hub(name: str, split: str) -> Source:
         ) from None
 
     def read(size: int) -> Iterator[Chunk]:
-        for start in range(0, len(dataset), size):
-            yield Chunk(name, start, dataset.select(range(start, min(start + size, len(dataset)))).to_list())
+        start = 0
+        for columns in dataset.iter(batch_size=size):
+            records = [
+                dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)
+            ]
+            yield Chunk(name, start, records)
+            start += len(records)
 
-    return Source(name, f"hub:{name}:{split}:{dataset._fingerprint}", read)
+    # A streamed dataset has no fingerprint: the same id and split stand for the same records.
+    fingerprint = getattr(dataset, "_fingerprint", "streamed")
+    return Source(name, f"hub:{name}:{split}:{fingerprint}", read)
