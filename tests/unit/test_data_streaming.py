@@ -28,7 +28,7 @@ def tokenizer():
 @pytest.fixture(autouse=True)
 def small_chunks(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
-    monkeypatch.setattr(build, "CHUNK", 4)  # many chunks, so every process gets several
+    monkeypatch.setattr(build, "STREAM_CHUNK", 4)  # many chunks, so every process gets several
 
 
 @pytest.fixture

@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 # Records per encoded chunk: large enough that the Rust tokenizer batches well, small enough to hold a few.
 CHUNK = 1000
+# Records per chunk when streaming: each process reads every world-size-th chunk, so smaller chunks let
+# a small corpus still feed every process.
+STREAM_CHUNK = 256
 
 
 @dataclass
@@ -144,7 +147,7 @@ def _streaming(names: list[str], cfg: DataConfig, tokenizer, main_process_first)
         label_tokens=0,
         streaming=True,
     )
-    return StreamRows(sources, CHUNK, cfg.max_length, key), eval_set, stats
+    return StreamRows(sources, STREAM_CHUNK, cfg.max_length, key), eval_set, stats
 
 
 def _format(source, cfg: DataConfig, tokenizer) -> str:
