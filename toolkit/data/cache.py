@@ -56,7 +56,8 @@ def encode_to_cache(
         # Written beside the entry and renamed into place, so a reader never sees half an entry.
         staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{key}.partial-"))
         try:
-            counts = _write_rows(staging / "rows.arrow", ordered_map(encode, chunks, num_proc), desc)
+            batches = ordered_map(ArrowBatches(encode), chunks, num_proc)
+            counts = _write_rows(staging / "rows.arrow", batches, desc)
             if not counts.get("rows"):
                 raise UserError(empty_error(counts))
             (staging / "counts.json").write_text(json.dumps(counts))
@@ -70,16 +71,26 @@ def encode_to_cache(
     return rows, json.loads((path / "counts.json").read_text())
 
 
-def _write_rows(path: Path, results: Iterable[tuple[dict, dict]], desc: str) -> dict:
+class ArrowBatches:
+    """`encode` with its columns turned into an Arrow record batch where it runs: a worker process then
+    sends back a few buffers rather than pickled lists of Python ints."""
+
+    def __init__(self, encode: Callable):
+        self.encode = encode
+
+    def __call__(self, chunk) -> tuple[pa.RecordBatch, dict]:
+        columns, counts = self.encode(chunk)
+        arrays = {name: pa.array(values, type=pa.list_(pa.int32())) for name, values in columns.items()}
+        return pa.record_batch(arrays), counts
+
+
+def _write_rows(path: Path, results: Iterable[tuple[pa.RecordBatch, dict]], desc: str) -> dict:
     """An Arrow stream file (the layout `datasets` memory-maps), one record batch per chunk; returns the
     summed counts plus `rows`. The progress bar appears only when writing takes more than a few seconds."""
     counts: dict[str, int] = {"rows": 0}
     writer = None
     with pa.OSFile(str(path), "wb") as sink, tqdm(desc=desc, unit=" rows", delay=3) as progress:
-        for columns, chunk_counts in results:
-            batch = pa.record_batch(
-                {name: pa.array(values, type=pa.list_(pa.int32())) for name, values in columns.items()}
-            )
+        for batch, chunk_counts in results:
             if writer is None:
                 writer = pa.ipc.new_stream(sink, batch.schema)
             writer.write_batch(batch)
