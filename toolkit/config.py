@@ -13,7 +13,8 @@ import yaml
 
 from toolkit.errors import UserError
 
-DEMO_CONFIG = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "demo.yaml"
+# Package data, so `load_config(None)` works from any install; recipes/configs/demo.yaml is its twin.
+DEMO_CONFIG = Path(__file__).resolve().parent / "assets" / "demo.yaml"
 
 
 @dataclass

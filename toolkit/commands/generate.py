@@ -7,8 +7,8 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.errors import UserError
-from toolkit.evaluate import chat_prompt_ids, greedy_answer
 from toolkit.export import ADAPTER_CONFIG
+from toolkit.generation import chat_prompt_ids, greedy_answer
 
 
 def load_for_generation(path: Path):

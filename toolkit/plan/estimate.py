@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit import flops
-from toolkit.config import DEMO_CONFIG, flat_dict, load_config
+from toolkit.config import flat_dict, load_config
 from toolkit.errors import UserError
 from toolkit.metrics import read_metrics
 from toolkit.plan import architectures, memory
@@ -19,7 +19,8 @@ from toolkit.plan.memory import GIB, MemoryEstimate, Precision
 
 METHODS = ("full", "lora", "qlora")
 GRAD_CKPT = ("auto", "on", "off")
-REPO = DEMO_CONFIG.parent.parent.parent
+# The printed command runs from a checkout's root, so its recipe configs are looked up from there too.
+RECIPE_CONFIGS = Path("recipes") / "configs"
 # Fastest first. Gradient checkpointing costs about a third more compute; ZeRO-1/2 move no more data than
 # DDP, while ZeRO-3/FSDP gather every weight twice a step and offload crosses PCIe every step.
 MULTI_GPU_TIERS = (("ddp", "zero1", "zero2"), ("fsdp", "zero3"), ("zero3_offload",))
@@ -155,7 +156,7 @@ def make_plan(request: PlanRequest, cost: CostRequest | None = None) -> Plan:
         precision=precision,
         rows=rows,
         choice=choice,
-        command=launch_command(choice, request, precision) if choice else None,
+        command=launch_line(choice, request, precision) if choice else None,
         flops_per_token=flops.flops_per_token(counts, request.seq_len),
         cost=estimate_cost(cost, request.gpus) if cost else None,
     )
@@ -216,7 +217,7 @@ def _ckpt_options(request: PlanRequest) -> tuple[bool, ...]:
     return {"auto": (False, True), "on": (True,), "off": (False,)}[request.grad_ckpt]
 
 
-def launch_command(row: MemoryEstimate, request: PlanRequest, precision: Precision) -> str | None:
+def launch_line(row: MemoryEstimate, request: PlanRequest, precision: Precision) -> str | None:
     """The exact `accelerate launch` line: a shipped recipe config plus the overrides this plan assumed."""
     template = _template_config(request.model, request.method)
     if template is None:
@@ -249,7 +250,7 @@ def launch_command(row: MemoryEstimate, request: PlanRequest, precision: Precisi
 
 def _template_config(model: str, method: str) -> tuple[str, dict] | None:
     """The shipped recipe config closest to this run: same method first, then same model, then same shapes."""
-    configs = sorted((REPO / "recipes" / "configs").glob("*.yaml"))
+    configs = sorted(RECIPE_CONFIGS.glob("*.yaml"))
     if not configs:
         return None
     arch = architectures.lookup(model)
@@ -261,11 +262,11 @@ def _template_config(model: str, method: str) -> tuple[str, dict] | None:
             cfg.model.method == method,
             cfg.model.path.lower() == model.lower(),
             same_arch,
-            path != DEMO_CONFIG,
+            path.name != "demo.yaml",
         )
 
     best = max(configs, key=closeness)
-    return str(best.relative_to(REPO)), flat_dict(load_config(best))
+    return str(best), flat_dict(load_config(best))
 
 
 def _yaml_value(value) -> str:
