@@ -12,15 +12,17 @@ from pathlib import Path
 import datasets
 import pytest
 from data_cases import digest, write_cases
+from helpers import REPO
 from transformers import AutoTokenizer
 
 from toolkit import data
 from toolkit.config import DataConfig
 from toolkit.data import build
 
-ASSETS = Path(__file__).resolve().parents[2] / "toolkit" / "assets"
+ASSETS = REPO / "toolkit" / "assets"
 REFERENCE = json.loads((Path(__file__).parent / "data_reference.json").read_text())
 SETTINGS = [(64, True), (512, False)]
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +34,6 @@ def tokenizer():
 def cases(tmp_path_factory) -> dict[str, str]:
     paths = write_cases(tmp_path_factory.mktemp("cases"))
     return {**paths, "demo": str(ASSETS / "demo" / "train.jsonl")}
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
 
 
 def encoded(path: str, tokenizer, max_length: int, only: bool, num_proc: int = 1) -> dict:
@@ -63,7 +60,7 @@ def test_rows_are_those_of_the_encoder_before_chunking(cases, tokenizer, monkeyp
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_demo_train_set_and_packed_rows_are_unchanged(tokenizer, packing, monkeypatch):
-    monkeypatch.chdir(ASSETS.parents[1])  # the data line names the file as the config wrote it
+    monkeypatch.chdir(REPO)  # the data line names the file as the config wrote it
     cfg = DataConfig(train="toolkit/assets/demo/train.jsonl", packing=packing, max_length=256)
     train, eval_set, stats = data.build_datasets(cfg, tokenizer, 3)
     rows = hashlib.sha256()

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
-import datasets
 import pytest
+from helpers import REPO
 from transformers import AutoTokenizer
 
 from toolkit import data
@@ -16,7 +15,7 @@ from toolkit.config import DataConfig, TrainConfig
 from toolkit.data import build, streaming
 from toolkit.loss import IGNORE
 
-ASSETS = Path(__file__).resolve().parents[2] / "toolkit" / "assets"
+ASSETS = REPO / "toolkit" / "assets"
 RECORDS = 90
 
 
@@ -26,8 +25,7 @@ def tokenizer():
 
 
 @pytest.fixture(autouse=True)
-def small_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+def small_chunks(private_cache, monkeypatch):
     monkeypatch.setattr(build, "STREAM_CHUNK", 4)  # many chunks, so every process gets several
 
 
