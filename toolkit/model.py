@@ -20,7 +20,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_tokenizer(cfg: ModelConfig):
     """The model's tokenizer, with a pad token (the eos token when the model has none)."""
     _check_path(cfg.path)
-    tokenizer = _from_pretrained(AutoTokenizer, cfg)
+    return with_pad_token(_from_pretrained(AutoTokenizer, cfg))
+
+
+def with_pad_token(tokenizer):
+    """`tokenizer`, given the eos token as its pad token when the model has none (batches need one)."""
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from toolkit.errors import UserError
 from toolkit.export import ADAPTER_CONFIG
 from toolkit.generation import chat_prompt_ids, greedy_answer
+from toolkit.model import with_pad_token
 
 
 def load_for_generation(path: Path):
@@ -21,10 +22,7 @@ def load_for_generation(path: Path):
         model = AutoPeftModelForCausalLM.from_pretrained(str(path))
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path))
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model.eval(), tokenizer
+    return model.eval(), with_pad_token(AutoTokenizer.from_pretrained(str(path)))
 
 
 def generate_cli(model_dir: str, prompt: str, max_new_tokens: int) -> str:

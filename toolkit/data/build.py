@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 from toolkit.config import DataConfig
 from toolkit.data.cache import cache_key, encode_to_cache, tokenizer_fingerprint
 from toolkit.data.chat import ensure_chat_template
-from toolkit.data.encode import ChunkEncoder, check_encoder
+from toolkit.data.encode import IGNORE, ChunkEncoder, check_encoder
 from toolkit.data.formats import detect_format
 from toolkit.data.mixture import hold_out, mix
 from toolkit.data.packing import pack_dataset
@@ -21,7 +21,6 @@ from toolkit.data.parallel import default_num_proc
 from toolkit.data.sources import read_source
 from toolkit.data.streaming import StreamRows
 from toolkit.errors import UserError
-from toolkit.loss import IGNORE
 
 logger = logging.getLogger(__name__)
 

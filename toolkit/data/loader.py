@@ -11,10 +11,10 @@ from torch.utils.data import DataLoader, Dataset
 from toolkit.batches import EpochSampler
 from toolkit.config import DataConfig, TrainConfig
 from toolkit.data.collate import Collator, PackedCollator
+from toolkit.data.encode import IGNORE
 from toolkit.data.packing import LengthGroupedSampler, row_lengths
 from toolkit.data.streaming import StreamRows
 from toolkit.errors import UserError
-from toolkit.loss import IGNORE
 
 
 def train_loader(dataset, data: DataConfig, train: TrainConfig, pad_id: int, seed: int, flash_varlen: bool):

@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 import torch
 
 from toolkit.batches import EpochSampler
-from toolkit.loss import IGNORE
+from toolkit.data.encode import IGNORE
 
 # Global batches whose examples are sorted by length together: larger groups pad less, smaller ones keep
 # each step's mix of lengths closer to a random draw.

@@ -21,10 +21,9 @@ import numpy as np
 import torch
 
 from toolkit.data.cache import cache_root
-from toolkit.data.encode import ChunkEncoder
+from toolkit.data.encode import IGNORE, ChunkEncoder
 from toolkit.data.sources import Source
 from toolkit.errors import UserError
-from toolkit.loss import IGNORE
 
 # Every NOTE_EVERY-th row of a process's stream has its position noted (in memory and on disk).
 NOTE_EVERY = 64

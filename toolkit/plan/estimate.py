@@ -12,10 +12,11 @@ from pathlib import Path
 from toolkit import flops
 from toolkit.config import flat_dict, load_config
 from toolkit.errors import UserError
+from toolkit.hardware import GIB
 from toolkit.metrics import read_metrics
 from toolkit.plan import architectures, memory
 from toolkit.plan.counts import ModelCounts, count_parameters, load_model_config
-from toolkit.plan.memory import GIB, MemoryEstimate, Precision
+from toolkit.plan.memory import MemoryEstimate, Precision
 
 METHODS = ("full", "lora", "qlora")
 GRAD_CKPT = ("auto", "on", "off")
