@@ -72,10 +72,14 @@ class DataConfig:
     """Split to read from hub datasets."""
     num_workers: int = 0
     """DataLoader worker processes."""
+    num_proc: int = 0
+    """Processes encoding the data (0: the cores this process may use, at most 8); same rows either way."""
     packing: bool = False
     """Pack examples into rows of max_length tokens (no attention across examples); batch sizes count rows."""
     group_by_length: bool = False
     """Without packing: fill each global batch with examples of similar length, so micro-batches pad less."""
+    streaming: bool = False
+    """Read, encode and pack the training data as training goes (no cache): for corpora larger than RAM."""
 
 
 @dataclass
