@@ -33,11 +33,12 @@ from toolkit import (
     metrics,
     optim,
     portable,
+    rundir,
     speed,
 )
 from toolkit import model as models
 from toolkit.config import flat_dict, load_config
-from toolkit.errors import UserError
+from toolkit.errors import UserError, run_main
 from toolkit.nonfinite import NonFiniteGuard
 from toolkit.preemption import PREEMPTED_EXIT_CODE, StopRequest
 
@@ -46,6 +47,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     output_dir = Path(cfg.output_dir)
+    stop = StopRequest()  # before anything slow: a stop while loading or evaluating exits cleanly too
 
     # Backend: whatever `accelerate launch` was told; checked, never silently degraded to lone ranks.
     launch = distributed.detect_launch()
@@ -64,8 +66,9 @@ def main(argv: list[str]) -> int:
     for line in [distributed.describe(accelerator, launch, cfg.train, grad_accum), *notes, *features.notes]:
         accelerator.print(line)
     set_seed(cfg.seed)
+    run_lock = rundir.claim(accelerator, output_dir)  # held until the process ends, however it ends
     resume_from = checkpoint.resolve_resume(output_dir, cfg.train.resume, cfg.train.overwrite)
-    checkpoint.prepare_output_dir(accelerator, output_dir, cfg, fresh=resume_from is None)
+    rundir.prepare_output_dir(accelerator, output_dir, cfg, fresh=resume_from is None)
     if cfg.log.trackers:
         accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg))
 
@@ -123,8 +126,11 @@ def main(argv: list[str]) -> int:
         if accelerator.is_main_process:
             metrics.truncate_after(log.path, start_step)
         accelerator.print(f"resumed from {resume_from} at step {start_step}")
-    else:
+    elif not stop.agreed(accelerator):
         evaluate.report(accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, log, 0, "before")
+    if stop.agreed(accelerator):  # stopped while loading or evaluating: nothing new to save
+        accelerator.print(f"stopped by {stop.signal_name or 'another rank'} before step {start_step + 1}")
+        return PREEMPTED_EXIT_CODE
 
     # The loop: one iteration per optimizer step, `grad_accum` micro-batches each.
     stream = batches.StepStream(train_loader, sampler, grad_accum, start_step, accelerator.skip_first_batches)
@@ -132,7 +138,6 @@ def main(argv: list[str]) -> int:
     guard = NonFiniteGuard(
         cfg.train.nonfinite, cfg.train.nonfinite_patience, can_skip=launch.backend != "deepspeed"
     )
-    stop = StopRequest()
     progress = tqdm(
         initial=start_step, total=cfg.train.max_steps, disable=not accelerator.is_main_process, desc="train"
     )
@@ -227,6 +232,7 @@ def main(argv: list[str]) -> int:
         f"saved: {final_dir.resolve()}  (try: ftkit generate --model {final_dir} --prompt '...')"
     )
     accelerator.end_training()
+    run_lock.release()
     return 0
 
 
@@ -239,10 +245,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 if __name__ == "__main__":
     try:
-        exit_code = main(sys.argv[1:])
-    except UserError as exc:
-        print(f"finetune_llm: error: {exc}", file=sys.stderr)
-        exit_code = 2
+        exit_code = run_main(main, sys.argv[1:], "finetune_llm")
     finally:
         distributed.close()  # also after a preemption stop or an error, so the exit code gets out
     sys.exit(exit_code)

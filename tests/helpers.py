@@ -119,3 +119,13 @@ def launch(config: str, processes: int = 2) -> list[str]:
         "--main_process_port",
         str(free_port()),
     ]
+
+
+def load_recipe(name: str = "finetune_llm"):
+    """A recipe script as a module, so a test can call its `main` in this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

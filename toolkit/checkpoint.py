@@ -9,13 +9,14 @@ import time
 from pathlib import Path
 
 from accelerate.utils import DistributedType
+from safetensors import SafetensorError
 
 from toolkit.config import RecipeConfig, save_config
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
+from toolkit.rundir import CONFIG, check_fresh_start
 
 MARKER = "ftkit_checkpoint.json"
-CONFIG = "config.yaml"
 
 
 def checkpoint_dir(output_dir: Path) -> Path:
@@ -43,33 +44,9 @@ def resolve_resume(output_dir: Path, resume: str, overwrite: bool) -> Path | Non
             raise UserError(f"train.resume: {resume} is not a complete checkpoint (no {MARKER})")
         return path
     latest = latest_checkpoint(output_dir) if resume == "auto" and not overwrite else None
-    if latest is None and _holds_a_run(output_dir) and not overwrite:
-        raise UserError(
-            f"output_dir: {output_dir} holds another run; set train.overwrite=true to replace it"
-            + (" or train.resume=auto to continue it" if resume == "never" else "")
-        )
+    if latest is None:
+        check_fresh_start(output_dir, overwrite, resume)
     return latest
-
-
-def clear_output_dir(output_dir: Path) -> None:
-    """Empty output_dir before a fresh run (only reached when resolve_resume allowed it)."""
-    if output_dir.is_dir():
-        for child in output_dir.iterdir():
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
-
-
-def prepare_output_dir(accelerator, output_dir: Path, cfg: RecipeConfig, fresh: bool) -> None:
-    """A fresh run starts in an empty output_dir (cleared if allowed) with its config saved."""
-    accelerator.wait_for_everyone()  # every rank has looked at output_dir before it changes
-    if fresh and accelerator.is_main_process:
-        clear_output_dir(output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, output_dir / "config.yaml")
-    accelerator.wait_for_everyone()
-
-
-def _holds_a_run(output_dir: Path) -> bool:
-    return output_dir.is_dir() and any(output_dir.iterdir())
 
 
 class SaveSchedule:
@@ -116,12 +93,13 @@ def save_checkpoint(
 
 
 def prune_checkpoints(output_dir: Path, keep_last: int, keep_best: bool) -> list[Path]:
-    """Delete all but the `keep_last` newest complete checkpoints (and the best by eval loss); main only."""
+    """Delete all but the `keep_last` newest complete checkpoints (and the best by eval loss); main only.
+    The newest is always kept, whatever `keep_last` says."""
     done = sorted(
         (p for p in checkpoint_dir(output_dir).glob("step-*") if is_complete(p)),
         key=lambda p: int(p.name[5:]),
     )
-    keep = set(done[-keep_last:]) if keep_last else set(done)
+    keep = set(done[-keep_last:]) if keep_last > 0 else set(done)
     scored = [(json.loads((p / MARKER).read_text()).get("eval_loss"), p) for p in done]
     scored = [(loss, p) for loss, p in scored if loss is not None]
     if keep_best and scored:
@@ -137,7 +115,17 @@ def _attempt(action) -> str:
         action()
     except OSError as exc:
         return f"{exc.strerror or exc} ({exc.filename or ''})".replace(" ()", "")
+    except (RuntimeError, SafetensorError) as exc:
+        # safetensors and torch.save report a full disk or a closed file as these, not as OSError.
+        if not _is_write_failure(exc):
+            raise
+        return str(exc).splitlines()[0]
     return ""
+
+
+def _is_write_failure(exc: Exception) -> bool:
+    text = str(exc).lower()
+    return any(word in text for word in ("no space", "basic_ios", "write", "permission", "i/o error"))
 
 
 def _finalize(tmp: Path, final: Path, marker: dict, config: RecipeConfig | None) -> None:

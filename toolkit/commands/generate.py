@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.errors import UserError
@@ -15,16 +16,25 @@ def load_for_generation(path: Path):
     """(model, tokenizer) from an output's final/ or merged/ directory, or any HF model directory."""
     if not path.is_dir():
         raise UserError(f"--model: {path} is not a directory")
+    if not (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file():
+        raise UserError(f"--model: {path} holds no model ({ADAPTER_CONFIG} or config.json)")
+    try:
+        model, tokenizer = _load(path)
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise UserError(f"--model: cannot load {path}: {str(exc).splitlines()[0]}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.eval(), tokenizer
+
+
+def _load(path: Path):
     if (path / ADAPTER_CONFIG).is_file():
         from peft import AutoPeftModelForCausalLM
 
         model = AutoPeftModelForCausalLM.from_pretrained(str(path))
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path))
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model.eval(), tokenizer
+    return model, AutoTokenizer.from_pretrained(str(path))
 
 
 def generate_cli(model_dir: str, prompt: str, max_new_tokens: int) -> str:
