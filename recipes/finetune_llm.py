@@ -44,10 +44,12 @@ from toolkit.preemption import PREEMPTED_EXIT_CODE, StopRequest
 
 
 def main(argv: list[str]) -> int:
+    # First: a stop while loading or evaluating exits cleanly, and a launcher stopping the other ranks after
+    # one failed leaves the main process time to say why.
+    stop = StopRequest()
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     output_dir = Path(cfg.output_dir)
-    stop = StopRequest()  # before anything slow: a stop while loading or evaluating exits cleanly too
 
     # Backend: whatever `accelerate launch` was told; checked, never silently degraded to lone ranks.
     launch = distributed.detect_launch()

@@ -21,5 +21,14 @@ def run_main(main, argv: list[str], prog: str) -> int:
         return main(argv)
     except UserError as exc:
         if os.environ.get("RANK", "0") == "0":
+            _close_progress_bars()
             print(f"{prog}: error: {exc}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
+
+
+def _close_progress_bars() -> None:
+    """A bar left open by the error ends its line first, so the message gets a line of its own."""
+    bars = sys.modules.get("tqdm.std")
+    if bars is not None:
+        for bar in list(bars.tqdm._instances):
+            bar.close()

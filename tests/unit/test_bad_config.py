@@ -2,6 +2,7 @@
 its declared range stops the recipe with one line naming the key, the value and what is allowed, before
 anything is written."""
 
+import signal
 import typing
 
 import pytest
@@ -51,6 +52,15 @@ BAD = [
 @pytest.fixture(scope="module")
 def recipe():
     return load_recipe()
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers():
+    """The recipe installs its stop handlers in this process; put pytest's back."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
 
 
 @pytest.mark.parametrize(("override", "message"), BAD, ids=[b[0] for b in BAD])
