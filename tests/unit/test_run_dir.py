@@ -133,7 +133,7 @@ def test_a_run_that_never_saved_restarts_without_overwrite(tmp_path):
     assert tree(out) == []
 
 
-@pytest.mark.parametrize("keep_last", [0, 1, 2])
+@pytest.mark.parametrize("keep_last", [-1, 0, 1, 2])
 def test_pruning_never_deletes_the_newest_checkpoint(tmp_path, keep_last):
     for step in (1, 2, 3):
         path = tmp_path / "checkpoints" / f"step-{step}"
@@ -141,7 +141,7 @@ def test_pruning_never_deletes_the_newest_checkpoint(tmp_path, keep_last):
         (path / checkpoint.MARKER).write_text(json.dumps({"step": step}))
     checkpoint.prune_checkpoints(tmp_path, keep_last, keep_best=False)
     left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert left == {0: ["step-1", "step-2", "step-3"], 1: ["step-3"], 2: ["step-2", "step-3"]}[keep_last]
+    assert left == {1: ["step-3"], 2: ["step-2", "step-3"]}.get(keep_last, ["step-1", "step-2", "step-3"])
 
 
 # --- paths that cannot hold a run ------------------------------------------------------------------------
@@ -156,6 +156,15 @@ def test_output_dir_that_is_or_lies_under_a_file(recipe, capsys, tmp_path, where
     code, line = edge(recipe, capsys, f"output_dir={tmp_path / where}")
     assert code == 2 and message in line
     assert tree(tmp_path) == ["file"] and (tmp_path / "file").read_text() == "a file"
+
+
+@pytest.mark.parametrize("where", ["", "run"])
+def test_output_dir_that_cannot_be_written(recipe, capsys, small_disk, where):
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    code, line = edge(recipe, capsys, f"output_dir={small_disk / where}")
+    message = "is not writable" if not where else "Read-only file system"
+    assert code == 2 and message in line
+    assert list(small_disk.iterdir()) == []
 
 
 # --- one writer per run ----------------------------------------------------------------------------------

@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument(
         "checkpoint_dir", metavar="CHECKPOINT_DIR", help="e.g. runs/demo/checkpoints/step-100"
     )
-    export.add_argument("--out", required=True, help="directory to write (replaced if it exists)")
+    export.add_argument(
+        "--out", required=True, help="directory to write: new, empty, or an earlier export (then replaced)"
+    )
     export.add_argument("--merge-lora", action="store_true", help="fold a LoRA adapter into a full model")
     export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default: the run's export.dtype")
     export.add_argument("--base-model", help="base model path, where the config's model.path moved")
