@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # A CPU-only torch keeps installs small where no GPU exists; with a GPU, pip's default (CUDA) build is used.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-unit lint bench clean
 
 install: $(STAMP)
 
@@ -23,6 +23,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest tests
+
+# In-process tests only (no launched runs): feedback in seconds.
+test-unit: install
+	$(PY) -m pytest tests/unit
 
 lint: install
 	$(VENV)/bin/ruff format --check .

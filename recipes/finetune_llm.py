@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
@@ -42,13 +41,15 @@ from toolkit.errors import UserError, run_main
 from toolkit.nonfinite import NonFiniteGuard
 from toolkit.preemption import PREEMPTED_EXIT_CODE, StopRequest
 
+DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"
+
 
 def main(argv: list[str]) -> int:
     # First: a stop while loading or evaluating exits cleanly, and a launcher stopping the other ranks after
     # one failed leaves the main process time to say why.
     stop = StopRequest()
     args = parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config or DEMO_CONFIG, args.overrides)
     output_dir = Path(cfg.output_dir)
 
     # Backend: whatever `accelerate launch` was told; checked, never silently degraded to lone ranks.
@@ -57,15 +58,20 @@ def main(argv: list[str]) -> int:
         launch, cfg, args.config or "recipes/configs/demo.yaml", launch_check.probe_machine(), os.environ
     )
     grad_accum = batches.grad_accum_steps(cfg.train, launch.world_size)
-    accelerator = Accelerator(
-        **distributed.accelerator_kwargs(launch, cfg.train, grad_accum),
+    accelerator = distributed.setup(
+        launch,
+        cfg.train,
+        grad_accum,
         log_with=cfg.log.trackers or None,
         project_dir=str(output_dir),
         step_scheduler_with_optimizer=False,  # one scheduler step per optimizer step, whatever the world size
     )
-    distributed.finish_setup(accelerator, launch)
     features = speed.resolve(cfg.model, cfg.train, accelerator.device)
-    for line in [distributed.describe(accelerator, launch, cfg.train, grad_accum), *notes, *features.notes]:
+    for line in [
+        distributed.setup_summary(accelerator, launch, cfg.train, grad_accum),
+        *notes,
+        *features.notes,
+    ]:
         accelerator.print(line)
     set_seed(cfg.seed)
     run_lock = rundir.claim(accelerator, output_dir)  # held until the process ends, however it ends
@@ -89,8 +95,17 @@ def main(argv: list[str]) -> int:
         cfg.seed,
         flash_varlen=features.attention == "flash_attention_2",
     )
+    eval_loader = None  # each rank its own share, so it is not given to prepare
+    if eval_set is not None:
+        eval_loader = data.eval_loader(
+            eval_set,
+            accelerator.process_index,
+            accelerator.num_processes,
+            cfg.train.micro_batch_size,
+            tokenizer.pad_token_id,
+        )
     model = models.load_model(cfg.model, cfg.lora, accelerator.local_process_index, features)
-    trainable, total = models.count_parameters(model)
+    trainable, total = models.trainable_and_total(model)
     accelerator.print(
         f"model: {cfg.model.path} ({cfg.model.method}), {trainable:,} of {total:,} parameters trained"
     )
@@ -104,15 +119,6 @@ def main(argv: list[str]) -> int:
     if marker is not None and not exact:
         accelerator.print(portable.restore_portable(resume_from, model, optimizer, scheduler, layout))
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
-    eval_loader = None
-    if eval_set is not None:
-        eval_loader = evaluate.eval_loader(
-            eval_set,
-            accelerator.process_index,
-            accelerator.num_processes,
-            cfg.train.micro_batch_size,
-            data.Collator(tokenizer.pad_token_id),
-        )
 
     # Where to start: a checkpoint, or a fresh run whose starting point is measured first.
     start_step, tokens_seen = 0, 0
@@ -121,6 +127,7 @@ def main(argv: list[str]) -> int:
         accelerator.is_main_process,
         accelerator.log if cfg.log.trackers else None,
     )
+    evaluator = evaluate.Evaluator(accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, log)
     if marker is not None:
         if exact:
             checkpoint.load_checkpoint(accelerator, resume_from)
@@ -129,7 +136,7 @@ def main(argv: list[str]) -> int:
             metrics.truncate_after(log.path, start_step)
         accelerator.print(f"resumed from {resume_from} at step {start_step}")
     elif not stop.agreed(accelerator):
-        evaluate.report(accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, log, 0, "before")
+        evaluator.report(0, "before")
     if stop.agreed(accelerator):  # stopped while loading or evaluating: nothing new to save
         accelerator.print(f"stopped by {stop.signal_name or 'another rank'} before step {start_step + 1}")
         return PREEMPTED_EXIT_CODE
@@ -188,10 +195,8 @@ def main(argv: list[str]) -> int:
             progress.set_postfix(metrics.progress_fields(step_loss, lr, measured))
         progress.update(1)
         eval_result = {}
-        if eval_loader is not None and cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0:
-            eval_result = log.write(
-                step, **evaluate.evaluate(model, eval_loader, accelerator, cfg.eval.max_batches)
-            )
+        if cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0:
+            eval_result = evaluator.evaluate(step)
         stopping, save_due = distributed.any_rank(
             accelerator, stop.requested or bool(guard.failure), schedule.due(step)
         )
@@ -222,9 +227,7 @@ def main(argv: list[str]) -> int:
         checkpoint.save_checkpoint(
             accelerator, output_dir, cfg.train.max_steps, {"tokens_seen": tokens_seen}, cfg
         )
-    evaluate.report(
-        accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, log, cfg.train.max_steps, "after"
-    )
+    evaluator.report(cfg.train.max_steps, "after")
     final_dir = output_dir / "final"
     export.export_model(accelerator, model, tokenizer, final_dir, cfg.export.dtype)
     if cfg.export.merge and cfg.model.method != "full" and accelerator.is_main_process:

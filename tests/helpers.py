@@ -1,18 +1,28 @@
-"""Shared by the end-to-end tests: run the recipe as a user would and read what it wrote."""
+"""Shared by the tests: where the repository is, a tiny model config, running the recipe as a user would."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import yaml
+from accelerate.utils.other import get_free_port as free_port
+from transformers import LlamaConfig
 
 from toolkit.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "finetune_llm.py"
+# The DeepSpeed JSON fields the recipe's config decides (the shipped JSONs leave them "auto").
+DS_RECIPE_KEYS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+)
 # Small and quick, but the real demo model, data and code path.
 QUICK = [
     "train.max_steps=4",
@@ -103,12 +113,6 @@ def step_losses(output_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(config: str, processes: int = 2) -> list[str]:
     """`accelerate launch` arguments for a shipped config on `processes` local processes."""
     return [
@@ -119,6 +123,26 @@ def launch(config: str, processes: int = 2) -> list[str]:
         "--main_process_port",
         str(free_port()),
     ]
+
+
+def write_yaml(tmp_path: Path, content: dict, name: str = "accel.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(content))
+    return path
+
+
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    """A Llama that builds in milliseconds: 2 layers, hidden 32, 4 heads sharing 2 key/value heads."""
+    shape = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaConfig(**{**shape, **overrides})
 
 
 def load_recipe(name: str = "finetune_llm"):

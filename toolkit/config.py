@@ -26,7 +26,8 @@ from toolkit.fields import (
     field_errors,
 )
 
-DEMO_CONFIG = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "demo.yaml"
+# Package data, so `load_config(None)` works from any install; recipes/configs/demo.yaml is its twin.
+DEMO_CONFIG = Path(__file__).resolve().parent / "assets" / "demo.yaml"
 
 # The words a key accepts, declared once: the config check, the command line and the docs read them here.
 Method = Literal["full", "lora", "qlora"]
@@ -201,16 +202,7 @@ class RecipeConfig:
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RecipeConfig:
     """Read a YAML recipe config (the demo when `path` is None) and apply `key=value` overrides."""
     path = Path(path) if path else DEMO_CONFIG
-    if not path.is_file():
-        raise UserError(f"{path}: config file not found")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise UserError(
-            f"{path}: not valid YAML ({exc.problem} at line {exc.problem_mark.line + 1})"
-        ) from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: the top level must be a mapping of keys")
+    raw = read_yaml_mapping(path, "config file")
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
@@ -219,6 +211,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Re
     cfg = _build(RecipeConfig, raw, prefix="", source=str(path))
     validate(cfg, source=str(path))
     return cfg
+
+
+def read_yaml_mapping(path: Path, what: str) -> dict:
+    """The mapping a YAML file holds (an empty file: {}); a missing, unparsable or non-mapping file is a
+    UserError naming it as `what`."""
+    if not path.is_file():
+        raise UserError(f"{path}: {what} not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{path}: not valid YAML ({getattr(exc, 'problem', exc)}{where})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: the top level must be a mapping of keys")
+    return raw
 
 
 def validate(cfg: RecipeConfig, source: str = "config") -> None:

@@ -1,13 +1,12 @@
 """The distributed backend a launch asked for, and making accelerate deliver exactly that, GPU or not.
 
-The recipe creates the Accelerator; this module supplies its arguments and checks the result:
+The recipe asks for the Accelerator in one call; this module builds it and checks the result:
 
     launch = distributed.detect_launch()
     notes = launch_check.check_launch(launch, cfg, config_path, launch_check.probe_machine(), os.environ)
     ga = batches.grad_accum_steps(cfg.train, launch.world_size)
-    accelerator = Accelerator(**distributed.accelerator_kwargs(launch, cfg.train, ga), ...)
-    distributed.finish_setup(accelerator, launch)
-    log(distributed.describe(accelerator, launch, cfg.train, ga)), then each of `notes`
+    accelerator = distributed.setup(launch, cfg.train, ga, project_dir=..., ...)
+    log(distributed.setup_summary(accelerator, launch, cfg.train, ga)), then each of `notes`
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs
 
@@ -127,6 +127,17 @@ def count_gpus() -> int:
     return 0 if device is None or device.type == "mps" else torch.accelerator.device_count()
 
 
+def setup(launch: Launch, train: TrainConfig, grad_accum_steps: int, **options) -> Accelerator:
+    """The Accelerator for the launched backend, checked to have joined every process into it.
+
+    `options` are further `Accelerator` arguments (trackers, project_dir, ...); the backend, precision and
+    accumulation come from `launch` and `train` only (passing one of those again is a TypeError).
+    """
+    accelerator = Accelerator(**accelerator_kwargs(launch, train, grad_accum_steps), **options)
+    _finish_setup(accelerator, launch)
+    return accelerator
+
+
 def accelerator_kwargs(launch: Launch, train: TrainConfig, grad_accum_steps: int) -> dict:
     """Keyword arguments for `Accelerator(...)` giving the launched backend, on GPUs or gloo CPU processes.
 
@@ -206,7 +217,7 @@ def _cpu_fsdp_plugin():
     return FullyShardedDataParallelPlugin(sync_module_states=False, cpu_ram_efficient_loading=False)
 
 
-def finish_setup(accelerator, launch: Launch) -> None:
+def _finish_setup(accelerator, launch: Launch) -> None:
     """Switch on FSDP where accelerate skipped it for lack of a GPU, then `verify` the result."""
     if (
         launch.on_cpu
@@ -248,7 +259,7 @@ def verify(accelerator, launch: Launch) -> None:
         raise UserError(f"{launch.source} asked for {launch.backend} but accelerate set up {got.value}")
 
 
-def describe(accelerator, launch: Launch, train: TrainConfig, grad_accum_steps: int) -> str:
+def setup_summary(accelerator, launch: Launch, train: TrainConfig, grad_accum_steps: int) -> str:
     """One line: backend, world size, processes per node, device, precision, how the global batch is made."""
     ga = grad_accum_steps
     world = accelerator.num_processes

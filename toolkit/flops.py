@@ -44,7 +44,7 @@ def training_flops_per_token(
 
 
 def flops_per_token(counts, seq_len: int) -> int:
-    """`training_flops_per_token` for a `model_counts.ModelCounts`."""
+    """`training_flops_per_token` for a `plan.counts.ModelCounts`."""
     return training_flops_per_token(
         counts.matmul_frozen, counts.matmul_trainable, counts.layers, seq_len, counts.heads * counts.head_dim
     )

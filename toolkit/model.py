@@ -21,7 +21,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_tokenizer(cfg: ModelConfig):
     """The model's tokenizer, with a pad token (the eos token when the model has none)."""
     _check_path(cfg.path)
-    tokenizer = _from_pretrained(AutoTokenizer, cfg, "tokenizer")
+    return with_pad_token(_from_pretrained(AutoTokenizer, cfg, "tokenizer"))
+
+
+def with_pad_token(tokenizer):
+    """`tokenizer`, given the eos token as its pad token when the model has none (batches need one)."""
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -67,10 +71,10 @@ def wants_checkpointing(cfg: ModelConfig, model) -> bool:
     """The config's choice; `auto` is on for LoRA/QLoRA over a base of AUTO_CHECKPOINTING_PARAMS or more."""
     if cfg.gradient_checkpointing != "auto":
         return bool(cfg.gradient_checkpointing)
-    return cfg.method != "full" and count_parameters(model)[1] >= AUTO_CHECKPOINTING_PARAMS
+    return cfg.method != "full" and trainable_and_total(model)[1] >= AUTO_CHECKPOINTING_PARAMS
 
 
-def count_parameters(model) -> tuple[int, int]:
+def trainable_and_total(model) -> tuple[int, int]:
     """(trainable, total) parameter counts; ZeRO-3 partitioned parameters count at their full size."""
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
     return sum(n for n, trained in sizes if trained), sum(n for n, _ in sizes)

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 from train_tiny import build_model
 
 from toolkit import distributed
@@ -21,8 +20,7 @@ def main() -> None:
     args = parser.parse_args()
     launch = distributed.detect_launch()
     train = TrainConfig(global_batch_size=2 * args.grad_accum * launch.world_size, micro_batch_size=2)
-    accelerator = Accelerator(**distributed.accelerator_kwargs(launch, train, args.grad_accum))
-    distributed.finish_setup(accelerator, launch)
+    accelerator = distributed.setup(launch, train, args.grad_accum)
     model = build_model()
     optimizer = torch.optim.AdamW(model.parameters())
     model, optimizer = accelerator.prepare(model, optimizer)

@@ -9,16 +9,20 @@ its optimizer step. Writes {rank: bytes} and the model's config to --out.
 import argparse
 import gc
 import json
+import sys
 import warnings
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from toolkit import distributed
 from toolkit.config import TrainConfig
+
+# A launched script sees only its own folder; the shared test helpers are one up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import tiny_llama_config  # noqa: E402
 
 SIZES = {
     "small": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, vocab_size=512),
@@ -30,9 +34,7 @@ SEQ_LEN = 16
 
 
 def model_config(size: str) -> LlamaConfig:
-    return LlamaConfig(
-        **SIZES[size], num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN
-    )
+    return tiny_llama_config(**SIZES[size], max_position_embeddings=SEQ_LEN)
 
 
 def build_model(config: LlamaConfig, method: str):
@@ -78,8 +80,7 @@ def main() -> None:
     args = parser.parse_args()
 
     launch = distributed.detect_launch()
-    accelerator = Accelerator(**distributed.accelerator_kwargs(launch, TRAIN, grad_accum_steps=1))
-    distributed.finish_setup(accelerator, launch)
+    accelerator = distributed.setup(launch, TRAIN, grad_accum_steps=1)
     tokens = torch.randint(
         0, 100, (TRAIN.micro_batch_size, SEQ_LEN), generator=torch.Generator().manual_seed(1)
     )

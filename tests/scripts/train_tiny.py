@@ -6,15 +6,20 @@ one process. With --stock it builds a plain `Accelerator()` and records what `di
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from toolkit import batches, distributed
 from toolkit.config import TrainConfig
 from toolkit.errors import UserError
+
+# A launched script sees only its own folder; the shared test helpers are one up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import tiny_llama_config  # noqa: E402
 
 # Clipping below the gradient norm, and not 1.0, so a backend that ignores train.max_grad_norm shows up.
 TRAIN = TrainConfig(global_batch_size=8, micro_batch_size=2, max_grad_norm=0.3, learning_rate=1e-2)
@@ -25,16 +30,7 @@ VOCAB = 128
 
 def build_model() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ_LEN,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(tiny_llama_config(vocab_size=VOCAB, max_position_embeddings=SEQ_LEN))
 
 
 def build_loader() -> torch.utils.data.DataLoader:
@@ -82,10 +78,9 @@ def main() -> None:
             (args.out / "result.json").write_text(json.dumps({"error": error}))
         return
     ga = batches.grad_accum_steps(TRAIN, launch.world_size)
-    accelerator = Accelerator(**distributed.accelerator_kwargs(launch, TRAIN, grad_accum_steps=ga))
-    distributed.finish_setup(accelerator, launch)
+    accelerator = distributed.setup(launch, TRAIN, grad_accum_steps=ga)
     result = train(accelerator)
-    result["describe"] = distributed.describe(accelerator, launch, TRAIN, ga)
+    result["describe"] = distributed.setup_summary(accelerator, launch, TRAIN, ga)
     if accelerator.is_main_process:
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=64)
 
-    # plan: options left out take the defaults of toolkit.plan.PlanRequest (the one place they live).
+    # plan: options left out take the defaults of toolkit.plan.estimate.PlanRequest (the one place they live).
     plan = commands.add_parser(
         "plan",
         help="memory per GPU per backend, what to launch, what it costs",
@@ -105,13 +105,11 @@ def _run(args) -> int:
         print(generate_cli(args.model, args.prompt, args.max_new_tokens))
         return 0
     if args.command == "plan":
-        from toolkit.plan import estimate as plan
-        from toolkit.plan import report as plan_report
+        from toolkit.plan import estimate, report
 
-        request, cost = plan.requests_from_options(vars(args))
-        result = plan.make_plan(request, cost)
-        report = plan_report.to_json(result) if args.json else None
-        print(json.dumps(report, indent=2) if args.json else plan_report.render_text(result))
+        request, cost = estimate.requests_from_options(vars(args))
+        result = estimate.make_plan(request, cost)
+        print(json.dumps(report.to_json(result), indent=2) if args.json else report.render_text(result))
         return 0 if result.choice is not None else 1
     if args.command == "doctor":
         from toolkit.commands import doctor

@@ -8,8 +8,9 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.errors import UserError
-from toolkit.evaluate import chat_prompt_ids, greedy_answer
 from toolkit.export import ADAPTER_CONFIG
+from toolkit.generation import chat_prompt_ids, greedy_answer
+from toolkit.model import with_pad_token
 
 
 def load_for_generation(path: Path):
@@ -22,9 +23,7 @@ def load_for_generation(path: Path):
         model, tokenizer = _load(path)
     except (OSError, ValueError, SafetensorError) as exc:
         raise UserError(f"--model: cannot load {path}: {str(exc).splitlines()[0]}") from None
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model.eval(), tokenizer
+    return model, tokenizer
 
 
 def _load(path: Path):
@@ -34,7 +33,7 @@ def _load(path: Path):
         model = AutoPeftModelForCausalLM.from_pretrained(str(path))
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path))
-    return model, AutoTokenizer.from_pretrained(str(path))
+    return model.eval(), with_pad_token(AutoTokenizer.from_pretrained(str(path)))
 
 
 def generate_cli(model_dir: str, prompt: str, max_new_tokens: int) -> str:

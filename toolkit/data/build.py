@@ -13,13 +13,12 @@ import pyarrow.compute as pc
 from toolkit.config import DataConfig
 from toolkit.data.cache import cache_key, load_or_build, tokenizer_fingerprint
 from toolkit.data.chat import ensure_chat_template
-from toolkit.data.encode import encode_source
+from toolkit.data.encode import IGNORE, encode_source
 from toolkit.data.formats import detect_format
 from toolkit.data.mixture import hold_out, mix
 from toolkit.data.packing import pack_dataset
 from toolkit.data.sources import read_source
 from toolkit.errors import UserError
-from toolkit.loss import IGNORE
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,9 @@ from toolkit.data.chat import assistant_spans, render, turn_closing
 from toolkit.data.formats import to_example
 from toolkit.data.sources import Source
 from toolkit.errors import UserError
-from toolkit.loss import IGNORE
+
+# The label of a token no loss is taken on (the value torch's cross entropy skips by default).
+IGNORE = -100
 
 # Examples tokenized per call: the Rust tokenizer spreads a batch over all cores.
 CHUNK = 1000

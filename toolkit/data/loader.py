@@ -1,13 +1,17 @@
-"""The training DataLoader: examples or packed rows in step-shaped order (see toolkit/batches.py)."""
+"""The DataLoaders: training (examples or packed rows in step-shaped order, see toolkit/batches.py) and
+evaluation (each rank a strided share of the held-out rows)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from toolkit.batches import EpochSampler
 from toolkit.config import DataConfig, TrainConfig
 from toolkit.data.collate import Collator, PackedCollator
+from toolkit.data.encode import IGNORE
 from toolkit.data.packing import LengthGroupedSampler, row_lengths
 
 
@@ -30,3 +34,30 @@ def train_loader(dataset, data: DataConfig, train: TrainConfig, pad_id: int, see
         drop_last=True,
     )
     return loader, sampler
+
+
+def eval_loader(dataset, rank: int, world_size: int, batch_size: int, pad_id: int) -> DataLoader:
+    """Rank `rank`'s share of the held-out `dataset`, padded batches in a fixed order."""
+    return DataLoader(
+        RankShard(dataset, rank, world_size), batch_size=batch_size, collate_fn=Collator(pad_id)
+    )
+
+
+class RankShard(Dataset):
+    """Rank `rank`'s strided share of `dataset`, topped up with label-free copies of the first row so that
+    every rank runs the same number of forward passes (sharded backends need them in lockstep) while
+    the extra rows add nothing to the loss."""
+
+    def __init__(self, dataset, rank: int, world_size: int):
+        self.dataset = dataset
+        self.indices = list(range(rank, len(dataset), world_size))
+        self.length = math.ceil(len(dataset) / world_size)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict:
+        if i < len(self.indices):
+            return self.dataset[self.indices[i]]
+        row = self.dataset[0]
+        return {"input_ids": row["input_ids"], "labels": [IGNORE] * len(row["labels"])}

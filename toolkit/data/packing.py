@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from toolkit.batches import EpochSampler
-from toolkit.loss import IGNORE
+from toolkit.data.encode import IGNORE
 
 # Global batches whose examples are sorted by length together: larger groups pad less, smaller ones keep
 # each step's mix of lengths closer to a random draw.

@@ -10,15 +10,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit import flops
-from toolkit.config import DEMO_CONFIG, Method, flat_dict, load_config
+from toolkit.config import Method, flat_dict, load_config
 from toolkit.errors import UserError
 from toolkit.fields import NonNegativeFloat, PositiveFloat, PositiveInt, Probability, field_errors
+from toolkit.hardware import GIB
 from toolkit.metrics import read_metrics
 from toolkit.plan import GradCkpt, PlanDtype, PlanPrecision, architectures, memory
 from toolkit.plan.counts import ModelCounts, count_parameters, load_model_config
-from toolkit.plan.memory import GIB, MemoryEstimate, Precision
+from toolkit.plan.memory import MemoryEstimate, Precision
 
-REPO = DEMO_CONFIG.parent.parent.parent
+# The printed command runs from a checkout's root, so its recipe configs are looked up from there too.
+RECIPE_CONFIGS = Path("recipes") / "configs"
 # Fastest first. Gradient checkpointing costs about a third more compute; ZeRO-1/2 move no more data than
 # DDP, while ZeRO-3/FSDP gather every weight twice a step and offload crosses PCIe every step.
 MULTI_GPU_TIERS = (("ddp", "zero1", "zero2"), ("fsdp", "zero3"), ("zero3_offload",))
@@ -141,7 +143,7 @@ def make_plan(request: PlanRequest, cost: CostRequest | None = None) -> Plan:
         precision=precision,
         rows=rows,
         choice=choice,
-        command=launch_command(choice, request, precision) if choice else None,
+        command=launch_line(choice, request, precision) if choice else None,
         flops_per_token=flops.flops_per_token(counts, request.seq_len),
         cost=estimate_cost(cost, request.gpus) if cost else None,
     )
@@ -202,7 +204,7 @@ def _ckpt_options(request: PlanRequest) -> tuple[bool, ...]:
     return {"auto": (False, True), "on": (True,), "off": (False,)}[request.grad_ckpt]
 
 
-def launch_command(row: MemoryEstimate, request: PlanRequest, precision: Precision) -> str | None:
+def launch_line(row: MemoryEstimate, request: PlanRequest, precision: Precision) -> str | None:
     """The exact `accelerate launch` line: a shipped recipe config plus the overrides this plan assumed."""
     template = _template_config(request.model, request.method)
     if template is None:
@@ -235,7 +237,7 @@ def launch_command(row: MemoryEstimate, request: PlanRequest, precision: Precisi
 
 def _template_config(model: str, method: str) -> tuple[str, dict] | None:
     """The shipped recipe config closest to this run: same method first, then same model, then same shapes."""
-    configs = sorted((REPO / "recipes" / "configs").glob("*.yaml"))
+    configs = sorted(RECIPE_CONFIGS.glob("*.yaml"))
     if not configs:
         return None
     arch = architectures.lookup(model)
@@ -247,11 +249,11 @@ def _template_config(model: str, method: str) -> tuple[str, dict] | None:
             cfg.model.method == method,
             cfg.model.path.lower() == model.lower(),
             same_arch,
-            path != DEMO_CONFIG,
+            path.name != "demo.yaml",
         )
 
     best = max(configs, key=closeness)
-    return str(best.relative_to(REPO)), flat_dict(load_config(best))
+    return str(best), flat_dict(load_config(best))
 
 
 def _yaml_value(value) -> str:

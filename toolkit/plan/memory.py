@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-GIB = 1 << 30
+from toolkit.hardware import GIB
+
 BACKENDS = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload")
 DEEPSPEED = ("zero1", "zero2", "zero3", "zero3_offload")
 SHARDED_PARAMS = ("fsdp", "zero3", "zero3_offload")
@@ -92,7 +93,7 @@ class ModelStateBytes:
 def model_state_bytes(counts, backend: str, n_ranks: int, precision: Precision = FP32) -> ModelStateBytes:
     """Exact bytes of parameters, gradients and optimizer states on one rank (rank 0: shards are rounded up).
 
-    `counts` is a `model_counts.ModelCounts`; the rules follow what each backend allocates (checked on CPU
+    `counts` is a `plan.counts.ModelCounts`; the rules follow what each backend allocates (checked on CPU
     against a walk of live tensors under every backend, within 1% for full fine-tuning and 4% for LoRA of a
     3M-parameter model). Not counted: AdamW's scalar step counters, shard alignment padding, and DeepSpeed's
     reduce buckets (hidden^2 elements each; `overhead_bytes` has them).

@@ -4,14 +4,14 @@ full; length grouping keeps each epoch's examples and pads less."""
 from __future__ import annotations
 
 from itertools import pairwise
-from pathlib import Path
 
 import datasets
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from helpers import REPO, tiny_llama_config
+from transformers import AutoTokenizer, LlamaForCausalLM
 from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
 from toolkit import data
@@ -21,28 +21,15 @@ from toolkit.data.collate import count_tokens, model_inputs
 from toolkit.data.packing import fill_rows, pack_dataset
 from toolkit.loss import IGNORE, count_targets, summed_token_loss
 
-ASSETS = Path(__file__).resolve().parent.parent / "toolkit" / "assets"
+ASSETS = REPO / "toolkit" / "assets"
+pytestmark = pytest.mark.usefixtures("private_cache")
 VOCAB = 97
 CAPACITY = 24
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
-
-
 def tiny_llama(attn: str) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation=attn,
-    )
+    config = tiny_llama_config(vocab_size=VOCAB, attn_implementation=attn)
     return LlamaForCausalLM(config).float()
 
 

@@ -1,20 +1,15 @@
-"""Launch detection, the launch checker, and every backend's math against one process (gloo CPU processes)."""
+"""Launch detection, the launch checker, and what the Accelerator is given, in one process."""
 
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 import yaml
 from accelerate.commands.config import load_config_from_file
 from accelerate.utils import DistributedType
-from helpers import run_launched
+from helpers import DS_RECIPE_KEYS, REPO, write_yaml
 
 from toolkit import distributed, launch_check
 from toolkit.commands.cli import main as cli
@@ -23,7 +18,6 @@ from toolkit.distributed import Launch
 from toolkit.errors import UserError
 from toolkit.launch_check import Machine
 
-REPO = Path(__file__).resolve().parent.parent
 ACCEL_CONFIGS = sorted((REPO / "accelerate_configs").rglob("*.yaml"))
 DS_CONFIGS = sorted((REPO / "ds_configs").rglob("*.json"))
 RECIPE = "recipe.yaml"
@@ -41,23 +35,11 @@ SHIPPED = {
     "multinode_ddp": ("ddp", 0),
     "multinode_zero3": ("deepspeed", 3),
 }
-DS_RECIPE_KEYS = (
-    "train_batch_size",
-    "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
-    "gradient_clipping",
-)
 
 
 def recipe(**train) -> RecipeConfig:
     """A recipe config every shipped launch divides evenly: 16 = 2 x GA x (1, 2 or 4 processes)."""
     return RecipeConfig(train=TrainConfig(**{"global_batch_size": 16, "micro_batch_size": 2, **train}))
-
-
-def write_yaml(tmp_path: Path, content: dict, name: str = "accel.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(content))
-    return path
 
 
 def ds_yaml(tmp_path: Path, ds_json: dict, **extra) -> Path:
@@ -222,6 +204,17 @@ def test_verify_refuses_processes_that_train_alone():
     distributed.verify(stub_accelerator(2, DistributedType.MULTI_CPU), launch)
     distributed.verify(stub_accelerator(2, DistributedType.MULTI_GPU), launch)
     distributed.verify(stub_accelerator(1, DistributedType.NO), Launch("single", 1, 1, on_cpu=False))
+
+
+def test_setup_returns_a_checked_accelerator_with_the_callers_options(tmp_path):
+    single = Launch("single", 1, 1, on_cpu=True)
+    accelerator = distributed.setup(single, TrainConfig(), 4, project_dir=str(tmp_path))
+    assert (accelerator.distributed_type, accelerator.gradient_accumulation_steps) == (DistributedType.NO, 4)
+    assert accelerator.project_dir == str(tmp_path)
+    with pytest.raises(UserError, match="2 processes were launched .* joined 1 \\(NO\\)"):
+        distributed.setup(Launch("ddp", 2, 2, on_cpu=True), TrainConfig(), 4)
+    with pytest.raises(TypeError, match="mixed_precision"):
+        distributed.setup(single, TrainConfig(), 4, mixed_precision="bf16")
 
 
 # --- the launch checker ----------------------------------------------------------------------------------
@@ -426,119 +419,3 @@ def test_check_config_command(tmp_path, monkeypatch, capsys):
         f"ftkit check-config: error: train_batch_size 32 in {tmp_path / 'ds.json'} != 8 "
         f"(train.global_batch_size in {recipe_yaml})"
     )
-
-
-# --- every backend, launched: same losses, gradient norms and weights as one process ---------------------
-
-SCRIPT = REPO / "tests" / "scripts" / "train_tiny.py"
-# Backend -> the accelerate distributed type it must run as here (no GPU).
-BACKENDS = {
-    "ddp": "MULTI_CPU",
-    "fsdp": "FSDP",
-    "zero1": "DEEPSPEED",
-    "zero2": "DEEPSPEED",
-    "zero3": "DEEPSPEED",
-    "zero3_offload": "DEEPSPEED",
-    "native_zero2": "DEEPSPEED",
-}
-# As `accelerate config` writes a DeepSpeed setup: no JSON.
-NATIVE_ZERO2 = {
-    "distributed_type": "DEEPSPEED",
-    "num_processes": 2,
-    "deepspeed_config": {"zero_stage": 2, "offload_optimizer_device": "none", "zero3_init_flag": False},
-}
-
-
-def free_port() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
-
-
-def launch_tiny(
-    config: Path, out: Path, *launcher_args: str, script_args: tuple = (), machines: int = 1
-) -> dict:
-    """Run tests/scripts/train_tiny.py with `accelerate launch` from the repo root, once per machine."""
-    head = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), *launcher_args]
-    tail = [str(SCRIPT), "--out", str(out), *script_args]
-    ranks = [["--machine_rank", str(r), "--main_process_ip", "127.0.0.1"] for r in range(machines)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    if machines == 1:
-        done = run_launched([*head, *tail], env, keep=out, timeout=600)
-        assert done.returncode == 0, f"{config.name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
-        return json.loads((out / "result.json").read_text())
-    procs = [
-        subprocess.Popen(
-            [*head, *rank, *tail],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in ranks
-    ]
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"{config.name} failed:\n{stdout[-2000:]}\n{stderr[-6000:]}"
-    return json.loads((out / "result.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single")
-    result = launch_tiny(REPO / "accelerate_configs/single.yaml", out)
-    assert result["distributed_type"] == "NO" and result["world_size"] == 1
-    return result, torch.load(out / "model.pt")
-
-
-def assert_close(got, expected, what: str) -> None:
-    got, expected = torch.as_tensor(got), torch.as_tensor(expected)
-    scale = expected.abs().max().clamp_min(1e-12)
-    assert ((got - expected).abs().max() / scale).item() < 1e-4, what
-
-
-def assert_same_math(result: dict, out: Path, reference, world: int, per_node: int, ga: int) -> None:
-    """Same global batch, clipping and steps as one process: same losses, gradient norms and final weights."""
-    line = f"| world {world} | {per_node} per node | device cpu | precision no | "
-    assert line + f"global batch 8 = micro 2 x GA {ga} x world {world}" in result["describe"]
-    if result["distributed_type"] == "DEEPSPEED":
-        assert [result["deepspeed"][k] for k in DS_RECIPE_KEYS] == [8, 2, ga, 0.3]
-    ref, ref_weights = reference
-    assert len(result["losses"]) == len(ref["losses"]) == 2
-    assert_close(result["losses"], ref["losses"], "losses")
-    assert_close(result["grad_norms"], ref["grad_norms"], "gradient norms")
-    weights = torch.load(out / "model.pt")
-    assert weights.keys() == ref_weights.keys()
-    for name, tensor in ref_weights.items():
-        assert_close(weights[name], tensor, name)
-
-
-@pytest.mark.multiproc
-@pytest.mark.parametrize("backend", list(BACKENDS))
-def test_every_backend_matches_one_process(backend, reference, tmp_path):
-    config = REPO / "accelerate_configs" / f"{backend}.yaml"
-    if backend == "native_zero2":
-        config = write_yaml(tmp_path, NATIVE_ZERO2)
-    result = launch_tiny(config, tmp_path / "out", "--num_processes", "2", "--main_process_port", free_port())
-    assert (result["distributed_type"], result["world_size"]) == (BACKENDS[backend], 2)
-    assert_same_math(result, tmp_path / "out", reference, world=2, per_node=2, ga=2)
-
-
-@pytest.mark.multiproc
-@pytest.mark.parametrize(
-    ("config", "distributed_type"), [("multinode_ddp", "MULTI_CPU"), ("multinode_zero3", "DEEPSPEED")]
-)
-def test_multinode_configs_match_one_process(config, distributed_type, reference, tmp_path):
-    """Two "machines" on localhost, 2 processes each, started as the YAML's comments tell a user to."""
-    path = REPO / "accelerate_configs" / f"{config}.yaml"
-    result = launch_tiny(path, tmp_path / "out", "--main_process_port", free_port(), machines=2)
-    assert (result["distributed_type"], result["world_size"]) == (distributed_type, 4)
-    assert_same_math(result, tmp_path / "out", reference, world=4, per_node=2, ga=1)
-
-
-@pytest.mark.multiproc
-def test_stock_accelerate_on_cpu_is_caught_by_verify(tmp_path):
-    args = ("--num_processes", "2", "--main_process_port", free_port())
-    result = launch_tiny(REPO / "accelerate_configs/ddp.yaml", tmp_path, *args, script_args=("--stock",))
-    assert "2 processes were launched (ddp, WORLD_SIZE) but accelerate joined 1 (NO)" in result["error"]

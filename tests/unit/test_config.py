@@ -1,12 +1,13 @@
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
+import toolkit
 from toolkit.batches import grad_accum_steps
-from toolkit.config import RecipeConfig, field_docs, flat_dict, load_config
+from toolkit.config import DEMO_CONFIG, RecipeConfig, field_docs, flat_dict, load_config
 from toolkit.errors import UserError
 
-REPO = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((REPO / "recipes" / "configs").rglob("*.yaml"))
 
 
@@ -31,6 +32,12 @@ def test_shipped_configs_include_the_promised_models():
 
 def test_no_config_means_demo():
     assert load_config(None) == load_config(REPO / "recipes" / "configs" / "demo.yaml")
+
+
+def test_the_default_config_is_package_data_identical_to_the_recipes_demo():
+    """Inside the package, so a non-editable install has it; byte for byte the user-facing file."""
+    assert DEMO_CONFIG.is_relative_to(Path(toolkit.__file__).parent)
+    assert DEMO_CONFIG.read_bytes() == (REPO / "recipes" / "configs" / "demo.yaml").read_bytes()
 
 
 def test_overrides_are_typed(tmp_path):

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+from helpers import tiny_llama_config
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from toolkit.flops import ModelShape, flops_per_token, mfu, peak_flops, training_flops_per_token
 from toolkit.metrics import StepSpeed
@@ -15,7 +16,6 @@ CONFIG = dict(
     vocab_size=32,
     hidden_size=8,
     intermediate_size=16,
-    num_hidden_layers=2,
     num_attention_heads=2,
     num_key_value_heads=1,
     max_position_embeddings=16,
@@ -50,13 +50,13 @@ def hand_count(lora_r: int | None) -> int:
 
 
 def test_full_fine_tune_matches_hand_count_and_is_6n_plus_attention():
-    counts = count_parameters(LlamaConfig(**CONFIG), "full", lora_r=2)
+    counts = count_parameters(tiny_llama_config(**CONFIG), "full", lora_r=2)
     assert counts.matmul_trainable == 1408 and counts.matmul_frozen == 0
     assert flops_per_token(counts, SEQ) == hand_count(None) == 6 * 1408 + 12 * 2 * SEQ * 8 == 9216
 
 
 def test_lora_matches_hand_count():
-    counts = count_parameters(LlamaConfig(**CONFIG), "lora", lora_r=2)
+    counts = count_parameters(tiny_llama_config(**CONFIG), "lora", lora_r=2)
     assert (counts.matmul_frozen, counts.matmul_trainable) == (1408, 512)
     assert flops_per_token(counts, SEQ) == hand_count(2) == 9472
 
@@ -70,7 +70,7 @@ def _measured_per_token(model) -> float:
 
 def test_torch_flop_counter_agrees_for_full_fine_tuning():
     torch.manual_seed(0)
-    assert _measured_per_token(LlamaForCausalLM(LlamaConfig(**CONFIG))) == 9216
+    assert _measured_per_token(LlamaForCausalLM(tiny_llama_config(**CONFIG))) == 9216
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # raised inside peft, about transformers
@@ -79,7 +79,7 @@ def test_torch_flop_counter_agrees_for_lora_up_to_the_first_layers_input_gradien
 
     torch.manual_seed(0)
     model = get_peft_model(
-        LlamaForCausalLM(LlamaConfig(**CONFIG)), LoraConfig(r=2, target_modules="all-linear")
+        LlamaForCausalLM(tiny_llama_config(**CONFIG)), LoraConfig(r=2, target_modules="all-linear")
     )
     # Layer 0's q, k and v read the frozen embeddings: autograd skips their input gradient (base and lora_A).
     skipped = 2 * sum(
@@ -124,7 +124,7 @@ def test_mfu():
 def test_shape_of_a_loaded_model_gives_the_counted_flops(method):
     from peft import LoraConfig, get_peft_model
 
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    model = LlamaForCausalLM(tiny_llama_config(**CONFIG))
     if method == "lora":
         model = get_peft_model(model, LoraConfig(r=2, target_modules="all-linear", task_type="CAUSAL_LM"))
     assert ModelShape.of(model).flops_per_token(SEQ) == hand_count(None if method == "full" else 2)

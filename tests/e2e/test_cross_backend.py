@@ -1,7 +1,6 @@
 """Checkpoints outlive their launch: `ftkit export` turns a checkpoint of any backend into the same files the
 run's own final/ export holds, and a run resumes under another world size or backend."""
 
-import json
 import shutil
 
 import pytest
@@ -9,10 +8,8 @@ import torch
 from helpers import REPO, launch, run_recipe, step_losses
 from safetensors.torch import load_file
 
-from toolkit import portable
-from toolkit.checkpoint import CONFIG, MARKER
+from toolkit.checkpoint import CONFIG
 from toolkit.commands import cli
-from toolkit.errors import UserError
 
 # Warmup off, so the steps around the resume move the weights enough for Adam's moments to matter.
 SETTINGS = {
@@ -139,43 +136,3 @@ def test_resume_under_another_world_size_or_backend_continues_the_run(case, trai
     else:
         gap = abs(resumed[after] - straight[after])
         assert 1e-5 * straight[after] < gap < straight[RESUME_AT] - straight[after]
-
-
-def marker(backend: str, world_size: int, zero_stage: int = 0) -> dict:
-    return {"backend": backend, "world_size": world_size, "zero_stage": zero_stage}
-
-
-@pytest.mark.parametrize(
-    "saved, now, plan",
-    [
-        (marker("MULTI_CPU", 2), marker("NO", 1), "exact"),
-        (marker("NO", 1), marker("MULTI_GPU", 4), "exact"),
-        (marker("FSDP", 2), marker("FSDP", 2), "exact"),
-        (marker("FSDP", 2), marker("FSDP", 4), "weights"),
-        (marker("DEEPSPEED", 2, 2), marker("DEEPSPEED", 2, 2), "exact"),
-        (marker("DEEPSPEED", 2, 2), marker("DEEPSPEED", 2, 3), "weights"),
-        (marker("DEEPSPEED", 2, 2), marker("MULTI_CPU", 2), "weights"),
-        (marker("MULTI_GPU", 2), marker("DEEPSPEED", 2, 3), "weights"),
-        ({"backend": "DEEPSPEED", "world_size": 2}, marker("DEEPSPEED", 2, 2), "weights"),
-        ({"backend": "FSDP", "world_size": 2}, marker("FSDP", 2), "exact"),
-    ],
-)
-def test_resume_plan_loads_exactly_only_what_accelerate_can_load(saved, now, plan):
-    assert portable.resume_plan(saved, now) == plan
-
-
-def test_export_refuses_an_incomplete_checkpoint_and_an_unknown_layout(tmp_path, capsys):
-    partial = tmp_path / "checkpoints" / ".step-3.tmp"
-    partial.mkdir(parents=True)
-    assert cli.main(["export", str(partial), "--out", str(tmp_path / "out")]) == 2
-    assert f"not a complete checkpoint (no {MARKER})" in capsys.readouterr().err
-
-    odd = tmp_path / "checkpoints" / "step-3"
-    odd.mkdir()
-    (odd / MARKER).write_text(json.dumps({"step": 3, **marker("NO", 1)}))
-    (odd / "weights.pt").write_bytes(b"")
-    with pytest.raises(UserError, match="unknown checkpoint layout"):
-        portable.read_weights(odd)
-    assert cli.main(["export", str(odd), "--out", str(tmp_path / "out")]) == 2
-    assert "unknown checkpoint layout" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()

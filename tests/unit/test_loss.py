@@ -4,7 +4,8 @@ label token in the global batch, however it is split into micro-batches."""
 import pytest
 import torch
 from accelerate import Accelerator
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import tiny_llama_config
+from transformers import LlamaForCausalLM
 
 from toolkit.loss import IGNORE, backward_scale, count_targets, summed_token_loss
 
@@ -23,7 +24,7 @@ def variable_length_batch(seed=0, length=12, vocab=64):
 
 def tiny_model():
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = tiny_llama_config(
         vocab_size=64,
         hidden_size=16,
         intermediate_size=32,

@@ -5,7 +5,8 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import REPO, tiny_llama_config
+from transformers import LlamaForCausalLM
 
 from toolkit.commands import cli
 from toolkit.errors import UserError
@@ -14,20 +15,16 @@ from toolkit.plan.counts import count_parameters, load_model_config
 from toolkit.plan.estimate import CostRequest, PlanRequest, estimate_cost, make_plan, measured_tokens_per_s
 from toolkit.plan.memory import FP32, model_state_bytes
 
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+
+@pytest.fixture(autouse=True)
+def at_the_checkout_root(monkeypatch):
+    """The launch line names recipes/configs/ files, looked up where the line is run: a checkout's root."""
+    monkeypatch.chdir(REPO)
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_counts_equal_the_real_model(tied):
-    config = LlamaConfig(**SMALL, tie_word_embeddings=tied)
+    config = tiny_llama_config(tie_word_embeddings=tied)
     torch.manual_seed(0)
     real = LlamaForCausalLM(config)
     counts = count_parameters(config, "full", lora_r=4)
@@ -41,7 +38,7 @@ def test_counts_equal_the_real_model(tied):
 def test_lora_trainable_count_equals_peft_on_a_real_model():
     from peft import LoraConfig, get_peft_model
 
-    config = LlamaConfig(**SMALL)
+    config = tiny_llama_config()
     real = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules="all-linear"))
     counts = count_parameters(config, "lora", lora_r=4)
     assert (counts.trainable, counts.total) == real.get_nb_trainable_parameters()
@@ -57,7 +54,7 @@ def test_built_in_table_matches_published_parameter_counts():
 
 def _counts(method: str, trainable: int, frozen: int, quantizable: int = 0):
     """Real counts of the small model with round numbers swapped in, so the arithmetic reads plainly."""
-    counts = count_parameters(LlamaConfig(**SMALL), "full", 4)
+    counts = count_parameters(tiny_llama_config(), "full", 4)
     return dataclasses.replace(
         counts,
         method=method,
@@ -117,13 +114,13 @@ def test_single_process_states_equal_the_tensors_allocated(method):
     """One real AdamW step on CPU: every parameter, gradient and optimizer-state byte, counted."""
     from peft import LoraConfig, get_peft_model
 
-    config = LlamaConfig(**SMALL)
+    config = tiny_llama_config()
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     if method == "lora":
         model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    tokens = torch.randint(0, SMALL["vocab_size"], (2, 16))
+    tokens = torch.randint(0, config.vocab_size, (2, 16))
     model(input_ids=tokens, labels=tokens).loss.backward()
     optimizer.step()
     tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
@@ -164,7 +161,7 @@ def test_full_llama3_8b_on_two_4090s_needs_offload_or_does_not_fit():
 
 
 def test_json_output_parses(capsys, tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **SMALL}))
+    tiny_llama_config().to_json_file(tmp_path / "config.json")
     code = cli.main(
         [
             "plan",

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from helpers import REPO
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -19,6 +20,8 @@ from toolkit import data
 from toolkit.config import DataConfig
 from toolkit.data.formats import detect_format
 from toolkit.errors import UserError
+
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 IGNORE = -100
 SPECIALS = [
@@ -90,11 +93,6 @@ def make_tokenizer(bpe: Tokenizer, template: str | None = CHATML) -> PreTrainedT
 @pytest.fixture
 def tokenizer(bpe) -> PreTrainedTokenizerFast:
     return make_tokenizer(bpe)
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
 
 
 def write_jsonl(path: Path, records: list[dict]) -> str:
@@ -477,7 +475,7 @@ def test_bad_weights_and_empty_source_lists_are_errors(tmp_path, tokenizer):
 
 # The embedded assets, once built ----------------------------------------------------------------------
 
-ASSETS = Path(__file__).resolve().parent.parent / "toolkit" / "assets"
+ASSETS = REPO / "toolkit" / "assets"
 
 
 @pytest.mark.skipif(

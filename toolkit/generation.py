@@ -1,0 +1,53 @@
+"""Greedy generation from token ids: prompts from chat text or from a tokenized row, answers, exact match."""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.data.encode import IGNORE
+
+
+def chat_prompt_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of a one-turn user prompt ready for the assistant's answer."""
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def split_prompt(row: dict) -> tuple[list[int], list[int]] | None:
+    """(prompt ids, reference answer ids) from a tokenized row: the first trained span is the answer."""
+    labels = row["labels"]
+    start = next((i for i, label in enumerate(labels) if label != IGNORE), None)
+    if not start:
+        return None
+    end = next((i for i in range(start, len(labels)) if labels[i] == IGNORE), len(labels))
+    return row["input_ids"][:start], row["input_ids"][start:end]
+
+
+@torch.no_grad()
+def greedy_answer(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, synced: bool) -> str:
+    """Collective when `synced`: every rank must call it with the same prompt (sharded weights)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        synced_gpus=synced,
+    )
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+def exact_match(model, tokenizer, dataset, samples: int, max_new_tokens: int, synced: bool) -> float:
+    """Share of the first `samples` answerable rows whose greedy answer equals the reference."""
+    pairs = [p for p in (split_prompt(dataset[i]) for i in range(min(samples, len(dataset)))) if p]
+    hits = sum(
+        greedy_answer(model, tokenizer, prompt, max_new_tokens, synced)
+        == tokenizer.decode(reference, skip_special_tokens=True).strip()
+        for prompt, reference in pairs
+    )
+    return hits / max(len(pairs), 1)
