@@ -32,11 +32,12 @@ from toolkit import (
     loss,
     metrics,
     optim,
+    rundir,
     speed,
 )
 from toolkit import model as models
 from toolkit.config import flat_dict, load_config
-from toolkit.errors import UserError
+from toolkit.errors import UserError, run_main
 from toolkit.nonfinite import NonFiniteGuard
 from toolkit.preemption import PREEMPTED_EXIT_CODE, StopRequest
 from toolkit.resume import Resume
@@ -45,6 +46,9 @@ DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"
 
 
 def main(argv: list[str]) -> int:
+    # First: a stop while loading or evaluating exits cleanly, and a launcher stopping the other ranks after
+    # one failed leaves the main process time to say why.
+    stop = StopRequest()
     args = parse_args(argv)
     cfg = load_config(args.config or DEMO_CONFIG, args.overrides)
     output_dir = Path(cfg.output_dir)
@@ -71,8 +75,9 @@ def main(argv: list[str]) -> int:
     ]:
         accelerator.print(line)
     set_seed(cfg.seed)
+    run_lock = rundir.claim(accelerator, output_dir)  # held until the process ends, however it ends
     resume = Resume.find(output_dir, cfg, say=accelerator.print)
-    checkpoint.prepare_output_dir(accelerator, output_dir, cfg, fresh=resume.new_run)
+    rundir.prepare_output_dir(accelerator, output_dir, cfg, fresh=resume.new_run)
     if cfg.log.trackers:
         accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg))
 
@@ -119,8 +124,11 @@ def main(argv: list[str]) -> int:
     )
     evaluator = evaluate.Evaluator(accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, log)
     start_step, tokens_seen = resume.after_prepare(accelerator, log)
-    if resume.checkpoint is None:
+    if resume.checkpoint is None and not stop.agreed(accelerator):
         evaluator.report(0, "before")
+    if stop.agreed(accelerator):  # stopped while loading or evaluating: nothing new to save
+        accelerator.print(f"stopped by {stop.signal_name or 'another rank'} before step {start_step + 1}")
+        return PREEMPTED_EXIT_CODE
 
     # The loop: one iteration per optimizer step, `grad_accum` micro-batches each.
     stream = batches.StepStream(train_loader, sampler, grad_accum, start_step, accelerator.skip_first_batches)
@@ -128,7 +136,6 @@ def main(argv: list[str]) -> int:
     guard = NonFiniteGuard(
         cfg.train.nonfinite, cfg.train.nonfinite_patience, can_skip=launch.backend != "deepspeed"
     )
-    stop = StopRequest()
     progress = tqdm(
         initial=start_step, total=cfg.train.max_steps, disable=not accelerator.is_main_process, desc="train"
     )
@@ -219,6 +226,7 @@ def main(argv: list[str]) -> int:
         f"saved: {final_dir.resolve()}  (try: ftkit generate --model {final_dir} --prompt '...')"
     )
     accelerator.end_training()
+    run_lock.release()
     return 0
 
 
@@ -231,11 +239,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 if __name__ == "__main__":
     console.quiet_third_party()
-    error = ""
     try:
-        exit_code = main(sys.argv[1:])
-    except UserError as exc:
-        exit_code, error = 2, str(exc)
+        exit_code = run_main(main, sys.argv[1:], "finetune_llm")
     finally:
         distributed.close()  # also after a preemption stop or an error, so the exit code gets out
-    sys.exit(console.finish("finetune_llm", exit_code, error))
+    sys.exit(exit_code)

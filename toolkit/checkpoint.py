@@ -9,14 +9,14 @@ import time
 from pathlib import Path
 
 from accelerate.utils import DistributedType
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from toolkit.config import RecipeConfig, save_config
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
+from toolkit.rundir import CONFIG
 
 MARKER = "ftkit_checkpoint.json"
-CONFIG = "config.yaml"
 
 
 def checkpoint_dir(output_dir: Path) -> Path:
@@ -73,27 +73,6 @@ def newest_intact(output_dir: Path, say) -> Path | None:
     return None
 
 
-def holds_a_run(output_dir: Path) -> bool:
-    return output_dir.is_dir() and any(output_dir.iterdir())
-
-
-def clear_output_dir(output_dir: Path) -> None:
-    """Empty output_dir before a fresh run (only reached when resume.Resume.find allowed it)."""
-    if output_dir.is_dir():
-        for child in output_dir.iterdir():
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
-
-
-def prepare_output_dir(accelerator, output_dir: Path, cfg: RecipeConfig, fresh: bool) -> None:
-    """A fresh run starts in an empty output_dir (cleared if allowed) with its config saved."""
-    accelerator.wait_for_everyone()  # every rank has looked at output_dir before it changes
-    if fresh and accelerator.is_main_process:
-        clear_output_dir(output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, output_dir / "config.yaml")
-    accelerator.wait_for_everyone()
-
-
 class SaveSchedule:
     """Checkpoint every N steps and/or every M minutes (a rank's clock only proposes; ranks agree)."""
 
@@ -138,12 +117,13 @@ def save_checkpoint(
 
 
 def prune_checkpoints(output_dir: Path, keep_last: int, keep_best: bool) -> list[Path]:
-    """Delete all but the `keep_last` newest complete checkpoints (and the best by eval loss); main only."""
+    """Delete all but the `keep_last` newest complete checkpoints (and the best by eval loss); main only.
+    The newest is always kept, whatever `keep_last` says."""
     done = sorted(
         (p for p in checkpoint_dir(output_dir).glob("step-*") if is_complete(p)),
         key=lambda p: int(p.name[5:]),
     )
-    keep = set(done[-keep_last:]) if keep_last else set(done)
+    keep = set(done[-keep_last:]) if keep_last > 0 else set(done)
     scored = [(json.loads((p / MARKER).read_text()).get("eval_loss"), p) for p in done]
     scored = [(loss, p) for loss, p in scored if loss is not None]
     if keep_best and scored:
@@ -159,7 +139,17 @@ def _attempt(action) -> str:
         action()
     except OSError as exc:
         return f"{exc.strerror or exc} ({exc.filename or ''})".replace(" ()", "")
+    except (RuntimeError, SafetensorError) as exc:
+        # safetensors and torch.save report a full disk or a closed file as these, not as OSError.
+        if not _is_write_failure(exc):
+            raise
+        return str(exc).splitlines()[0]
     return ""
+
+
+def _is_write_failure(exc: Exception) -> bool:
+    text = str(exc).lower()
+    return any(word in text for word in ("no space", "basic_ios", "write", "permission", "i/o error"))
 
 
 def _finalize(tmp: Path, final: Path, marker: dict, config: RecipeConfig | None) -> None:

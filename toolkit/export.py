@@ -9,30 +9,43 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from toolkit.distributed import any_rank
+from toolkit.errors import UserError
 from toolkit.model import DTYPES
 
 ADAPTER_CONFIG = "adapter_config.json"
 
 
 def export_model(accelerator, model, tokenizer, out_dir: Path, dtype: str) -> None:
-    """Collective: gathers the full state dict (sharded backends included) and writes it on the main rank."""
+    """Collective: gathers the full state dict (sharded backends included) and writes it on the main rank.
+    A failed write (disk full, permissions) leaves no partial files and raises UserError on every rank."""
     state_dict = accelerator.get_state_dict(model)
+    error = ""
     if accelerator.is_main_process:
         if dtype != "auto":
             state_dict = {
                 k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in state_dict.items()
             }
         tmp = out_dir.with_name(out_dir.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(str(tmp), state_dict=state_dict)
-        tokenizer.save_pretrained(str(tmp))
-        verify_export(tmp)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.rename(out_dir)
-    accelerator.wait_for_everyone()
+        try:
+            _write_export(accelerator.unwrap_model(model), state_dict, tokenizer, tmp, out_dir)
+        except (OSError, SafetensorError) as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = f"{out_dir}: model not exported: {getattr(exc, 'strerror', None) or exc}"
+    if any_rank(accelerator, bool(error))[0]:
+        raise UserError(error or f"{out_dir}: model not exported (failed on the main process)")
+
+
+def _write_export(model, state_dict: dict, tokenizer, tmp: Path, out_dir: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), state_dict=state_dict)
+    tokenizer.save_pretrained(str(tmp))
+    verify_export(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
 
 
 def verify_export(path: Path, trust_remote_code: bool = False) -> int:

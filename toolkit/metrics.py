@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import resource
 import time
 from pathlib import Path
@@ -25,8 +27,7 @@ class MetricsLog:
     def write(self, step: int, **values) -> dict:
         record = {"step": step, **{k: _plain(v) for k, v in values.items()}, "time": round(time.time(), 3)}
         if self.enabled:
-            with self.path.open("a") as handle:
-                handle.write(json.dumps(record) + "\n")
+            _append_line(self.path, json.dumps(record) + "\n")
             if self._tracker_log is not None:
                 self._tracker_log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
         return record
@@ -58,6 +59,18 @@ class StepSpeed:
         if utilisation is not None:
             values["mfu"] = utilisation
         return values
+
+
+def _append_line(path: Path, line: str) -> None:
+    """Append a whole line or nothing: a failed write (disk full, permissions) is cut back off."""
+    size = path.stat().st_size if path.exists() else 0
+    try:
+        with path.open("a") as handle:
+            handle.write(line)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.truncate(path, size)
+        raise UserError(f"{path}: metrics line not written: {exc.strerror or exc}") from None
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from accelerate.utils.other import load as accelerate_load
 
-from toolkit import checkpoint, metrics, optim, portable
+from toolkit import checkpoint, metrics, optim, portable, rundir
 from toolkit.config import to_dict
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
@@ -126,11 +126,8 @@ def _choose(output_dir: Path, resume: str, overwrite: bool, say) -> tuple[Path |
     if resume not in ("auto", "never"):
         return _explicit(Path(resume), output_dir, say)
     latest = checkpoint.newest_intact(output_dir, say) if resume == "auto" and not overwrite else None
-    if latest is None and checkpoint.holds_a_run(output_dir) and not overwrite:
-        raise UserError(
-            f"output_dir: {output_dir} holds another run; set train.overwrite=true to replace it"
-            + (" or train.resume=auto to continue it" if resume == "never" else "")
-        )
+    if latest is None:
+        rundir.check_fresh_start(output_dir, overwrite, resume)
     return latest, latest is None
 
 
@@ -140,8 +137,8 @@ def _explicit(path: Path, output_dir: Path, say) -> tuple[Path, bool]:
     reason = checkpoint.damage(path)
     if reason:
         raise UserError(f"train.resume: {path} cannot be loaded: {reason}")
-    if path.resolve().parent.parent == output_dir.resolve() or not checkpoint.holds_a_run(output_dir):
-        return path, not checkpoint.holds_a_run(output_dir)
+    if path.resolve().parent.parent == output_dir.resolve() or not rundir.holds_results(output_dir):
+        return path, not rundir.holds_results(output_dir)
     same_model = _identity(_saved_config(path)) == _identity(_run_config(output_dir))
     if _run_config(output_dir) is None or not same_model:
         raise UserError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.errors import UserError
@@ -17,16 +18,24 @@ def load_for_generation(path: Path, trust_remote_code: bool = False):
     shipped with the model runs only with `trust_remote_code` (the command line's)."""
     if not path.is_dir():
         raise UserError(f"--model: {path} is not a directory")
+    if not (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file():
+        raise UserError(f"--model: {path} holds no model ({ADAPTER_CONFIG} or config.json)")
     try:
-        if (path / ADAPTER_CONFIG).is_file():
-            from peft import AutoPeftModelForCausalLM
+        return _load(path, trust_remote_code)
+    except (OSError, ValueError, SafetensorError) as exc:
+        if isinstance(exc, ValueError) and "trust_remote_code" in str(exc):
+            raise UserError(f"--model: {path}: {remote_code_refusal(exc)}") from None
+        raise UserError(f"--model: cannot load {path}: {str(exc).splitlines()[0]}") from None
 
-            model = AutoPeftModelForCausalLM.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    except ValueError as exc:
-        raise UserError(f"--model: {path}: {remote_code_refusal(exc)}") from None
+
+def _load(path: Path, trust_remote_code: bool):
+    if (path / ADAPTER_CONFIG).is_file():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     return model.eval(), with_pad_token(tokenizer)
 
 
