@@ -98,7 +98,7 @@ class DataConfig:
     """Split to read from hub datasets."""
     num_workers: NonNegativeInt = 0
     """DataLoader worker processes."""
-    num_proc: int = 0
+    num_proc: NonNegativeInt = 0
     """Processes encoding the data (0: the cores this process may use, at most 8); same rows either way."""
     packing: bool = False
     """Pack examples into rows of max_length tokens (no attention across examples); batch sizes count rows."""
