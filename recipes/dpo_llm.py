@@ -23,13 +23,14 @@ from tqdm.auto import tqdm
 from toolkit import (
     batches,
     checkpoint,
+    console,
     distributed,
     flops,
     launch_check,
     loss,
     metrics,
     optim,
-    portable,
+    rundir,
     speed,
     steps,
 )
@@ -37,16 +38,18 @@ from toolkit import model as models
 from toolkit.config import flat_dict
 from toolkit.data import model_inputs
 from toolkit.data.loader import train_loader
-from toolkit.errors import UserError
+from toolkit.errors import run_main
 from toolkit.nonfinite import NonFiniteGuard
-from toolkit.preemption import StopRequest
+from toolkit.preemption import PREEMPTED_EXIT_CODE, StopRequest
 from toolkit.preference import config as pref
 from toolkit.preference import data as pairs
 from toolkit.preference import evaluate, reference
 from toolkit.preference import loss as pref_loss
+from toolkit.resume import Resume
 
 
 def main(argv: list[str]) -> int:
+    stop = StopRequest()  # first, so a stop while loading or evaluating exits cleanly
     args = parse_args(argv)
     cfg = pref.load_preference_config(args.config, args.overrides)
     output_dir = Path(cfg.output_dir)
@@ -70,8 +73,9 @@ def main(argv: list[str]) -> int:
     for line in [summary, *notes, *features.notes]:
         accelerator.print(line)
     set_seed(cfg.seed)
-    resume_from = checkpoint.resolve_resume(output_dir, cfg.train.resume, cfg.train.overwrite)
-    checkpoint.prepare_output_dir(accelerator, output_dir, cfg, fresh=resume_from is None)
+    run_lock = rundir.claim(accelerator, output_dir)  # held until the process ends, however it ends
+    resume = Resume.find(output_dir, cfg, say=accelerator.print)
+    rundir.prepare_output_dir(accelerator, output_dir, cfg, fresh=resume.new_run)
     if cfg.log.trackers:
         accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg))
 
@@ -96,11 +100,7 @@ def main(argv: list[str]) -> int:
     meter = metrics.StepSpeed(flops.ModelShape.of(model), accelerator.device, accelerator.num_processes)
     optimizer = optim.build_optimizer(model, cfg.train, accelerator.num_processes, features.fused_adamw)
     scheduler = optim.build_scheduler(optimizer, cfg.train)
-    marker = checkpoint.read_marker(resume_from) if resume_from is not None else None
-    layout = checkpoint.layout(accelerator)
-    exact = marker is not None and portable.resume_plan(marker, layout) == "exact"
-    if marker is not None and not exact:
-        accelerator.print(portable.restore_portable(resume_from, model, optimizer, scheduler, layout))
+    resume.before_prepare(model, optimizer, scheduler, accelerator)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     # The reference: adapter off, a separate frozen model, or log-probs computed before the policy moves.
@@ -111,26 +111,22 @@ def main(argv: list[str]) -> int:
         features,
         {"train": train_set, "eval": eval_set},
         collate,
-        fresh=marker is None,
+        fresh=resume.checkpoint is None,
     )
 
     # Where to start: a checkpoint, or a fresh run whose starting point is measured first.
-    start_step, tokens_seen = 0, 0
     log = metrics.MetricsLog(
         output_dir / "metrics.jsonl",
         accelerator.is_main_process,
         accelerator.log if cfg.log.trackers else None,
     )
     evaluator = evaluate.PairEvaluator(accelerator, model, tokenizer, eval_set, collate, cfg, ref, log)
-    if marker is not None:
-        if exact:
-            checkpoint.load_checkpoint(accelerator, resume_from)
-        start_step, tokens_seen = marker["step"], marker["tokens_seen"]
-        if accelerator.is_main_process:
-            metrics.truncate_after(log.path, start_step)
-        accelerator.print(f"resumed from {resume_from} at step {start_step}")
-    else:
+    start_step, tokens_seen = resume.after_prepare(accelerator, log)
+    if resume.checkpoint is None and not stop.agreed(accelerator):
         evaluator.report(0, "before")
+    if stop.agreed(accelerator):  # stopped while loading or evaluating: nothing new to save
+        accelerator.print(f"stopped by {stop.signal_name or 'another rank'} before step {start_step + 1}")
+        return PREEMPTED_EXIT_CODE
 
     # The loop: one iteration per optimizer step, `grad_accum` micro-batches of pairs each.
     stream = batches.StepStream(loader, sampler, grad_accum, start_step, accelerator.skip_first_batches)
@@ -138,7 +134,6 @@ def main(argv: list[str]) -> int:
     guard = NonFiniteGuard(
         cfg.train.nonfinite, cfg.train.nonfinite_patience, can_skip=launch.backend != "deepspeed"
     )
-    stop = StopRequest()
     progress = tqdm(
         initial=start_step, total=cfg.train.max_steps, disable=not accelerator.is_main_process, desc="dpo"
     )
@@ -210,6 +205,7 @@ def main(argv: list[str]) -> int:
     evaluator.report(cfg.train.max_steps, "after")
     steps.export_final(accelerator, model, tokenizer, cfg, output_dir)
     accelerator.end_training()
+    run_lock.release()
     return 0
 
 
@@ -221,11 +217,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
+    console.quiet_third_party()
     try:
-        exit_code = main(sys.argv[1:])
-    except UserError as exc:
-        print(f"dpo_llm: error: {exc}", file=sys.stderr)
-        exit_code = 2
+        exit_code = run_main(main, sys.argv[1:], "dpo_llm")
     finally:
-        distributed.close()
+        distributed.close()  # also after a preemption stop or an error, so the exit code gets out
     sys.exit(exit_code)

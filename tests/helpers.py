@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -49,6 +50,25 @@ def recipe_command(
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     return [*head, str(RECIPE), *args], env
+
+
+def run_ftkit_train(
+    output_dir: Path, backend: str, *overrides: str, processes: int = 2
+) -> subprocess.CompletedProcess:
+    """`ftkit train --backend <backend>` on `processes` gloo processes, with the quick settings."""
+    _, env = recipe_command(output_dir)
+    command = [sys.executable, "-m", "toolkit.commands.cli", "train", "--backend", backend]
+    command += ["--gpus", str(processes), f"output_dir={output_dir}", *QUICK, *overrides]
+    result = run_launched([*command, "--", "--main_process_port", str(free_port())], env, keep=output_dir)
+    if result.returncode != 0:
+        raise AssertionError(f"ftkit train failed ({result.returncode}):\n{result.stderr[-6000:]}")
+    return result
+
+
+def console_lines(result: subprocess.CompletedProcess) -> list[str]:
+    """What the user saw, one entry per line or progress-bar redraw."""
+    text = result.stdout + "\n" + result.stderr
+    return [line.strip() for line in re.split(r"[\r\n]", text) if line.strip()]
 
 
 def run_recipe(
@@ -143,3 +163,13 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
         max_position_embeddings=64,
     )
     return LlamaConfig(**{**shape, **overrides})
+
+
+def load_recipe(name: str = "finetune_llm"):
+    """A recipe script as a module, so a test can call its `main` in this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -155,7 +155,7 @@ def accelerator_kwargs(launch: Launch, train: TrainConfig, grad_accum_steps: int
         # Without cpu=True, accelerate finds no GPU and gives each launched process a world of its own.
         kwargs["cpu"] = True
     if launch.on_cpu and launch.backend == "fsdp":
-        kwargs["fsdp_plugin"] = _cpu_fsdp_plugin()
+        kwargs["fsdp_plugin"] = _cpu_fsdp_plugin(launch.fsdp_version)
     # A stalled rank fails the collective after this long instead of hanging the job forever.
     group = {"timeout": timedelta(minutes=train.collective_timeout_minutes)}
     if launch.backend == "deepspeed":
@@ -210,11 +210,13 @@ def deepspeed_plugin(train: TrainConfig, grad_accum_steps: int):
     return plugin
 
 
-def _cpu_fsdp_plugin():
-    """FSDP settings from the launch, minus the two that need a GPU to move meta weights onto."""
+def _cpu_fsdp_plugin(version: int):
+    """FSDP settings from the launch, minus the two that need a GPU to move meta weights onto (FSDP2 has
+    no sync_module_states, and accelerate warns when it is given)."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    return FullyShardedDataParallelPlugin(sync_module_states=False, cpu_ram_efficient_loading=False)
+    sync = {"sync_module_states": False} if version == 1 else {}
+    return FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=False, **sync)
 
 
 def _finish_setup(accelerator, launch: Launch) -> None:
@@ -225,7 +227,7 @@ def _finish_setup(accelerator, launch: Launch) -> None:
         and accelerator.distributed_type == DistributedType.MULTI_CPU
     ):
         state = accelerator.state
-        plugin = _cpu_fsdp_plugin()
+        plugin = _cpu_fsdp_plugin(launch.fsdp_version)
         if state.mixed_precision != "no":
             plugin.set_mixed_precision(state.mixed_precision)
         state.fsdp_plugin = plugin

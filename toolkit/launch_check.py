@@ -6,16 +6,14 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 
 from toolkit.batches import grad_accum_steps
-from toolkit.config import RecipeConfig, TrainConfig
+from toolkit.config import RecipeConfig, TrainConfig, read_yaml_mapping
 from toolkit.distributed import (
     DS_SETTINGS_ENV,
     Launch,
@@ -25,12 +23,12 @@ from toolkit.distributed import (
     refuse_unsupported,
 )
 from toolkit.errors import UserError
+from toolkit.hardware import GEFORCE_40
 
 # What each accelerate distributed_type starts, in ftkit's words. Others are refused: MULTI_CPU starts one
 # process, and the rest are other hardware or Megatron-LM.
 BACKEND_OF_TYPE = {"NO": "single", "MULTI_GPU": "ddp", "FSDP": "fsdp", "DEEPSPEED": "deepspeed"}
 NCCL_P2P_VARS = ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE")
-GEFORCE_40 = re.compile(r"GeForce RTX 40\d\d", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -63,7 +61,7 @@ def probe_machine() -> Machine:
 
 def launch_from_yaml(path: Path, gpu_count: int, num_processes: int | None = None) -> Launch:
     """What `accelerate launch --config_file path [--num_processes N]` starts where `gpu_count` GPUs exist."""
-    raw = _read_yaml(path)
+    raw = read_yaml_mapping(path, "accelerate config")
     dtype = raw.get("distributed_type")
     if dtype is False:
         raise UserError(f"{path}: distributed_type must be quoted as 'NO' (YAML reads a bare NO as false)")
@@ -93,18 +91,6 @@ def launch_from_yaml(path: Path, gpu_count: int, num_processes: int | None = Non
             "fsdp", fsdp_version=int((raw.get("fsdp_config") or {}).get("fsdp_version", 1)), **common
         )
     return Launch(backend, **common)
-
-
-def _read_yaml(path: Path) -> dict:
-    if not path.is_file():
-        raise UserError(f"{path}: accelerate config not found")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise UserError(f"{path}: not valid YAML ({exc})") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: the top level must be a mapping of keys")
-    return raw
 
 
 def _refuse_ignored_offload(raw: dict, backend: str, path: Path) -> None:

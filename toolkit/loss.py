@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE = -100
+from toolkit.data.encode import IGNORE
 
 
 def count_targets(labels: torch.Tensor) -> int:

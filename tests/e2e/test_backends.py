@@ -1,15 +1,26 @@
 """Every shipped accelerate config runs the real recipe on 2 gloo CPU processes — LoRA, full fine-tune, and
 LoRA on packed rows — and checkpoints, exports, and gives the same per-step loss and final weights as one
-process."""
+process. The LoRA runs go through `ftkit train`, whose console must hold only the lines a user needs."""
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, free_port, launch, run_launched, run_recipe, start_recipe, step_losses
+from helpers import (
+    REPO,
+    console_lines,
+    free_port,
+    launch,
+    run_ftkit_train,
+    run_launched,
+    run_recipe,
+    start_recipe,
+    step_losses,
+)
 from safetensors.torch import load_file
 
 from toolkit.checkpoint import MARKER
@@ -27,6 +38,30 @@ BACKENDS = {  # config -> what the start-up line must report
     "zero3_offload": "backend deepspeed ZeRO-3 + offload",
 }
 STEPS = 10
+# Every line `ftkit train` may show on a healthy run; third-party noise that gets through fails the test.
+EXPECTED_CONSOLE = re.compile(
+    "|".join(
+        (
+            r"accelerate launch --config_file \S+ --num_processes \d .*recipes/finetune_llm\.py ",
+            r"backend [\w +-]+ \(\w+\) \| world \d \| \d per node \| device cpu \| precision no \| global",
+            r"data: \d+ train examples \(",
+            r"model: \S+ \((lora|full)\), [\d,]+ of [\d,]+ parameters trained$",
+            r"\[(before|after)\] (eval_loss=\S+  eval_ppl=\S+  eval_tokens=\d+$|sample: ')",
+            r"(train|Loading weights): +\d+%\|.*\| \d+/\d+ \[",  # progress bars, main process only
+            r"saved: \S+  \(try: ftkit generate --model ",
+        )
+    )
+)
+
+
+def assert_clean_console(result) -> None:
+    lines = console_lines(result)
+    unexpected = [line for line in lines if not EXPECTED_CONSOLE.match(line)]
+    assert not unexpected, unexpected[:20]
+    ours = [line for line in lines if "%|" not in line]
+    assert len(ours) == len(set(ours)), "a line was printed more than once (once per rank?)"
+
+
 LEARNING_RATE = {"lora": "1e-3", "full": "1e-4"}
 
 
@@ -51,7 +86,10 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module", params=["lora", "full", "lora-packed"])
 def single(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"single-{request.param}") / "run"
-    run_recipe(out, *settings(request.param), launch=launch("single", 1))
+    if request.param == "lora":
+        assert_clean_console(run_ftkit_train(out, "single", *settings(request.param), processes=1))
+    else:
+        run_recipe(out, *settings(request.param), launch=launch("single", 1))
     return request.param, out
 
 
@@ -59,7 +97,11 @@ def single(request, tmp_path_factory):
 def test_backend_trains_saves_exports_like_one_process(config, single, tmp_path):
     variant, reference = single
     out = tmp_path / "run"
-    result = run_recipe(out, *settings(variant), launch=launch(config))
+    if variant == "lora":
+        result = run_ftkit_train(out, config, *settings(variant))
+        assert_clean_console(result)
+    else:
+        result = run_recipe(out, *settings(variant), launch=launch(config))
     assert BACKENDS[config] in result.stdout and "| world 2 | 2 per node |" in result.stdout
 
     assert len(step_losses(out)) == STEPS

@@ -4,6 +4,7 @@ and ipo, CPOTrainer (loss_type simpo, cpo_alpha 0) and ORPOTrainer .get_batch_lo
 reference-free losses; its logged rewards are compared pair by pair (batches of one pair)."""
 
 import copy
+import json
 import os
 from pathlib import Path
 
@@ -12,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from toolkit.data.sources import Source
+from toolkit.config import DataConfig
 from toolkit.loss import IGNORE
 from toolkit.preference.config import DpoConfig
-from toolkit.preference.data import PairCollator, encode_pairs
+from toolkit.preference.data import PairCollator, build_pairs
 from toolkit.preference.loss import pair_terms, sequence_logps
 
 trl = pytest.importorskip("trl")
@@ -32,7 +33,7 @@ PAIRS = [
 
 
 @pytest.fixture
-def setup():
+def setup(tmp_path):
     """Fresh models per test: a TRL trainer patches the models it is given."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tokenizer = AutoTokenizer.from_pretrained(TINY)
@@ -51,8 +52,10 @@ def setup():
     with torch.no_grad():  # policy and reference must differ for the log-ratios to mean anything
         for p in reference.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    encoded = encode_pairs(Source("pairs", PAIRS, "pairs"), tokenizer, 64, 32)
-    rows = [dict(zip(encoded.columns, values)) for values in zip(*encoded.columns.values())]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(pair) + "\n" for pair in PAIRS))
+    train, _, _ = build_pairs(DataConfig(train=str(path), eval_fraction=0), tokenizer, 32, seed=0)
+    rows = [train[i] for i in range(len(train))]
     return tokenizer, policy, reference, rows
 
 

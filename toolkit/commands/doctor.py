@@ -17,9 +17,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
+from toolkit.config import read_yaml_mapping
+from toolkit.errors import UserError
+from toolkit.hardware import GEFORCE_40, GIB
 
-GIB = 1 << 30
 PACKAGES = (
     "torch",
     "accelerate",
@@ -38,8 +39,6 @@ OPTIONAL = {
 MIN_CORES_PER_GPU, GOOD_CORES_PER_GPU = 2, 4
 MIN_RAM_PER_GPU = 16 * GIB
 MIN_DISK, GOOD_DISK = 5 * GIB, 50 * GIB
-# GeForce RTX 40xx cards cannot do peer-to-peer transfers; NCCL must be told not to try.
-GEFORCE_40 = re.compile(r"GEFORCE RTX 40\d\d")
 DRY_RUN = "accelerate launch --config_file accelerate_configs/<x>.yaml recipes/finetune_llm.py"
 
 
@@ -91,8 +90,9 @@ class Finding:
     fix: str = ""
 
 
-def gather_probes(output_dir: Path) -> Probes:
-    """Look at this machine (a few seconds; no network, nothing heavy is built)."""
+def gather_probes(output_dir: Path, deepspeed_ops: bool = True) -> Probes:
+    """Look at this machine (a few seconds; no network, nothing heavy is built). Without `deepspeed_ops`
+    the seconds-long op probe is skipped: it only ever warns, so `ftkit train`'s fail-level check skips it."""
     import torch
 
     requirements = _requirements()
@@ -122,7 +122,7 @@ def gather_probes(output_dir: Path) -> Probes:
         disk_free_bytes=_disk_free(output_dir),
         accelerate_config_path=str(config_path),
         accelerate_config=_read_yaml(config_path),
-        deepspeed_ops=_deepspeed_ops() if packages["deepspeed"] else {},
+        deepspeed_ops=_deepspeed_ops() if packages["deepspeed"] and deepspeed_ops else {},
         build_tools={"ninja": shutil.which("ninja"), "c++": shutil.which("c++") or shutil.which("g++")},
     )
 
@@ -220,10 +220,9 @@ def _read_yaml(path: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        content = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        return {"error": str(exc).splitlines()[0]}
-    return content if isinstance(content, dict) else {"error": "not a mapping"}
+        return read_yaml_mapping(path, "accelerate config")
+    except (OSError, UserError) as exc:
+        return {"error": str(exc).splitlines()[0].removeprefix(f"{path}: ")}
 
 
 # Run in a child process: importing DeepSpeed logs to stderr and probes the accelerator.
@@ -373,7 +372,7 @@ def _p2p(p: Probes) -> Finding | None:
         return None
     claimed = [(i, j) for i, j, ok in p.p2p if ok]
     missing = sorted({tuple(sorted((i, j))) for i, j, ok in p.p2p if not ok})
-    if any(GEFORCE_40.search(g.name.upper()) for g in p.gpus):
+    if any(GEFORCE_40.search(g.name) for g in p.gpus):
         return _geforce_40_p2p(p, bool(claimed))
     if not missing:
         nvlink = bool(p.topology and re.search(r"\bNV\d+\b", p.topology))
@@ -414,7 +413,7 @@ def _geforce_40_p2p(p: Probes, driver_claims_p2p: bool) -> Finding:
 
 def _nccl_env(p: Probes) -> Finding:
     shown = " ".join(f"{k}={v}" for k, v in p.nccl_env.items()) or "none set"
-    geforce_40 = any(GEFORCE_40.search(g.name.upper()) for g in p.gpus)
+    geforce_40 = any(GEFORCE_40.search(g.name) for g in p.gpus)
     full_p2p = len(p.gpus) > 1 and all(ok for _, _, ok in p.p2p)
     if p.nccl_env.get("NCCL_P2P_DISABLE") == "1" and full_p2p and not geforce_40:
         return Finding(

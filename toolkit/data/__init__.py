@@ -4,10 +4,12 @@ held out and mixed deterministically, optionally packed, and batched with paddin
 from toolkit.data.build import DataStats, build_datasets
 from toolkit.data.chat import ensure_chat_template
 from toolkit.data.collate import Collator, PackedCollator, count_tokens, model_inputs
+from toolkit.data.encode import IGNORE
 from toolkit.data.loader import RankShard, eval_loader, train_loader
 from toolkit.data.packing import LengthGroupedSampler, row_lengths
 
 __all__ = [
+    "IGNORE",
     "Collator",
     "DataStats",
     "LengthGroupedSampler",

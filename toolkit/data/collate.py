@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.loss import IGNORE
+from toolkit.data.encode import IGNORE
 
 
 class Collator:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from toolkit.errors import UserError
 
 FORMAT_KEYS = {
@@ -13,12 +15,27 @@ FORMAT_KEYS = {
     "prompt_completion": ("prompt", "completion"),
 }
 ROLES = ("system", "user", "assistant")
-SHAREGPT_ROLES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
+
+
+@dataclass(frozen=True)
+class TurnFields:
+    """Where a conversation layout keeps its turns: the list, each turn's speaker and text, and the speaker
+    names it accepts with the chat role each stands for."""
+
+    turns: str
+    speaker: str
+    text: str
+    roles: dict[str, str]
+
+
+CONVERSATIONS = {
+    "messages": TurnFields("messages", "role", "content", {role: role for role in ROLES}),
+    "sharegpt": TurnFields(
+        "conversations",
+        "from",
+        "value",
+        {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"},
+    ),
 }
 
 
@@ -37,10 +54,8 @@ def to_example(record: dict, fmt: str, where: str) -> dict:
     """Alpaca's user turn is the instruction, then a blank line and the input when there is one."""
     if fmt == "text":
         return {"text": _text(record, "text", fmt, where)}
-    if fmt == "messages":
-        return {"messages": _messages(record, where)}
-    if fmt == "sharegpt":
-        return {"messages": _sharegpt(record, where)}
+    if fmt in CONVERSATIONS:
+        return {"messages": _conversation(record, fmt, where)}
     if fmt == "alpaca":
         instruction = _text(record, "instruction", fmt, where)
         extra = record.get("input")
@@ -80,27 +95,19 @@ def _list(record: dict, key: str, fmt: str, where: str) -> list:
     return value
 
 
-def _messages(record: dict, where: str) -> list[dict]:
+def _conversation(record: dict, fmt: str, where: str) -> list[dict]:
+    fields = CONVERSATIONS[fmt]
     messages = []
-    for i, turn in enumerate(_list(record, "messages", "messages", where)):
-        here = f"{where}: messages[{i}]"
+    for i, turn in enumerate(_list(record, fields.turns, fmt, where)):
+        here = f"{where}: {fields.turns}[{i}]"
         if not isinstance(turn, dict):
-            raise UserError(f"{here} must be an object with role and content, got {type(turn).__name__}")
-        role = _text(turn, "role", "messages", here)
-        if role not in ROLES:
-            raise UserError(f"{here}: role {role!r} is not one of {', '.join(ROLES)}")
-        messages.append({"role": role, "content": _text(turn, "content", "messages", here)})
-    return messages
-
-
-def _sharegpt(record: dict, where: str) -> list[dict]:
-    messages = []
-    for i, turn in enumerate(_list(record, "conversations", "sharegpt", where)):
-        here = f"{where}: conversations[{i}]"
-        if not isinstance(turn, dict):
-            raise UserError(f"{here} must be an object with from and value, got {type(turn).__name__}")
-        speaker = _text(turn, "from", "sharegpt", here)
-        if speaker not in SHAREGPT_ROLES:
-            raise UserError(f"{here}: 'from' is {speaker!r}, not one of {', '.join(SHAREGPT_ROLES)}")
-        messages.append({"role": SHAREGPT_ROLES[speaker], "content": _text(turn, "value", "sharegpt", here)})
+            raise UserError(
+                f"{here} must be an object with {fields.speaker} and {fields.text}, got {type(turn).__name__}"
+            )
+        speaker = _text(turn, fields.speaker, fmt, here)
+        if speaker not in fields.roles:
+            raise UserError(
+                f"{here}: '{fields.speaker}' is {speaker!r}, not one of {', '.join(fields.roles)}"
+            )
+        messages.append({"role": fields.roles[speaker], "content": _text(turn, fields.text, fmt, here)})
     return messages

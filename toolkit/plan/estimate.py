@@ -8,18 +8,19 @@ import shlex
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from toolkit import flops
-from toolkit.config import flat_dict, load_config
+from toolkit.config import Method, flat_dict, load_config
 from toolkit.errors import UserError
+from toolkit.fields import NonNegativeFloat, PositiveFloat, PositiveInt, Probability, field_errors
+from toolkit.hardware import GIB
 from toolkit.metrics import read_metrics
-from toolkit.plan import architectures, memory
+from toolkit.plan import GradCkpt, PlanDtype, PlanPrecision, architectures, memory
 from toolkit.plan.counts import ModelCounts, count_parameters, load_model_config
-from toolkit.plan.memory import GIB, MemoryEstimate, Precision
+from toolkit.plan.memory import MemoryEstimate, Precision
 
-METHODS = ("full", "lora", "qlora")
 RECIPES = {"sft": "finetune_llm.py", "dpo": "dpo_llm.py"}
-GRAD_CKPT = ("auto", "on", "off")
 # The printed command runs from a checkout's root, so its recipe configs are looked up from there too.
 RECIPE_CONFIGS = Path("recipes") / "configs"
 # Fastest first. Gradient checkpointing costs about a third more compute; ZeRO-1/2 move no more data than
@@ -32,57 +33,43 @@ SINGLE_GPU_TIERS = (("single",), ("zero3_offload",))
 class PlanRequest:
     model: str
     """Local model dir, config.json path, or hub id (built-in table or local cache)."""
-    gpus: int = 1
+    gpus: PositiveInt = 1
     """GPUs on the machine (one process each)."""
-    gpu_mem: float = 24.0
+    gpu_mem: PositiveFloat = 24.0
     """Memory of one GPU in GiB (a "24 GB" RTX 4090 has 24 GiB)."""
-    method: str = "lora"
-    """full | lora | qlora."""
-    seq_len: int = 2048
+    method: Method = "lora"
+    """How the model is fine-tuned, as the recipe's model.method."""
+    seq_len: PositiveInt = 2048
     """Tokens per example (data.max_length)."""
-    micro_batch: int | None = None
+    micro_batch: PositiveInt | None = None
     """Examples per forward pass per GPU; None: the largest that fits."""
-    global_batch: int = 32
+    global_batch: PositiveInt = 32
     """Examples per optimizer step across all GPUs."""
-    lora_r: int = 16
+    lora_r: PositiveInt = 16
     """LoRA rank (adapters on every linear layer)."""
-    lora_dropout: float = 0.0
+    lora_dropout: Probability = 0.0
     """LoRA dropout; above 0 it stores a dropped copy of every adapted input."""
-    grad_ckpt: str = "auto"
-    """auto (try off, then on) | on | off."""
-    dtype: str = "auto"
-    """Weights dtype: float32 | bfloat16 | auto (bfloat16 for LoRA/QLoRA, float32 for full, as recipes)."""
-    mixed_precision: str = "bf16"
-    """Autocast: bf16 | no."""
-    cpu_mem: float | None = None
+    grad_ckpt: GradCkpt = "auto"
+    """Gradient checkpointing (auto: try off, then on)."""
+    dtype: PlanDtype = "auto"
+    """Weights dtype (auto: bfloat16 for LoRA/QLoRA, float32 for full, as recipes)."""
+    mixed_precision: PlanPrecision = "bf16"
+    """Autocast."""
+    cpu_mem: NonNegativeFloat | None = None
     """CPU RAM of the machine in GiB; when set, setups needing more do not fit."""
-    objective: str = "sft"
-    """sft | dpo (preference tuning: two sequences, chosen and rejected, per example)."""
+    objective: Literal["sft", "dpo"] = "sft"
+    """What is trained: sft, or dpo (preference tuning: two sequences, chosen and rejected, per example)."""
     reference_model: bool = False
     """dpo with a separate reference model: its frozen weights too (none with LoRA or precomputed
     reference log-probs)."""
 
     def validate(self) -> None:
-        for name, allowed in (
-            ("method", METHODS),
-            ("grad_ckpt", GRAD_CKPT),
-            ("mixed_precision", ("bf16", "no")),
-            ("dtype", ("auto", "float32", "bfloat16")),
-            ("objective", ("sft", "dpo")),
-        ):
-            if getattr(self, name) not in allowed:
-                raise UserError(
-                    f"--{name.replace('_', '-')} {getattr(self, name)}: not one of {', '.join(allowed)}"
-                )
-        for name in ("gpus", "gpu_mem", "seq_len", "global_batch", "lora_r"):
-            if not getattr(self, name) > 0:
-                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.micro_batch is not None and self.micro_batch < 1:
-            raise UserError(f"--micro-batch must be positive, got {self.micro_batch}")
+        errors = field_errors(self)
+        if errors:
+            name, _, message = errors[0].partition(": ")
+            raise UserError(f"--{name.replace('_', '-')} {message}")
         if self.reference_model and self.objective != "dpo":
             raise UserError("--reference-model is for --objective dpo")
-        if not 0 <= self.lora_dropout < 1:
-            raise UserError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         per_step = (self.micro_batch or 1) * self.gpus
         if self.global_batch % per_step:
             raise UserError(

@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-GIB = 1 << 30
+from toolkit.hardware import GIB
+
 BACKENDS = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload")
 DEEPSPEED = ("zero1", "zero2", "zero3", "zero3_offload")
 SHARDED_PARAMS = ("fsdp", "zero3", "zero3_offload")

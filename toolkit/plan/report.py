@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from toolkit.hardware import GIB
 from toolkit.plan.estimate import Plan
-from toolkit.plan.memory import GIB, MemoryEstimate
+from toolkit.plan.memory import MemoryEstimate
 
 COLUMNS = ("weights", "lora", "grads", "optimizer", "activations", "overhead", "total")
 HEADINGS = ("weights", "lora", "grads", "optim", "activ", "other", "total")

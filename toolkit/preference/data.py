@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from toolkit.config import DataConfig
-from toolkit.data.cache import cache_key, load_or_build, tokenizer_fingerprint
+from toolkit.data.cache import cache_key, encode_to_cache, tokenizer_fingerprint
 from toolkit.data.chat import ensure_chat_template, render
 from toolkit.data.mixture import hold_out, mix
-from toolkit.data.sources import Source, read_source
+from toolkit.data.sources import read_source
 from toolkit.errors import UserError
 from toolkit.loss import IGNORE
 from toolkit.preference.records import Pair, detect_layout, to_pair
@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 # Bump when the encoding of pairs changes, so rows cached by older code are not reused.
 ENCODING_VERSION = 2
+CHUNK = 1000
 
 
 @dataclass
@@ -62,15 +63,24 @@ def render_pair(tokenizer, pair: Pair, where: str) -> tuple[str, str, str]:
     return prompt, completions[0], completions[1]
 
 
-def encode_pairs(source: Source, tokenizer, max_length: int, keep_prompt: int) -> EncodedPairs:
-    layout = detect_layout(source.records[0], source.where(0))
-    out = EncodedPairs()
-    for i, record in enumerate(source.records):
-        texts = render_pair(tokenizer, to_pair(record, layout, source.where(i)), source.where(i))
-        # Chat templates write any bos/eos themselves; tokenizing apart keeps the prompt/answer boundary.
-        prompt, chosen, rejected = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-        out.add(prompt, chosen, rejected, max_length, keep_prompt)
-    return out
+@dataclass
+class PairEncoder:
+    """Encodes one chunk of records of a source in `layout` into token pairs (see `encode_to_cache`)."""
+
+    layout: str
+    tokenizer: object
+    max_length: int
+    keep_prompt: int
+
+    def __call__(self, chunk) -> tuple[dict[str, list], dict[str, int]]:
+        out = EncodedPairs()
+        for i, record in enumerate(chunk.records()):
+            where = chunk.where(i)
+            texts = render_pair(self.tokenizer, to_pair(record, self.layout, where), where)
+            # Chat templates write any bos/eos themselves; tokenizing apart keeps the prompt/answer boundary.
+            prompt, chosen, rejected = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+            out.add(prompt, chosen, rejected, self.max_length, self.keep_prompt)
+        return out.columns, {"truncated": out.truncated, "dropped": out.dropped}
 
 
 @dataclass
@@ -122,24 +132,19 @@ def build_pairs(
 
 def _prepare(name: str, cfg: DataConfig, tokenizer, keep_prompt: int):
     source = read_source(name, cfg.split)
-    if not len(source.records):
+    first = source.first()
+    if first is None:
         raise UserError(f"{name}: no records")
-
-    def build():
-        encoded = encode_pairs(source, tokenizer, cfg.max_length, keep_prompt)
-        if not encoded.columns["prompt_ids"]:
-            raise UserError(f"{name}: no pair left after cutting to data.max_length={cfg.max_length}")
-        return encoded.columns, {"truncated": encoded.truncated, "dropped": encoded.dropped}
-
-    key = cache_key(
-        "pairs",
-        ENCODING_VERSION,
-        source.identity,
-        cfg.max_length,
-        keep_prompt,
-        tokenizer_fingerprint(tokenizer),
+    layout = detect_layout(*first)
+    key = cache_key("pairs", ENCODING_VERSION, source.identity, cfg.max_length, keep_prompt)
+    return encode_to_cache(
+        cache_key(key, tokenizer_fingerprint(tokenizer)),
+        source.read(CHUNK),
+        PairEncoder(layout, tokenizer, cfg.max_length, keep_prompt),
+        1,
+        desc=f"encoding {name}",
+        empty_error=lambda counts: f"{name}: no pair left after cutting to data.max_length={cfg.max_length}",
     )
-    return load_or_build(key, build)
 
 
 class PairCollator:

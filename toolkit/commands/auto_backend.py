@@ -1,0 +1,75 @@
+"""`ftkit train --backend auto`: ask the estimator behind `ftkit plan` what fits this machine.
+
+With GPUs it plans for their count and memory. Without, it plans the dry run: the gloo processes
+share the CPU RAM, so each process gets its share as its "device" memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from toolkit.config import RecipeConfig
+from toolkit.errors import UserError
+from toolkit.plan.estimate import PlanRequest, make_plan
+from toolkit.plan.memory import GIB
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
+def choose(cfg: RecipeConfig, overrides: list[str], hardware, processes: int) -> tuple[str, list[str], str]:
+    """(accelerate config name, recipe overrides it implies, one line saying why)."""
+    mem = hardware.gpu_mem_gib if hardware.gpu_count else hardware.ram_gib / processes
+    request = plan_request(cfg, overrides, processes, mem)
+    # With GPUs, offloaded states must also fit in RAM; without, RAM is what the processes share already.
+    plan = make_plan(dataclasses.replace(request, cpu_mem=hardware.ram_gib if hardware.gpu_count else None))
+    row = plan.choice
+    device = "GPU" if hardware.gpu_count else "process (no GPU: a share of CPU RAM)"
+    if row is None:
+        smallest = min(plan.rows, key=lambda r: r.per_gpu()["total"])
+        need = smallest.per_gpu()["total"] / GIB
+        raise UserError(
+            f"auto: nothing fits {processes} x {mem:g} GiB per {device} and {hardware.ram_gib:g} GiB RAM; "
+            "the smallest setup, "
+            f"{smallest.backend} with gradient checkpointing {_on(smallest.checkpointing)}, needs "
+            f"{need:.1f} GiB per GPU and {smallest.cpu_ram / GIB:.1f} GiB RAM: use a machine that large, "
+            "or model.method=lora/qlora, a shorter data.max_length"
+        )
+    extra = [f"train.micro_batch_size={row.micro_batch}"]
+    extra += [f"model.gradient_checkpointing={str(row.checkpointing).lower()}"]
+    extra = [item for item in extra if item.split("=")[0] not in _keys(overrides)]
+    total = row.per_gpu()["total"] / GIB
+    reason = (
+        f"auto: {row.backend}: {total:.1f} of {mem:.3g} GiB per {device}, gradient checkpointing "
+        f"{_on(row.checkpointing)}, micro-batch {row.micro_batch}"
+    )
+    return row.backend, extra, reason
+
+
+def plan_request(cfg: RecipeConfig, overrides: list[str], processes: int, mem_gib: float) -> PlanRequest:
+    """The recipe config as the estimator sees it; what the user fixed on the command line stays fixed."""
+    fixed = _keys(overrides)
+    ckpt = cfg.model.gradient_checkpointing
+    model = Path(cfg.model.path)
+    return PlanRequest(
+        model=str(REPO / model) if not model.exists() and (REPO / model).exists() else cfg.model.path,
+        gpus=processes,
+        gpu_mem=mem_gib,
+        method=cfg.model.method,
+        seq_len=cfg.data.max_length,
+        micro_batch=cfg.train.micro_batch_size if "train.micro_batch_size" in fixed else None,
+        global_batch=cfg.train.global_batch_size,
+        lora_r=cfg.lora.r,
+        lora_dropout=cfg.lora.dropout,
+        grad_ckpt=_on(ckpt) if "model.gradient_checkpointing" in fixed and ckpt != "auto" else "auto",
+        dtype=cfg.model.dtype if cfg.model.dtype in ("float32", "bfloat16") else "auto",
+        mixed_precision="no" if cfg.train.mixed_precision == "no" else "bf16",
+    )
+
+
+def _keys(overrides: list[str]) -> set[str]:
+    return {item.split("=", 1)[0] for item in overrides}
+
+
+def _on(flag) -> str:
+    return "on" if flag is True else "off"

@@ -1,0 +1,232 @@
+"""`ftkit train`: the `accelerate launch` line for this machine, printed, checked, then run.
+
+    ftkit train [RECIPE] [--backend NAME|auto] [--gpus N] [--config FILE] [key=value ...] [-- accelerate args]
+
+`plan_launch` only builds the command (tests fake the machine); `preflight` runs the fail-level checks of
+`ftkit doctor` and `ftkit check-config`; `toolkit.commands.relay` runs it and passes the worker's exit on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.config import RecipeConfig, load_config
+from toolkit.errors import UserError
+
+REPO = Path(__file__).resolve().parent.parent.parent
+RECIPES = {"sft": "recipes/finetune_llm.py", "dpo": "recipes/dpo_llm.py"}
+CPU_PROCESSES = 2  # without GPUs: a dry run of the same command on gloo CPU processes
+DEFAULT_PORT = 29500
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the process count and `--backend auto` need to know about this machine."""
+
+    gpu_count: int = 0
+    """GPUs visible here."""
+    gpu_mem_gib: float = 0.0
+    """Memory of the smallest visible GPU, GiB."""
+    ram_gib: float = 0.0
+    """CPU RAM, GiB."""
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Where this machine sits in a multi-machine launch."""
+
+    count: int = 1
+    """Machines in the launch."""
+    rank: int = 0
+    """This machine's rank (0 on the main one)."""
+    addr: str = ""
+    """Address of machine rank 0."""
+    port: int | None = None
+    """Rendezvous port on machine rank 0 (None: accelerate's default, single machine)."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    argv: list[str]
+    """`accelerate launch ...` as a user would type it."""
+    backend: str
+    """Name of the accelerate config in accelerate_configs/."""
+    processes: int
+    """Processes on all machines together."""
+    per_node: int
+    """Processes on this machine."""
+    reason: str = ""
+    """Why `auto` chose this backend (empty for a named one)."""
+
+    def display(self) -> str:
+        return shlex.join(self.argv)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("items", nargs="*", metavar="[RECIPE] [key=value ...]", help="sft (default) or dpo")
+    parser.add_argument("--backend", default="auto", help="an accelerate_configs/ name, or auto (default)")
+    parser.add_argument("--gpus", type=int, help="processes per machine (default: its GPUs, or 2 on CPU)")
+    parser.add_argument("--config", help="recipe config YAML (default: the recipe's demo config)")
+    parser.add_argument("--nnodes", type=int, help="machines (default: SLURM_NNODES, else 1)")
+    parser.add_argument("--node-rank", type=int, help="this machine's rank (default: SLURM_NODEID)")
+    parser.add_argument("--master-addr", help="address of node rank 0 (default: first SLURM host)")
+    parser.add_argument("--master-port", type=int, help=f"rendezvous port (default {DEFAULT_PORT})")
+    parser.add_argument("--verbose", action="store_true", help="show third-party output unfiltered")
+
+
+def split_items(items: list[str]) -> tuple[str, list[str]]:
+    """The recipe name (first item without '=') and the dotted.key=value overrides."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return "sft", items
+
+
+def recipe_path(name: str, repo: Path = REPO) -> Path:
+    if name not in RECIPES:
+        raise UserError(f"recipe {name}: not one of {', '.join(RECIPES)}")
+    path = repo / RECIPES[name]
+    if not path.is_file():
+        raise UserError(f"recipe {name}: {RECIPES[name]} does not exist in this version of ftkit")
+    return path
+
+
+def backend_names(repo: Path = REPO) -> list[str]:
+    """Single-machine accelerate configs; several machines take --nnodes, not a multinode_ YAML."""
+    return sorted(p.stem for p in (repo / "accelerate_configs").glob("*.yaml") if "multinode" not in p.stem)
+
+
+def probe_hardware() -> Hardware:
+    import torch
+
+    from toolkit.commands.doctor import _ram_bytes
+    from toolkit.distributed import count_gpus
+
+    gpus = count_gpus()
+    mem = [torch.cuda.get_device_properties(i).total_memory for i in range(gpus)] if gpus else []
+    return Hardware(gpus, min(mem) / GIB if mem else 0.0, _ram_bytes() / GIB)
+
+
+def slurm_hostnames(nodelist: str) -> list[str]:
+    done = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise UserError(f"scontrol show hostnames {nodelist} failed: {done.stderr.strip()}")
+    return done.stdout.split()
+
+
+def resolve_nodes(
+    args, env: Mapping[str, str], hostnames: Callable[[str], list[str]] = slurm_hostnames
+) -> Nodes:
+    """Machines from the flags, else from SLURM's environment (one task per node), else this one alone."""
+    in_slurm = "SLURM_NNODES" in env and "SLURM_NODEID" in env
+    count = args.nnodes or (int(env["SLURM_NNODES"]) if in_slurm else 1)
+    rank = args.node_rank if args.node_rank is not None else int(env["SLURM_NODEID"]) if in_slurm else 0
+    addr = args.master_addr or ""
+    if not addr and count > 1 and in_slurm:
+        addr = hostnames(env["SLURM_JOB_NODELIST"])[0]
+    port = args.master_port or (int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None)
+    if count > 1 and not addr:
+        raise UserError(f"--nnodes {count}: pass --master-addr (the address of node rank 0)")
+    if not 0 <= rank < count:
+        raise UserError(f"--node-rank {rank} is not in 0..{count - 1} (--nnodes {count})")
+    return Nodes(count, rank, addr, port or (DEFAULT_PORT if count > 1 else None))
+
+
+def shown(path: Path) -> str:
+    """A path as short as it can be from where the user runs."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def plan_launch(
+    args, overrides: list[str], cfg: RecipeConfig, hardware: Hardware, nodes: Nodes, recipe: Path
+) -> LaunchPlan:
+    """The `accelerate launch` command for this machine: backend, process count, machines, recipe."""
+    from toolkit.commands.auto_backend import choose
+
+    per_node = args.gpus or hardware.gpu_count or CPU_PROCESSES
+    reason, extra = "", []
+    backend = args.backend
+    if backend == "auto":
+        backend, extra, reason = choose(cfg, overrides, hardware, per_node * nodes.count)
+    if backend not in backend_names():
+        raise UserError(f"--backend {backend}: not one of auto, {', '.join(backend_names())}")
+    per_node = 1 if backend == "single" else per_node
+    config_file = REPO / "accelerate_configs" / f"{backend}.yaml"
+    argv = ["accelerate", "launch", "--config_file", shown(config_file)]
+    argv += ["--num_processes", str(per_node * nodes.count)]
+    argv += _machine_args(nodes, backend) + _deepspeed_json_args(config_file) + list(args.accelerate_args)
+    argv += [shown(recipe), *(["--config", args.config] if args.config else []), *overrides, *extra]
+    return LaunchPlan(argv, backend, per_node * nodes.count, per_node, reason)
+
+
+def _machine_args(nodes: Nodes, backend: str) -> list[str]:
+    if nodes.count == 1:
+        return ["--main_process_port", str(nodes.port)] if nodes.port else []
+    launcher = ["--deepspeed_multinode_launcher", "standard"] if backend.startswith("zero") else []
+    return [
+        "--num_machines",
+        str(nodes.count),
+        "--machine_rank",
+        str(nodes.rank),
+        "--main_process_ip",
+        nodes.addr,
+        "--main_process_port",
+        str(nodes.port),
+        *launcher,
+    ]
+
+
+def _deepspeed_json_args(config_file: Path) -> list[str]:
+    """The shipped YAMLs name their JSON relative to the repo root: point at it when run from elsewhere."""
+    import yaml
+
+    section = (yaml.safe_load(config_file.read_text()) or {}).get("deepspeed_config") or {}
+    json_file = section.get("deepspeed_config_file")
+    if not json_file or Path(json_file).is_file():
+        return []
+    return ["--deepspeed_config_file", str(REPO / json_file)]
+
+
+def preflight(plan: LaunchPlan, cfg: RecipeConfig, config_source: str, findings, machine, env) -> None:
+    """The fail-level checks of `ftkit doctor` (`findings`) and `ftkit check-config`, as one UserError."""
+    from toolkit.launch_check import check_launch, launch_from_yaml
+
+    failed = [f for f in findings if f.status == "fail"]
+    if failed:
+        fix = f" ({failed[0].fix})" if failed[0].fix else ""
+        raise UserError(f"ftkit doctor: {failed[0].check}: {failed[0].message}{fix}")
+    config_file = REPO / "accelerate_configs" / f"{plan.backend}.yaml"
+    launch = launch_from_yaml(config_file, machine.gpu_count, plan.processes)
+    launch = dataclasses.replace(launch, procs_per_node=plan.per_node, source=shown(config_file))
+    # A copy: what the check sets for NCCL belongs to the launched processes, which set it themselves.
+    check_launch(launch, cfg, config_source, machine, dict(env))
+
+
+def train_cli(args) -> int:
+    """Build, print, check and run the launch; the exit code is the worker's own."""
+    from toolkit.commands import doctor, relay
+    from toolkit.launch_check import probe_machine
+
+    name, overrides = split_items(args.items)
+    recipe = recipe_path(name)
+    cfg = load_config(args.config, overrides)
+    nodes = resolve_nodes(args, os.environ)
+    plan = plan_launch(args, overrides, cfg, probe_hardware(), nodes, recipe)
+    if plan.reason:
+        print(plan.reason)
+    print(plan.display(), flush=True)
+    findings = doctor.diagnose(doctor.gather_probes(Path(cfg.output_dir), deepspeed_ops=False))
+    preflight(plan, cfg, args.config or "the demo config", findings, probe_machine(), os.environ)
+    return relay.run(plan.argv, os.environ, recipe.stem, verbose=args.verbose)

@@ -1,0 +1,89 @@
+"""What a launched run prints: known third-party noise filtered; how a worker's exit reaches `ftkit train`.
+
+Recipes call `quiet_third_party()` first and end with `finish(code, message)`. FTKIT_VERBOSE=1 shows
+everything. Under `ftkit train` (FTKIT_EXIT_DIR set) each rank writes its exit code and one-line error to a
+small file there instead of printing it, so the user sees the line once and `ftkit train` exits with the
+worker's own code (torchrun reports any failing worker as exit 1).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+
+VERBOSE_ENV = "FTKIT_VERBOSE"
+EXIT_DIR_ENV = "FTKIT_EXIT_DIR"
+# Warnings that say nothing the user can act on: torch deprecations raised inside DeepSpeed's collectives
+# (hundreds per ZeRO-3 step) and inside transformers' own calls.
+KNOWN_WARNINGS = (r"`torch\.distributed\.\w+` is deprecated", r"`is_gradient_checkpointing` is deprecated")
+SCHEDULER_ORDER = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+# Whole lines from the launcher and libraries, matched wherever they appear (`ftkit train` drops them).
+KNOWN_LINES = re.compile(
+    "|".join(
+        (
+            r".*Setting accelerator to CPU\. If you have GPU",
+            r"DeepSpeed deepspeed\.ops\.\S+ built successfully",
+            r".*(FutureWarning|UserWarning): " + f"({'|'.join(KNOWN_WARNINGS)})",
+            r"\s+(warnings\.warn\(|return func\(\*args, \*\*kwargs\))$",
+            r"[WI]\d{4} [\d:.]+ \d+ \S*torch/distributed/run\.py:\d+\]",
+        )
+    )
+)
+
+
+def verbose(env=None) -> bool:
+    return (os.environ if env is None else env).get(VERBOSE_ENV, "") not in ("", "0")
+
+
+def quiet_third_party() -> None:
+    """Silence the known noise in this process (unless FTKIT_VERBOSE=1); real warnings still show."""
+    if verbose():
+        return
+    for pattern in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        # The engine steps the optimizer inside backward (CPU Adam under offload), out of sight of the
+        # counter torch's scheduler checks; the recipe's loop order is right by construction.
+        warnings.filterwarnings("ignore", message=SCHEDULER_ORDER, category=UserWarning)
+    # DeepSpeed logs this on every process whenever no GPU exists: the run's own backend line says so.
+    logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to" not in record.msg)
+    if os.environ.get("RANK", "0") != "0":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one "Loading weights" bar (the main process's), not one per rank
+
+
+def is_noise(line: str) -> bool:
+    return KNOWN_LINES.match(line) is not None
+
+
+def finish(recipe: str, code: int, message: str = "") -> int:
+    """Report how this process ends: to `ftkit train`'s exit file when it launched us, else on stderr."""
+    exit_dir = os.environ.get(EXIT_DIR_ENV)
+    if exit_dir and code != 0:
+        record = {"code": code, "message": message}
+        (Path(exit_dir) / f"rank-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record))
+    elif message and os.environ.get("RANK", "0") == "0":
+        # Every rank meets the same mistakes (a config, a path, an agreed check): one line per launch.
+        _close_progress_bars()
+        print(f"{recipe}: error: {message}", file=sys.stderr)
+    return code
+
+
+def _close_progress_bars() -> None:
+    """A bar left open by the error ends its line first, so the message gets a line of its own."""
+    bars = sys.modules.get("tqdm.std")
+    if bars is not None:
+        for bar in list(bars.tqdm._instances):
+            bar.close()
+
+
+def read_exits(exit_dir: Path) -> list[dict]:
+    """What the ranks reported, by rank."""
+    files = sorted(exit_dir.glob("rank-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    return [json.loads(p.read_text()) for p in files]
