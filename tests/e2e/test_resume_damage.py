@@ -5,6 +5,7 @@ printed and what is on disk afterwards."""
 import json
 import os
 import pickle
+import re
 import shutil
 
 import pytest
@@ -176,11 +177,22 @@ def test_resume_from_a_checkpoint_into_a_new_output_dir_starts_a_new_run(runs, t
 
 
 def test_resume_from_a_checkpoint_into_another_run_is_refused(runs, tmp_path):
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "notes.txt").write_text("another run")
+    other = copy_run(runs("fsdp"), tmp_path)  # a run of its own: another seed, so another data order
+    config = other / "config.yaml"
+    config.write_text(re.sub(r"(?m)^seed: \d+$", "seed: 7", config.read_text()))
+    assert "seed: 7" in config.read_text()
+    before = sorted(str(p.relative_to(other)) for p in other.rglob("*"))
     result = resume(other, f"train.resume={runs('ddp') / 'checkpoints' / 'step-1'}")
     assert_one_line_error(result, "holds another run")
+    assert sorted(str(p.relative_to(other)) for p in other.rglob("*")) == before
+
+
+def test_resume_from_a_checkpoint_into_a_folder_ftkit_did_not_write_is_refused(runs, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("someone's notes")
+    result = resume(other, f"train.resume={runs('ddp') / 'checkpoints' / 'step-1'}")
+    assert_one_line_error(result, "not created by ftkit")
     assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
 
 
