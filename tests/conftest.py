@@ -1,5 +1,7 @@
 """Shared by every test. Its folder is on sys.path, so tests in tests/unit and tests/e2e import `helpers`."""
 
+import sys
+
 import datasets
 import pytest
 
@@ -8,3 +10,13 @@ import pytest
 def private_cache(tmp_path, monkeypatch):
     """A datasets cache of the test's own, so one test's cached tables never answer another's."""
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Accelerate keeps one process-wide state; a test that builds an Accelerator must not fix the next
+    test's precision or device (the recipe runs in-process in some unit tests)."""
+    yield
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)

@@ -41,6 +41,13 @@ def test_the_default_config_is_package_data_identical_to_the_recipes_demo():
     assert DEMO_CONFIG.read_bytes() == (REPO / "recipes" / "configs" / "demo.yaml").read_bytes()
 
 
+def test_the_preference_default_config_is_package_data_identical_to_the_recipes_demo():
+    from toolkit.preference.config import DEMO_DPO_CONFIG
+
+    assert DEMO_DPO_CONFIG.is_relative_to(Path(toolkit.__file__).parent)
+    assert DEMO_DPO_CONFIG.read_bytes() == (REPO / "recipes" / "configs" / "demo-dpo.yaml").read_bytes()
+
+
 def test_overrides_are_typed(tmp_path):
     cfg = load_config(
         write(tmp_path, "train:\n  max_steps: 3\n"),

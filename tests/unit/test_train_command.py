@@ -188,3 +188,15 @@ def test_exit_files_are_read_by_rank(tmp_path):
     for rank in (10, 2):
         (tmp_path / f"rank-{rank}.json").write_text(f'{{"code": {rank}, "message": ""}}')
     assert [e["code"] for e in console.read_exits(tmp_path)] == [2, 10]
+
+
+def test_each_recipe_is_checked_with_its_own_config_schema_and_default():
+    from toolkit.commands.train import recipe_config
+    from toolkit.preference.config import PreferenceConfig
+
+    dpo = recipe_config("dpo", None, ["dpo.beta=0.2"])
+    assert isinstance(dpo, PreferenceConfig) and dpo.dpo.beta == 0.2 and dpo.output_dir == "runs/demo-dpo"
+    sft = recipe_config("sft", None, [])
+    assert not isinstance(sft, PreferenceConfig) and sft.output_dir == "runs/demo"
+    with pytest.raises(UserError, match="unknown key dpo"):
+        recipe_config("sft", None, ["dpo.beta=0.2"])

@@ -98,6 +98,15 @@ def recipe_path(name: str, repo: Path = REPO) -> Path:
     return path
 
 
+def recipe_config(name: str, path: str | None, overrides: list[str]) -> RecipeConfig:
+    """The config the recipe itself will read (its own schema and default), for the checks and the plan."""
+    if name == "dpo":
+        from toolkit.preference.config import load_preference_config
+
+        return load_preference_config(path, overrides)
+    return load_config(path, overrides)
+
+
 def backend_names(repo: Path = REPO) -> list[str]:
     """Single-machine accelerate configs; several machines take --nnodes, not a multinode_ YAML."""
     return sorted(p.stem for p in (repo / "accelerate_configs").glob("*.yaml") if "multinode" not in p.stem)
@@ -221,7 +230,7 @@ def train_cli(args) -> int:
 
     name, overrides = split_items(args.items)
     recipe = recipe_path(name)
-    cfg = load_config(args.config, overrides)
+    cfg = recipe_config(name, args.config, overrides)
     nodes = resolve_nodes(args, os.environ)
     plan = plan_launch(args, overrides, cfg, probe_hardware(), nodes, recipe)
     if plan.reason:

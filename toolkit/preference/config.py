@@ -9,7 +9,7 @@ from typing import Literal
 from toolkit.config import RecipeConfig, load_config
 from toolkit.errors import UserError
 
-DEMO_DPO_CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "demo-dpo.yaml"
+DEMO_DPO_CONFIG = Path(__file__).resolve().parents[1] / "assets" / "demo-dpo.yaml"
 REFERENCE_FREE = ("simpo", "orpo")
 
 
