@@ -167,7 +167,31 @@ def _agree_or_raise(accelerator, error: str, tmp: Path, final: Path, output_dir:
 def load_checkpoint(accelerator, path: Path) -> dict:
     """Restore model, optimizer, scheduler and RNG states; return the marker (step and counters)."""
     accelerator.load_state(str(path))
+    _reload_fsdp1_optimizer(accelerator, path)
     return read_marker(path)
+
+
+def _reload_fsdp1_optimizer(accelerator, path: Path) -> None:
+    """Collective: read FSDP1's sharded optimizer state again, by the names the checkpoint holds.
+
+    Accelerate reads it into the state a fresh optimizer has, which is empty, so the moments would
+    silently restart at zero; torch's reader takes its keys from the checkpoint itself.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+    directory = path / "optimizer_0"
+    model, optimizer = accelerator._models[0], accelerator._optimizers[0]
+    if not isinstance(model, FullyShardedDataParallel) or not directory.is_dir():
+        return
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        saved = load_sharded_optimizer_state_dict(
+            model_state_dict=model.state_dict(),
+            optimizer_key="optimizer",
+            storage_reader=FileSystemReader(str(directory)),
+        )["optimizer"]
+        optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, saved))
 
 
 def read_marker(path: Path) -> dict:
