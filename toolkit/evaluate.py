@@ -49,7 +49,12 @@ class Evaluator:
         if self.dataset is not None and cfg.exact_match_samples:
             with root_params_gathered(self.model):
                 results["exact_match"] = exact_match(
-                    generator, self.tokenizer, self.dataset, cfg.exact_match_samples, cfg.max_new_tokens, synced
+                    generator,
+                    self.tokenizer,
+                    self.dataset,
+                    cfg.exact_match_samples,
+                    cfg.max_new_tokens,
+                    synced,
                 )
         if results:
             self.log.write(step, **results)
