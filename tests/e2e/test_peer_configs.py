@@ -82,3 +82,17 @@ def test_peer_fsdp1_resumes_exactly_and_its_checkpoint_exports(fsdp1_lora, tmp_p
     assert "resumed from" in result.stdout and "step-3 at step 3" in result.stdout
     # Steps 5 and 6 follow updates made with the restored Adam moments: zeros would change both losses.
     assert step_losses(out) == pytest.approx(step_losses(source), rel=1e-6)
+
+
+@pytest.mark.multiproc
+def test_peer_fsdp1_full_fine_tune_trains_and_exports_like_one_process(tmp_path):
+    full = [*SETTINGS, "model.method=full", "train.learning_rate=1e-4"]
+    single, fsdp1 = tmp_path / "single", tmp_path / "fsdp1"
+    run_recipe(single, *full, launch=launch("single", 1))
+    run_recipe(fsdp1, *full, launch=peer("fsdp1"))
+    assert step_losses(fsdp1) == pytest.approx(step_losses(single), rel=1e-3)
+    assert verify_export(fsdp1 / "final") > 0
+    got, expected = (load_file(run / "final" / "model.safetensors") for run in (fsdp1, single))
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-3, atol=1e-5, msg=name)
