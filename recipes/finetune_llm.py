@@ -126,7 +126,7 @@ def main(argv: list[str]) -> int:
     evaluator = evaluate.Evaluator(accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, log)
     if marker is not None:
         if exact:
-            checkpoint.load_checkpoint(accelerator, resume_from)
+            checkpoint.load_checkpoint(accelerator, resume_from, model, optimizer)
         start_step, tokens_seen = marker["step"], marker["tokens_seen"]
         if accelerator.is_main_process:
             metrics.truncate_after(log.path, start_step)

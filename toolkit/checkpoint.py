@@ -164,14 +164,17 @@ def _agree_or_raise(accelerator, error: str, tmp: Path, final: Path, output_dir:
     raise UserError(f"{final}: checkpoint not written: {error or 'failed on another rank'}; {still}")
 
 
-def load_checkpoint(accelerator, path: Path) -> dict:
-    """Restore model, optimizer, scheduler and RNG states; return the marker (step and counters)."""
+def load_checkpoint(accelerator, path: Path, model, optimizer) -> dict:
+    """Restore model, optimizer, scheduler and RNG states; return the marker (step and counters).
+
+    `model` and `optimizer` are the prepared ones, the only ones `accelerator` holds.
+    """
     accelerator.load_state(str(path))
-    _reload_fsdp1_optimizer(accelerator, path)
+    _reload_fsdp1_optimizer(path, model, optimizer)
     return read_marker(path)
 
 
-def _reload_fsdp1_optimizer(accelerator, path: Path) -> None:
+def _reload_fsdp1_optimizer(path: Path, model, optimizer) -> None:
     """Collective: read FSDP1's sharded optimizer state again, by the names the checkpoint holds.
 
     Accelerate reads it into the state a fresh optimizer has, which is empty, so the moments would
@@ -182,7 +185,6 @@ def _reload_fsdp1_optimizer(accelerator, path: Path) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
 
     directory = path / "optimizer_0"
-    model, optimizer = accelerator._models[0], accelerator._optimizers[0]
     if not isinstance(model, FullyShardedDataParallel) or not directory.is_dir():
         return
     with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
