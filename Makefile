@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # A CPU-only torch keeps installs small where no GPU exists; with a GPU, pip's default (CUDA) build is used.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install demo test test-unit lint bench clean
+.PHONY: install demo demo-dpo test test-unit lint bench clean
 
 install: $(STAMP)
 
@@ -19,6 +19,12 @@ $(STAMP): pyproject.toml
 # The embedded demo, from scratch each time (train.overwrite); add other key=value overrides with ARGS=...
 demo: install
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/finetune_llm.py \
+		train.overwrite=true $(ARGS)
+
+# Preference-tunes the SFT demo's result (running the SFT demo first when it is missing) on the embedded pairs.
+demo-dpo: install
+	test -f runs/demo/final/adapter_config.json || $(MAKE) demo
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/dpo_llm.py \
 		train.overwrite=true $(ARGS)
 
 test: install

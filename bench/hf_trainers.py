@@ -1,6 +1,7 @@
 """TRL's SFTTrainer (its defaults, or with packing) and the plain HF Trainer on the shared model and data.
 
-    BENCH_STATS=stats.json python bench/hf_trainers.py {trl,trl-packing,hf-trainer} MODEL_DIR DATA OUT_DIR
+    BENCH_STATS=stats.json python bench/hf_trainers.py {trl,trl-packing,hf-trainer} MODEL_DIR DATA OUT_DIR \
+        [MAX_LENGTH STEPS]
 
 Every contender gets the shared settings (fp32, batch, steps, learning rate, constant schedule,
 sequence length) and nothing is saved; everything else is the library's default, except that TRL's
@@ -61,11 +62,12 @@ class Recorder(TrainerCallback):
             self.stats.loss = logs["loss"]
 
 
-def run_trl(model, tokenizer, data_path: str, out_dir: str, packing: bool, recorder_for):
+def run_trl(model, tokenizer, data_path: str, out_dir: str, packing: bool, recorder_for, length, steps):
     from trl import SFTConfig, SFTTrainer
 
+    shared = {**SHARED, "max_steps": steps}
     config = SFTConfig(
-        output_dir=out_dir, max_length=SEQ_LEN, packing=packing, gradient_checkpointing=False, **SHARED
+        output_dir=out_dir, max_length=length, packing=packing, gradient_checkpointing=False, **shared
     )
     dataset = load_dataset("json", data_files=data_path, split="train")
     recorder = recorder_for(model)
@@ -92,7 +94,7 @@ def run_hf_trainer(model, tokenizer, data_path: str, out_dir: str, recorder_for)
     return recorder
 
 
-def main(mode: str, model_dir: str, data_path: str, out_dir: str) -> None:
+def main(mode: str, model_dir: str, data_path: str, out_dir: str, length=SEQ_LEN, steps=STEPS) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
@@ -102,9 +104,12 @@ def main(mode: str, model_dir: str, data_path: str, out_dir: str) -> None:
     if mode == "hf-trainer":
         recorder = run_hf_trainer(model, tokenizer, data_path, out_dir, recorder_for)
     else:
-        recorder = run_trl(model, tokenizer, data_path, out_dir, mode == "trl-packing", recorder_for)
+        packing = mode == "trl-packing"
+        recorder = run_trl(
+            model, tokenizer, data_path, out_dir, packing, recorder_for, int(length), int(steps)
+        )
     recorder.stats.save()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:7])

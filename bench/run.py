@@ -1,7 +1,7 @@
 """Side-by-side CPU benchmark: bare Accelerate loop, ftkit (with and without packing), TRL SFTTrainer
 (defaults and packing) and HF Trainer on the same model files, data and settings. Prints the table, puts it
 with the machine and the target verdicts into bench/RESULTS.md (between its markers), and writes every run's
-figures to bench/raw_results.json.
+figures to bench/raw_results.json. Then the data-preparation section (bench/data_prep.py).
 
     python bench/run.py [--repeats 5]
 """
@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import data_prep
 import torch
 from common import BATCH, LEARNING_RATE, ROOT, SEQ_LEN, STEPS, build_model_dir, write_data
 
@@ -180,6 +181,7 @@ def main() -> None:
     print(block)
     write_results(BENCH / "RESULTS.md", block)
     (BENCH / "raw_results.json").write_text(json.dumps({"machine": machine(), "runs": results}, indent=1))
+    print(data_prep.run_section([20000, 100000], machine()))
 
 
 if __name__ == "__main__":

@@ -26,25 +26,29 @@ from toolkit import (
     data,
     distributed,
     evaluate,
-    export,
     flops,
     launch_check,
     loss,
     metrics,
     optim,
-    portable,
+    rundir,
     speed,
+    steps,
 )
 from toolkit import model as models
 from toolkit.config import flat_dict, load_config
-from toolkit.errors import UserError
+from toolkit.errors import run_main
 from toolkit.nonfinite import NonFiniteGuard
 from toolkit.preemption import PREEMPTED_EXIT_CODE, StopRequest
+from toolkit.resume import Resume
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"
 
 
 def main(argv: list[str]) -> int:
+    # First: a stop while loading or evaluating exits cleanly, and a launcher stopping the other ranks after
+    # one failed leaves the main process time to say why.
+    stop = StopRequest()
     args = parse_args(argv)
     cfg = load_config(args.config or DEMO_CONFIG, args.overrides)
     output_dir = Path(cfg.output_dir)
@@ -71,8 +75,9 @@ def main(argv: list[str]) -> int:
     ]:
         accelerator.print(line)
     set_seed(cfg.seed)
-    resume_from = checkpoint.resolve_resume(output_dir, cfg.train.resume, cfg.train.overwrite)
-    checkpoint.prepare_output_dir(accelerator, output_dir, cfg, fresh=resume_from is None)
+    run_lock = rundir.claim(accelerator, output_dir)  # held until the process ends, however it ends
+    resume = Resume.find(output_dir, cfg, say=accelerator.print)
+    rundir.prepare_output_dir(accelerator, output_dir, cfg, fresh=resume.new_run)
     if cfg.log.trackers:
         accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg))
 
@@ -108,31 +113,22 @@ def main(argv: list[str]) -> int:
     meter = metrics.StepSpeed(flops.ModelShape.of(model), accelerator.device, accelerator.num_processes)
     optimizer = optim.build_optimizer(model, cfg.train, accelerator.num_processes, features.fused_adamw)
     scheduler = optim.build_scheduler(optimizer, cfg.train)
-    # Resuming under another backend or world size: the checkpoint goes into the plain model, before prepare.
-    marker = checkpoint.read_marker(resume_from) if resume_from is not None else None
-    layout = checkpoint.layout(accelerator)
-    exact = marker is not None and portable.resume_plan(marker, layout) == "exact"
-    if marker is not None and not exact:
-        accelerator.print(portable.restore_portable(resume_from, model, optimizer, scheduler, layout))
+    resume.before_prepare(model, optimizer, scheduler, accelerator)
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
 
     # Where to start: a checkpoint, or a fresh run whose starting point is measured first.
-    start_step, tokens_seen = 0, 0
     log = metrics.MetricsLog(
         output_dir / "metrics.jsonl",
         accelerator.is_main_process,
         accelerator.log if cfg.log.trackers else None,
     )
     evaluator = evaluate.Evaluator(accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, log)
-    if marker is not None:
-        if exact:
-            checkpoint.load_checkpoint(accelerator, resume_from, model, optimizer)
-        start_step, tokens_seen = marker["step"], marker["tokens_seen"]
-        if accelerator.is_main_process:
-            metrics.truncate_after(log.path, start_step)
-        accelerator.print(f"resumed from {resume_from} at step {start_step}")
-    else:
+    start_step, tokens_seen = resume.after_prepare(accelerator, log, model)
+    if resume.checkpoint is None and not stop.agreed(accelerator):
         evaluator.report(0, "before")
+    if stop.agreed(accelerator):  # stopped while loading or evaluating: nothing new to save
+        accelerator.print(f"stopped by {stop.signal_name or 'another rank'} before step {start_step + 1}")
+        return PREEMPTED_EXIT_CODE
 
     # The loop: one iteration per optimizer step, `grad_accum` micro-batches each.
     stream = batches.StepStream(train_loader, sampler, grad_accum, start_step, accelerator.skip_first_batches)
@@ -140,7 +136,6 @@ def main(argv: list[str]) -> int:
     guard = NonFiniteGuard(
         cfg.train.nonfinite, cfg.train.nonfinite_patience, can_skip=launch.backend != "deepspeed"
     )
-    stop = StopRequest()
     progress = tqdm(
         initial=start_step, total=cfg.train.max_steps, disable=not accelerator.is_main_process, desc="train"
     )
@@ -149,15 +144,14 @@ def main(argv: list[str]) -> int:
         started = time.perf_counter()
         micro_batches = stream.next_step()
         data_wait = time.perf_counter() - started
-        counts = torch.tensor(
+        step_targets, step_tokens, step_rows = steps.global_counts(
+            accelerator,
             [
                 sum(loss.count_targets(b["labels"]) for b in micro_batches),
                 sum(data.count_tokens(b) for b in micro_batches),
                 sum(len(b["input_ids"]) for b in micro_batches),
             ],
-            device=accelerator.device,
         )
-        step_targets, step_tokens, step_rows = accelerator.reduce(counts, reduction="sum").tolist()
         scale = loss.backward_scale(step_targets, grad_accum, accelerator.num_processes)
         loss_sum = torch.zeros((), device=accelerator.device)
         for batch in micro_batches:
@@ -167,14 +161,12 @@ def main(argv: list[str]) -> int:
                 accelerator.backward(micro_loss * scale)
                 loss_sum += micro_loss.detach()
         step_loss = accelerator.reduce(loss_sum, reduction="sum").item() / max(step_targets, 1)
-        grad_norm = float(distributed.clip_grad_norm(accelerator, model, cfg.train.max_grad_norm))
-        if guard.allows_update(step, step_loss, grad_norm):
-            optimizer.step()
-            scheduler.step()
-        optimizer.zero_grad()
+        grad_norm = steps.apply_update(
+            accelerator, model, optimizer, scheduler, guard, step, step_loss, cfg.train.max_grad_norm
+        )
         tokens_seen += step_tokens
         elapsed = time.perf_counter() - started
-        if step % cfg.train.log_every_steps == 0 or step == cfg.train.max_steps:
+        if steps.every(step, cfg.train.log_every_steps, cfg.train.max_steps):
             lr = scheduler.get_last_lr()[0]
             measured = meter.measure(step_tokens, step_rows, elapsed, data_wait)
             log.write(
@@ -189,48 +181,22 @@ def main(argv: list[str]) -> int:
             progress.set_postfix(metrics.progress_fields(step_loss, lr, measured))
         progress.update(1)
         eval_result = {}
-        if cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0:
+        if steps.every(step, cfg.train.eval_every_steps):
             eval_result = evaluator.evaluate(step)
-        stopping, save_due = distributed.any_rank(
-            accelerator, stop.requested or bool(guard.failure), schedule.due(step)
+        state = {"tokens_seen": tokens_seen, "eval_loss": eval_result.get("eval_loss")}
+        exit_code = steps.end_of_step(
+            accelerator, cfg, output_dir, step, state, schedule, guard, stop, progress
         )
-        if (save_due or stopping) and guard.weights_intact:
-            checkpoint.save_checkpoint(
-                accelerator,
-                output_dir,
-                step,
-                {"tokens_seen": tokens_seen, "eval_loss": eval_result.get("eval_loss")},
-                cfg,
-            )
-            schedule.saved(step)
-            if accelerator.is_main_process and (cfg.train.keep_last or cfg.train.keep_best):
-                checkpoint.prune_checkpoints(output_dir, cfg.train.keep_last, cfg.train.keep_best)
-        if stopping:
-            progress.close()
-            if guard.failure:
-                raise UserError(guard.failure)
-            accelerator.print(
-                f"stopped by {stop.signal_name or 'another rank'} after step {step}; checkpoint saved, "
-                "launch again with train.resume=auto to continue"
-            )
-            return PREEMPTED_EXIT_CODE
+        if exit_code is not None:
+            return exit_code
     progress.close()
 
     # Finish: final checkpoint, the measured result, the exported model.
-    if schedule.last_step < cfg.train.max_steps:
-        checkpoint.save_checkpoint(
-            accelerator, output_dir, cfg.train.max_steps, {"tokens_seen": tokens_seen}, cfg
-        )
+    steps.final_checkpoint(accelerator, cfg, output_dir, schedule, {"tokens_seen": tokens_seen})
     evaluator.report(cfg.train.max_steps, "after")
-    final_dir = output_dir / "final"
-    export.export_model(accelerator, model, tokenizer, final_dir, cfg.export.dtype)
-    if cfg.export.merge and cfg.model.method != "full" and accelerator.is_main_process:
-        export.merge_adapter(final_dir, final_dir / "merged", cfg.export.dtype)
-    accelerator.wait_for_everyone()
-    accelerator.print(
-        f"saved: {final_dir.resolve()}  (try: ftkit generate --model {final_dir} --prompt '...')"
-    )
+    steps.export_final(accelerator, model, tokenizer, cfg, output_dir)
     accelerator.end_training()
+    run_lock.release()
     return 0
 
 
@@ -243,11 +209,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 if __name__ == "__main__":
     console.quiet_third_party()
-    error = ""
     try:
-        exit_code = main(sys.argv[1:])
-    except UserError as exc:
-        exit_code, error = 2, str(exc)
+        exit_code = run_main(main, sys.argv[1:], "finetune_llm")
     finally:
         distributed.close()  # also after a preemption stop or an error, so the exit code gets out
-    sys.exit(console.finish("finetune_llm", exit_code, error))
+    sys.exit(exit_code)

@@ -1,6 +1,9 @@
-"""Rebuild the embedded demo assets: the tiny pretrained Llama base model and the addition dataset.
+"""Rebuild the embedded demo assets: the tiny pretrained Llama base model, the addition dataset and the
+preference pairs.
 
-Run `python scripts/build_assets.py` (about four minutes on two idle cores). Everything comes from fixed
+Run `python scripts/build_assets.py` (about four minutes on two idle cores), or
+`python scripts/build_assets.py --pairs` to write only the preference pairs (seconds; the model is left
+alone). Everything comes from fixed
 seeds: a rerun reproduces the data files exactly, and the weights bit for bit on the same machine and
 software stack. Check a rebuilt model with `python scripts/measure_demo_headroom.py` before committing
 it: how quickly a LoRA fine-tune picks up the chat format depends on how well pretraining went.
@@ -9,6 +12,7 @@ it: how quickly a LoRA fine-tune picks up the chat format depends on how well pr
 import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -216,6 +220,35 @@ def chat_example(a, b, rng):
     return {"messages": messages}
 
 
+NUM_PAIRS = 1000
+
+
+def wrong_sum(a, b, rng):
+    """A plausible mistake: a dropped or doubled carry, off by one or ten, swapped or repeated digits."""
+    right = a + b
+    carry_dropped = right - 10 if a % 10 + b % 10 >= 10 else right + 10
+    candidates = [carry_dropped, right + 1, right - 1, right + 10, right - 10, int(str(right)[::-1])]
+    candidates += [int(str(right) + str(right)[-1]), right // 10 if right >= 10 else right + 2]
+    return rng.choice([c for c in candidates if c != right and c >= 0])
+
+
+def preference_pair(a, b, rng):
+    prompt = chat_example(a, b, rng)["messages"][:-1]
+    return {"prompt": prompt, "chosen": str(a + b), "rejected": str(wrong_sum(a, b, rng))}
+
+
+def write_pairs():
+    """Train pairs from the sums the fine-tuning set may use, eval pairs from its held-out sums."""
+    rng = random.Random(SEED)
+    seen_pairs, eval_pairs = split_pairs(rng)  # the same split as main(), from the same seed
+    pair_rng = random.Random(SEED + 1)
+    train = [preference_pair(a, b, pair_rng) for a, b in pair_rng.sample(seen_pairs, NUM_PAIRS)]
+    held = [preference_pair(a, b, pair_rng) for a, b in eval_pairs]
+    write_jsonl(ASSETS / "demo" / "pairs_train.jsonl", train)
+    write_jsonl(ASSETS / "demo" / "pairs_eval.jsonl", held)
+    print(f"wrote {len(train)} train and {len(held)} eval preference pairs to {ASSETS / 'demo'}")
+
+
 def write_jsonl(path, rows):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -330,6 +363,7 @@ def main():
     eval_rows = [chat_example(a, b, rng) for a, b in eval_pairs]
     write_jsonl(ASSETS / "demo" / "train.jsonl", train_rows)
     write_jsonl(ASSETS / "demo" / "eval.jsonl", eval_rows)
+    write_pairs()
 
     # About 70% of the tokens are sums; the English keeps the vocabulary and the model general.
     documents = [arithmetic_document(seen_pairs, rng) for _ in range(6000)]
@@ -353,4 +387,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    write_pairs() if sys.argv[1:] == ["--pairs"] else main()

@@ -163,3 +163,13 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
         max_position_embeddings=64,
     )
     return LlamaConfig(**{**shape, **overrides})
+
+
+def load_recipe(name: str = "finetune_llm"):
+    """A recipe script as a module, so a test can call its `main` in this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -9,13 +9,14 @@ import time
 from pathlib import Path
 
 from accelerate.utils import DistributedType
+from safetensors import SafetensorError, safe_open
 
 from toolkit.config import RecipeConfig, save_config
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
+from toolkit.rundir import CONFIG
 
 MARKER = "ftkit_checkpoint.json"
-CONFIG = "config.yaml"
 
 
 def checkpoint_dir(output_dir: Path) -> Path:
@@ -35,41 +36,41 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name[5:]), default=None)
 
 
-def resolve_resume(output_dir: Path, resume: str, overwrite: bool) -> Path | None:
-    """Which checkpoint to start from (None: fresh), refusing to mix a fresh run into another run's files."""
-    if resume not in ("auto", "never"):
-        path = Path(resume)
-        if not is_complete(path):
-            raise UserError(f"train.resume: {resume} is not a complete checkpoint (no {MARKER})")
-        return path
-    latest = latest_checkpoint(output_dir) if resume == "auto" and not overwrite else None
-    if latest is None and _holds_a_run(output_dir) and not overwrite:
-        raise UserError(
-            f"output_dir: {output_dir} holds another run; set train.overwrite=true to replace it"
-            + (" or train.resume=auto to continue it" if resume == "never" else "")
-        )
-    return latest
+def damage(path: Path) -> str:
+    """Why `path` would not load as it was written, or "" when it is intact: its marker's manifest names
+    every file and its size; safetensors files must also have a readable header."""
+    if not is_complete(path):
+        return f"no {MARKER} (an unfinished save)"
+    try:
+        files = json.loads((path / MARKER).read_text()).get("files", {})
+    except (OSError, ValueError) as exc:
+        return f"{MARKER} is unreadable ({exc})"
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, {size} were written"
+        if file.suffix == ".safetensors" and not _header_readable(file):
+            return f"{name} has an unreadable safetensors header"
+    return ""
 
 
-def clear_output_dir(output_dir: Path) -> None:
-    """Empty output_dir before a fresh run (only reached when resolve_resume allowed it)."""
-    if output_dir.is_dir():
-        for child in output_dir.iterdir():
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
-
-
-def prepare_output_dir(accelerator, output_dir: Path, cfg: RecipeConfig, fresh: bool) -> None:
-    """A fresh run starts in an empty output_dir (cleared if allowed) with its config saved."""
-    accelerator.wait_for_everyone()  # every rank has looked at output_dir before it changes
-    if fresh and accelerator.is_main_process:
-        clear_output_dir(output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, output_dir / "config.yaml")
-    accelerator.wait_for_everyone()
-
-
-def _holds_a_run(output_dir: Path) -> bool:
-    return output_dir.is_dir() and any(output_dir.iterdir())
+def newest_intact(output_dir: Path, say) -> Path | None:
+    """The newest checkpoint that passes `damage`; each damaged newer one is named in one `say` line.
+    None when output_dir holds no finished checkpoint; every finished one damaged is an error."""
+    root = checkpoint_dir(output_dir)
+    done = (
+        [p for p in root.glob("step-*") if p.name[5:].isdigit() and is_complete(p)] if root.is_dir() else []
+    )
+    for path in sorted(done, key=lambda p: int(p.name[5:]), reverse=True):
+        reason = damage(path)
+        if not reason:
+            return path
+        say(f"warning: skipping damaged checkpoint {path}: {reason}")
+    if done:
+        raise UserError(f"{root}: every checkpoint is damaged (see the warnings above); nothing to resume")
+    return None
 
 
 class SaveSchedule:
@@ -116,12 +117,13 @@ def save_checkpoint(
 
 
 def prune_checkpoints(output_dir: Path, keep_last: int, keep_best: bool) -> list[Path]:
-    """Delete all but the `keep_last` newest complete checkpoints (and the best by eval loss); main only."""
+    """Delete all but the `keep_last` newest complete checkpoints (and the best by eval loss); main only.
+    The newest is always kept, whatever `keep_last` says."""
     done = sorted(
         (p for p in checkpoint_dir(output_dir).glob("step-*") if is_complete(p)),
         key=lambda p: int(p.name[5:]),
     )
-    keep = set(done[-keep_last:]) if keep_last else set(done)
+    keep = set(done[-keep_last:]) if keep_last > 0 else set(done)
     scored = [(json.loads((p / MARKER).read_text()).get("eval_loss"), p) for p in done]
     scored = [(loss, p) for loss, p in scored if loss is not None]
     if keep_best and scored:
@@ -137,7 +139,17 @@ def _attempt(action) -> str:
         action()
     except OSError as exc:
         return f"{exc.strerror or exc} ({exc.filename or ''})".replace(" ()", "")
+    except (RuntimeError, SafetensorError) as exc:
+        # safetensors and torch.save report a full disk or a closed file as these, not as OSError.
+        if not _is_write_failure(exc):
+            raise
+        return str(exc).splitlines()[0]
     return ""
+
+
+def _is_write_failure(exc: Exception) -> bool:
+    text = str(exc).lower()
+    return any(word in text for word in ("no space", "basic_ios", "write", "permission", "i/o error"))
 
 
 def _finalize(tmp: Path, final: Path, marker: dict, config: RecipeConfig | None) -> None:
@@ -164,18 +176,9 @@ def _agree_or_raise(accelerator, error: str, tmp: Path, final: Path, output_dir:
     raise UserError(f"{final}: checkpoint not written: {error or 'failed on another rank'}; {still}")
 
 
-def load_checkpoint(accelerator, path: Path, model, optimizer) -> dict:
-    """Restore model, optimizer, scheduler and RNG states; return the marker (step and counters).
-
-    `model` and `optimizer` are the prepared ones, the only ones `accelerator` holds.
-    """
-    accelerator.load_state(str(path))
-    _reload_fsdp1_optimizer(path, model, optimizer)
-    return read_marker(path)
-
-
-def _reload_fsdp1_optimizer(path: Path, model, optimizer) -> None:
-    """Collective: read FSDP1's sharded optimizer state again, by the names the checkpoint holds.
+def reload_fsdp1_optimizer(path: Path, model, optimizer) -> None:
+    """Collective, after `accelerator.load_state`: read FSDP1's sharded optimizer state again, by the
+    names the checkpoint holds; `model` is the prepared (FSDP-wrapped) one, else nothing happens.
 
     Accelerate reads it into the state a fresh optimizer has, which is empty, so the moments would
     silently restart at zero; torch's reader takes its keys from the checkpoint itself.
@@ -210,6 +213,15 @@ def layout(accelerator) -> dict:
         "world_size": accelerator.num_processes,
         "zero_stage": accelerator.state.deepspeed_plugin.zero_stage if deepspeed else 0,
     }
+
+
+def _header_readable(file: Path) -> bool:
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            handle.keys()
+    except Exception:  # safetensors raises its own error types for every kind of bad header
+        return False
+    return True
 
 
 def _manifest(path: Path) -> dict[str, int]:

@@ -8,43 +8,71 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
 
 import yaml
 
 from toolkit.errors import UserError
+from toolkit.fields import (
+    Fraction,
+    Length,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Probability,
+    Range,
+    describe,
+    field_errors,
+)
 
 # Package data, so `load_config(None)` works from any install; recipes/configs/demo.yaml is its twin.
 DEMO_CONFIG = Path(__file__).resolve().parent / "assets" / "demo.yaml"
+
+# The words a key accepts, declared once: the config check, the command line and the docs read them here.
+Method = Literal["full", "lora", "qlora"]
+Dtype = Literal["float32", "bfloat16", "float16", "auto"]
+Attention = Literal["sdpa", "eager", "flash_attention_2"]
+Switch = bool | Literal["auto"]
+DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "text", "prompt_completion"]
+LrScaling = Literal["none", "linear", "sqrt"]
+LrScheduler = Literal["cosine", "linear", "constant"]
+MixedPrecision = Literal["no", "bf16", "fp16"]
+OnNonFinite = Literal["skip", "stop"]
+Tracker = Literal["tensorboard", "wandb", "mlflow", "trackio"]
+Seed = Annotated[int, Range(low=0, high=2**32 - 1)]
 
 
 @dataclass
 class ModelConfig:
     path: str = "toolkit/assets/tiny-llama"
     """Local directory or hub id of the base model (anything `from_pretrained` accepts)."""
-    method: str = "lora"
-    """How to fine-tune: full | lora | qlora (4-bit base via bitsandbytes, CUDA only)."""
-    dtype: str = "float32"
-    """Dtype the weights are loaded in: float32 | bfloat16 | float16 | auto."""
-    attn_implementation: str = "sdpa"
-    """Attention kernel: sdpa | eager | flash_attention_2 (CUDA + flash-attn, else sdpa with a note)."""
-    gradient_checkpointing: bool | str = "auto"
-    """Recompute activations in the backward pass to save memory: true | false | auto (on for LoRA/QLoRA
-    of models with 1B+ parameters)."""
+    method: Method = "lora"
+    """How to fine-tune (qlora: LoRA over a 4-bit base via bitsandbytes, CUDA only)."""
+    dtype: Dtype = "float32"
+    """Dtype the weights are loaded in (auto: as the model's config says)."""
+    attn_implementation: Attention = "sdpa"
+    """Attention kernel (flash_attention_2 needs CUDA + flash-attn, else sdpa with a note)."""
+    gradient_checkpointing: Switch = "auto"
+    """Recompute activations in the backward pass to save memory (auto: on for LoRA/QLoRA of models with
+    1B+ parameters)."""
     liger_kernels: bool = False
     """Liger's Triton kernels for norms, rotary embedding and MLP (CUDA + liger-kernel, else a note)."""
     compile: bool = False
     """torch.compile the model's forward pass (in place: checkpoint and export names are unchanged)."""
     trust_remote_code: bool = False
     """Allow modelling code shipped with the checkpoint to run."""
+    adapter: str | None = None
+    """LoRA adapter directory (e.g. an SFT run's final/) merged into the base before training starts."""
 
 
 @dataclass
 class LoraConfig:
-    r: int = 16
+    r: PositiveInt = 16
     """Rank of the low-rank update."""
-    alpha: int = 32
+    alpha: PositiveInt = 32
     """Scaling numerator: the update is multiplied by alpha / r."""
-    dropout: float = 0.0
+    dropout: Probability = 0.0
     """Dropout on the LoRA input."""
     target_modules: str | list[str] = "all-linear"
     """Module names to adapt, or "all-linear" for every linear layer but the output head."""
@@ -56,73 +84,77 @@ class LoraConfig:
 class DataConfig:
     train: str | list[str] = "toolkit/assets/demo/train.jsonl"
     """Training data: a file (jsonl/json/parquet/csv), a hub dataset id, or a list of them."""
-    weights: list[float] | None = None
+    weights: list[NonNegativeFloat] | None = None
     """Mixture weights, one per `train` entry (relative; default: each source used once)."""
-    format: str = "auto"
-    """Record layout: auto | messages | sharegpt | alpaca | text | prompt_completion."""
+    format: DataFormat = "auto"
+    """Record layout of the data (auto: detected from the first record)."""
     eval: str | None = None
     """Held-out data file or hub id; when unset, `eval_fraction` of train is held out."""
-    eval_fraction: float = 0.05
+    eval_fraction: Probability = 0.05
     """Share of the training data held out for eval when `eval` is unset (0 disables eval)."""
-    max_length: int = 512
+    max_length: PositiveInt = 512
     """Tokens per example; longer examples are truncated (and counted in a warning)."""
     assistant_only_loss: bool = True
     """Train on assistant tokens only; false trains on every token of the conversation."""
     split: str = "train"
     """Split to read from hub datasets."""
-    num_workers: int = 0
+    num_workers: NonNegativeInt = 0
     """DataLoader worker processes."""
+    num_proc: NonNegativeInt = 0
+    """Processes encoding the data (0: the cores this process may use, at most 8); same rows either way."""
     packing: bool = False
     """Pack examples into rows of max_length tokens (no attention across examples); batch sizes count rows."""
     group_by_length: bool = False
     """Without packing: fill each global batch with examples of similar length, so micro-batches pad less."""
+    streaming: bool = False
+    """Read, encode and pack the training data as training goes (no cache): for corpora larger than RAM."""
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 100
+    max_steps: PositiveInt = 100
     """Optimizer steps to run."""
-    global_batch_size: int = 16
+    global_batch_size: PositiveInt = 16
     """Examples per optimizer step across all processes; accumulation is derived from it."""
-    micro_batch_size: int = 4
+    micro_batch_size: PositiveInt = 4
     """Examples per forward pass on one process."""
-    learning_rate: float = 2e-4
+    learning_rate: PositiveFloat = 2e-4
     """Peak learning rate (before any scaling rule)."""
-    lr_scaling: str = "none"
-    """Scale the learning rate by world size: none | linear | sqrt."""
-    lr_scheduler: str = "cosine"
-    """Schedule after warmup: cosine | linear | constant."""
-    warmup_steps: int = 0
+    lr_scaling: LrScaling = "none"
+    """Scale the learning rate by world size (linear: x N processes, sqrt: x sqrt(N))."""
+    lr_scheduler: LrScheduler = "cosine"
+    """Schedule after warmup."""
+    warmup_steps: NonNegativeInt = 0
     """Linear warmup steps."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: Fraction = 0.0
     """Floor of the decayed learning rate, as a fraction of the peak."""
-    weight_decay: float = 0.0
+    weight_decay: NonNegativeFloat = 0.0
     """AdamW weight decay (never applied to biases and norm weights)."""
-    fused_adamw: bool | str = "auto"
-    """torch's fused AdamW kernel: auto (on CUDA) | true (a note where unavailable) | false."""
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    fused_adamw: Switch = "auto"
+    """torch's fused AdamW kernel (auto: on CUDA; true: a note where unavailable)."""
+    adam_betas: Annotated[list[Probability], Length(2)] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW betas."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: NonNegativeFloat = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
-    mixed_precision: str = "no"
-    """Autocast precision: no | bf16 | fp16."""
-    log_every_steps: int = 1
+    mixed_precision: MixedPrecision = "no"
+    """Autocast precision."""
+    log_every_steps: PositiveInt = 1
     """Write a metrics line every N optimizer steps."""
-    eval_every_steps: int = 0
+    eval_every_steps: NonNegativeInt = 0
     """Evaluate every N steps (0: only before and after training)."""
-    save_every_steps: int = 0
+    save_every_steps: NonNegativeInt = 0
     """Checkpoint every N steps (0: only the final checkpoint)."""
-    save_every_minutes: float = 0.0
+    save_every_minutes: NonNegativeFloat = 0.0
     """Also checkpoint when this many minutes passed since the last one (0: off)."""
-    keep_last: int = 0
-    """Keep only the K newest checkpoints (0: keep all)."""
+    keep_last: NonNegativeInt = 0
+    """Keep only the K newest checkpoints (0: keep all; the newest is never deleted)."""
     keep_best: bool = False
     """Also keep the checkpoint with the lowest eval loss when pruning."""
-    nonfinite: str = "stop"
-    """On a NaN/inf loss or gradient norm: skip (drop the step, count it) | stop (see below)."""
-    nonfinite_patience: int = 3
+    nonfinite: OnNonFinite = "stop"
+    """On a NaN/inf loss or gradient norm: skip (drop the step, count it) or stop (see below)."""
+    nonfinite_patience: PositiveInt = 3
     """Non-finite steps in a row before `stop` ends the run (earlier ones are skipped)."""
-    collective_timeout_minutes: float = 30.0
+    collective_timeout_minutes: PositiveFloat = 30.0
     """A collective (all-reduce, barrier) that waits longer than this fails instead of hanging."""
     resume: str = "auto"
     """auto (newest checkpoint in output_dir) | never | path to a checkpoint directory."""
@@ -132,13 +164,13 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    max_batches: int = 0
+    max_batches: NonNegativeInt = 0
     """Cap on eval micro-batches per evaluation (0: the whole eval set)."""
-    exact_match_samples: int = 0
+    exact_match_samples: NonNegativeInt = 0
     """Greedy-decode this many eval examples and report exact-match accuracy (0 disables)."""
     sample_prompt: str = ""
     """Prompt shown with the model's answer before and after training ("" uses the first eval example)."""
-    max_new_tokens: int = 32
+    max_new_tokens: PositiveInt = 32
     """Generation length for samples and exact match."""
 
 
@@ -146,14 +178,14 @@ class EvalConfig:
 class ExportConfig:
     merge: bool = False
     """Also write a standalone model with the LoRA update merged in (final/merged)."""
-    dtype: str = "auto"
-    """Dtype of exported weights: auto (as trained) | float32 | bfloat16 | float16."""
+    dtype: Dtype = "auto"
+    """Dtype of exported weights (auto: as trained)."""
 
 
 @dataclass
 class LogConfig:
-    trackers: list[str] = field(default_factory=list)
-    """Accelerate trackers to report to: tensorboard | wandb | mlflow | trackio."""
+    trackers: list[Tracker] = field(default_factory=list)
+    """Accelerate trackers to report to (the `trackers` extra installs them)."""
     project: str = "ftkit"
     """Project (experiment) name for trackers."""
 
@@ -162,7 +194,7 @@ class LogConfig:
 class RecipeConfig:
     output_dir: str = "runs/demo"
     """Where config.yaml, metrics.jsonl, checkpoints/ and final/ are written."""
-    seed: int = 42
+    seed: Seed = 42
     """Seed for weights of new modules, data order and dropout."""
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -173,29 +205,12 @@ class RecipeConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
 
-CHOICES = {
-    "model.method": ("full", "lora", "qlora"),
-    "model.dtype": ("float32", "bfloat16", "float16", "auto"),
-    "data.format": ("auto", "messages", "sharegpt", "alpaca", "text", "prompt_completion"),
-    "train.lr_scaling": ("none", "linear", "sqrt"),
-    "train.lr_scheduler": ("cosine", "linear", "constant"),
-    "train.mixed_precision": ("no", "bf16", "fp16"),
-    "train.nonfinite": ("skip", "stop"),
-    "export.dtype": ("auto", "float32", "bfloat16", "float16"),
-}
-POSITIVE = (
-    "train.max_steps",
-    "train.global_batch_size",
-    "train.micro_batch_size",
-    "train.learning_rate",
-    "data.max_length",
-    "train.nonfinite_patience",
-    "train.collective_timeout_minutes",
-)
+def load_config(
+    path: str | Path | None = None, overrides: list[str] = (), schema: type[RecipeConfig] = RecipeConfig
+) -> RecipeConfig:
+    """Read a YAML recipe config (the demo when `path` is None) and apply `key=value` overrides.
 
-
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RecipeConfig:
-    """Read a YAML recipe config (the demo when `path` is None) and apply `key=value` overrides."""
+    `schema` is the recipe's config class: RecipeConfig or a subclass adding sections of its own."""
     path = Path(path) if path else DEMO_CONFIG
     raw = read_yaml_mapping(path, "config file")
     for item in overrides:
@@ -203,8 +218,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Re
         if not sep:
             raise UserError(f"override {item!r} must look like key=value (e.g. train.max_steps=50)")
         _set_dotted(raw, key.strip(), yaml.safe_load(value), source="command line")
-    cfg = _build(RecipeConfig, raw, prefix="", source=str(path))
-    validate(cfg)
+    cfg = _build(schema, raw, prefix="", source=str(path))
+    validate(cfg, source=str(path))
     return cfg
 
 
@@ -224,16 +239,11 @@ def read_yaml_mapping(path: Path, what: str) -> dict:
     return raw
 
 
-def validate(cfg: RecipeConfig) -> None:
-    """Check values that types alone cannot express."""
-    flat = to_dict(cfg)
-    for key, allowed in CHOICES.items():
-        value = _get_dotted(flat, key)
-        if value not in allowed:
-            raise UserError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
-    for key in POSITIVE:
-        if not _get_dotted(flat, key) > 0:
-            raise UserError(f"{key}: must be positive, got {_get_dotted(flat, key)}")
+def validate(cfg: RecipeConfig, source: str = "config") -> None:
+    """Check every key against the values its field declares, then what single fields cannot express."""
+    errors = field_errors(cfg)
+    if errors:
+        raise UserError(f"{source}: {errors[0]}")
     if cfg.train.global_batch_size % cfg.train.micro_batch_size:
         raise UserError(
             f"train.global_batch_size ({cfg.train.global_batch_size}) is not a multiple of "
@@ -244,13 +254,10 @@ def validate(cfg: RecipeConfig) -> None:
         raise UserError(
             f"data.weights: {len(cfg.data.weights)} weights for {len(sources)} data.train sources"
         )
-    for key in ("model.gradient_checkpointing", "train.fused_adamw"):
-        if _get_dotted(flat, key) not in (True, False, "auto"):
-            raise UserError(f"{key}: {_get_dotted(flat, key)!r} is not one of true, false, auto")
     if cfg.data.packing and cfg.data.group_by_length:
         raise UserError("data.group_by_length has no effect with data.packing; set only one")
-    if not 0 <= cfg.data.eval_fraction < 1:
-        raise UserError(f"data.eval_fraction: must be in [0, 1), got {cfg.data.eval_fraction}")
+    if cfg.model.adapter and cfg.model.method == "qlora":
+        raise UserError("model.adapter cannot be merged into a 4-bit base; use model.method lora or full")
 
 
 def to_dict(cfg) -> dict:
@@ -277,11 +284,12 @@ def save_config(cfg: RecipeConfig, path: Path) -> None:
 
 
 def field_docs(cls=RecipeConfig, prefix: str = "") -> dict[str, str]:
-    """Map each dotted key to its one-line docstring (read from the source, for `ftkit` help output)."""
+    """Map each dotted key to its one-line docstring (read from the source) and the values it allows."""
     import ast
     import inspect
 
     docs: dict[str, str] = {}
+    hints = typing.get_type_hints(cls, include_extras=True)
     body = ast.parse(inspect.getsource(cls)).body[0].body
     for stmt, nxt in zip(body, body[1:] + [None]):
         if (
@@ -289,7 +297,8 @@ def field_docs(cls=RecipeConfig, prefix: str = "") -> dict[str, str]:
             and isinstance(nxt, ast.Expr)
             and isinstance(nxt.value, ast.Constant)
         ):
-            docs[prefix + stmt.target.id] = nxt.value.value
+            allowed = describe(hints[stmt.target.id])
+            docs[prefix + stmt.target.id] = nxt.value.value + (f" Allowed: {allowed}." if allowed else "")
     for f in dataclasses.fields(cls):
         sub = _dataclass_type(cls, f)
         if sub:
@@ -333,6 +342,9 @@ def _coerce(value, hint, key: str, source: str):
     if hint is type(None):
         if value is None:
             return None
+    elif origin is Literal:
+        # The type of its words; which words are allowed is checked with every other declared bound.
+        return _coerce(value, type(typing.get_args(hint)[0]), key, source)
     elif origin is list:
         if isinstance(value, list):
             (item,) = typing.get_args(hint)
@@ -357,6 +369,8 @@ def _is_number(text: str) -> bool:
 
 
 def _type_name(hint) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(hint)))
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return " or ".join(_type_name(h) for h in typing.get_args(hint))
     if hint is type(None):
@@ -377,10 +391,3 @@ def _set_dotted(raw: dict, key: str, value, source: str) -> None:
         if not isinstance(node, dict):
             raise UserError(f"{source}: {key}: {part} is not a section")
     node[parts[-1]] = value
-
-
-def _get_dotted(flat: dict, key: str):
-    node = flat
-    for part in key.split("."):
-        node = node[part]
-    return node

@@ -79,9 +79,19 @@ def finish(recipe: str, code: int, message: str = "") -> int:
     if exit_dir and code != 0:
         record = {"code": code, "message": message}
         (Path(exit_dir) / f"rank-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record))
-    elif message:
+    elif message and os.environ.get("RANK", "0") == "0":
+        # Every rank meets the same mistakes (a config, a path, an agreed check): one line per launch.
+        _close_progress_bars()
         print(f"{recipe}: error: {message}", file=sys.stderr)
     return code
+
+
+def _close_progress_bars() -> None:
+    """A bar left open by the error ends its line first, so the message gets a line of its own."""
+    bars = sys.modules.get("tqdm.std")
+    if bars is not None:
+        for bar in list(bars.tqdm._instances):
+            bar.close()
 
 
 def read_exits(exit_dir: Path) -> list[dict]:

@@ -3,3 +3,17 @@
 
 class UserError(Exception):
     """Bad input (config, data, paths, launch setup): the message says what and where."""
+
+
+USER_ERROR_EXIT_CODE = 2
+
+
+def run_main(main, argv: list[str], prog: str) -> int:
+    """Run a recipe's `main`; a UserError becomes one line (see console.finish) and exit code 2."""
+    from toolkit import console
+
+    try:
+        code, message = main(argv), ""
+    except UserError as exc:
+        code, message = USER_ERROR_EXIT_CODE, str(exc)
+    return console.finish(prog, code, message)

@@ -9,30 +9,43 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from toolkit.distributed import any_rank
+from toolkit.errors import UserError
 from toolkit.model import DTYPES
 
 ADAPTER_CONFIG = "adapter_config.json"
 
 
 def export_model(accelerator, model, tokenizer, out_dir: Path, dtype: str) -> None:
-    """Collective: gathers the full state dict (sharded backends included) and writes it on the main rank."""
+    """Collective: gathers the full state dict (sharded backends included) and writes it on the main rank.
+    A failed write (disk full, permissions) leaves no partial files and raises UserError on every rank."""
     state_dict = full_state_dict(accelerator, model)
+    error = ""
     if accelerator.is_main_process:
         if dtype != "auto":
             state_dict = {
                 k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in state_dict.items()
             }
         tmp = out_dir.with_name(out_dir.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        saver(accelerator, model).save_pretrained(str(tmp), state_dict=state_dict)
-        tokenizer.save_pretrained(str(tmp))
-        verify_export(tmp)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.rename(out_dir)
-    accelerator.wait_for_everyone()
+        try:
+            _write_export(saver(accelerator, model), state_dict, tokenizer, tmp, out_dir)
+        except (OSError, SafetensorError) as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = f"{out_dir}: model not exported: {getattr(exc, 'strerror', None) or exc}"
+    if any_rank(accelerator, bool(error))[0]:
+        raise UserError(error or f"{out_dir}: model not exported (failed on the main process)")
+
+
+def _write_export(model, state_dict: dict, tokenizer, tmp: Path, out_dir: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), state_dict=state_dict)
+    tokenizer.save_pretrained(str(tmp))
+    verify_export(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
 
 
 def full_state_dict(accelerator, model) -> dict[str, torch.Tensor]:
@@ -70,7 +83,7 @@ def saver(accelerator, model) -> torch.nn.Module:
         return get_peft_model(type(base)(base.config), unwrapped.peft_config[name], adapter_name=name)
 
 
-def verify_export(path: Path) -> int:
+def verify_export(path: Path, trust_remote_code: bool = False) -> int:
     """Check that every saved tensor is non-empty and matches, by name and shape, the model the files
     describe (built on the meta device, so no second copy of the weights is loaded). Returns the
     number of tensors checked."""
@@ -80,7 +93,7 @@ def verify_export(path: Path) -> int:
     empty = [name for name, shape in saved.items() if 0 in shape]
     if empty:
         raise RuntimeError(f"{path}: empty tensors written: {', '.join(empty[:5])}")
-    expected, tied = _expected_shapes(path)
+    expected, tied = _expected_shapes(path, trust_remote_code)
     if (path / ADAPTER_CONFIG).is_file():
         expected = {_adapter_key(k): v for k, v in expected.items() if "lora_" in k}
         saved = {_adapter_key(k): v for k, v in saved.items()}
@@ -94,19 +107,19 @@ def verify_export(path: Path) -> int:
     return len(saved)
 
 
-def merge_adapter(adapter_dir: Path, out_dir: Path, dtype: str) -> None:
+def merge_adapter(adapter_dir: Path, out_dir: Path, dtype: str, trust_remote_code: bool = False) -> None:
     """Fold a LoRA adapter into its base model and save a standalone model (one copy of the base, CPU)."""
     from peft import PeftModel
 
     base_path = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
     with outside_zero3():
         base = AutoModelForCausalLM.from_pretrained(
-            base_path, dtype=DTYPES[dtype] if dtype != "auto" else "auto"
+            base_path, dtype=DTYPES[dtype] if dtype != "auto" else "auto", trust_remote_code=trust_remote_code
         )
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(str(out_dir))
     AutoTokenizer.from_pretrained(str(adapter_dir)).save_pretrained(str(out_dir))
-    verify_export(out_dir)
+    verify_export(out_dir, trust_remote_code)
 
 
 @contextlib.contextmanager
@@ -135,18 +148,20 @@ def _saved_shapes(path: Path) -> dict[str, list[int]]:
     return shapes
 
 
-def _expected_shapes(path: Path) -> tuple[dict[str, tuple], set[str]]:
+def _expected_shapes(path: Path, trust_remote_code: bool) -> tuple[dict[str, tuple], set[str]]:
     """Names and shapes of the model's state (adapter included), plus the names of tied duplicates."""
     is_adapter = (path / ADAPTER_CONFIG).is_file()
     if is_adapter:
         from peft import PeftConfig, get_peft_model
 
         peft_config = PeftConfig.from_pretrained(str(path))
-        config = AutoConfig.from_pretrained(peft_config.base_model_name_or_path)
+        config = AutoConfig.from_pretrained(
+            peft_config.base_model_name_or_path, trust_remote_code=trust_remote_code
+        )
     else:
-        config = AutoConfig.from_pretrained(str(path))
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     with torch.device("meta"), outside_zero3():
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
         if is_adapter:
             peft_config.inference_mode = False
             model = get_peft_model(model, peft_config).base_model.model

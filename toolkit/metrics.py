@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import resource
 import time
 from pathlib import Path
@@ -25,8 +27,7 @@ class MetricsLog:
     def write(self, step: int, **values) -> dict:
         record = {"step": step, **{k: _plain(v) for k, v in values.items()}, "time": round(time.time(), 3)}
         if self.enabled:
-            with self.path.open("a") as handle:
-                handle.write(json.dumps(record) + "\n")
+            _append_line(self.path, json.dumps(record) + "\n")
             if self._tracker_log is not None:
                 self._tracker_log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
         return record
@@ -60,6 +61,18 @@ class StepSpeed:
         return values
 
 
+def _append_line(path: Path, line: str) -> None:
+    """Append a whole line or nothing: a failed write (disk full, permissions) is cut back off."""
+    size = path.stat().st_size if path.exists() else 0
+    try:
+        with path.open("a") as handle:
+            handle.write(line)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.truncate(path, size)
+        raise UserError(f"{path}: metrics line not written: {exc.strerror or exc}") from None
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """Peak memory so far: allocated device memory on CUDA, the process's peak RSS elsewhere."""
     if device.type == "cuda":
@@ -67,24 +80,31 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """Every record of a metrics.jsonl file (an empty list when it does not exist)."""
+def read_metrics(path: Path, on_torn_tail=None) -> list[dict]:
+    """Every record of a metrics.jsonl file (an empty list when it does not exist).
+
+    With `on_torn_tail`, a last line cut short (the writer stopped mid-line) is dropped and reported to it;
+    any other bad line is an error naming it."""
     if not path.exists():
         return []
+    lines = path.read_text().splitlines()
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as exc:
+            if number == len(lines) and on_torn_tail is not None:
+                on_torn_tail(f"warning: {path}:{number}: dropped a torn last line ({exc.msg})")
+                break
             raise UserError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
     return records
 
 
-def truncate_after(path: Path, step: int) -> None:
+def truncate_after(path: Path, step: int, say=print) -> None:
     """Drop lines logged after `step`, so a resumed run continues the file without duplicates."""
-    kept = [r for r in read_metrics(path) if r["step"] <= step]
+    kept = [r for r in read_metrics(path, on_torn_tail=say) if r["step"] <= step]
     path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 

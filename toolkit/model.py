@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model, prepare_model_for_kbit_training
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit import speed
@@ -20,7 +21,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_tokenizer(cfg: ModelConfig):
     """The model's tokenizer, with a pad token (the eos token when the model has none)."""
     _check_path(cfg.path)
-    return with_pad_token(_from_pretrained(AutoTokenizer, cfg))
+    return with_pad_token(_from_pretrained(AutoTokenizer, cfg, "tokenizer"))
 
 
 def with_pad_token(tokenizer):
@@ -47,7 +48,9 @@ def load_model(
     kwargs = {"dtype": DTYPES[cfg.dtype], "attn_implementation": attention}
     if cfg.method == "qlora":
         kwargs.update(_qlora_kwargs(local_rank))
-    model = _from_pretrained(AutoModelForCausalLM, cfg, **kwargs)
+    model = _from_pretrained(AutoModelForCausalLM, cfg, "model", **kwargs)
+    if cfg.adapter:
+        model = merge_start_adapter(model, cfg.adapter)
     if features and features.liger:
         speed.apply_liger(model)
     checkpointing = wants_checkpointing(cfg, model)
@@ -57,13 +60,23 @@ def load_model(
     if cfg.method == "qlora":
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
     if cfg.method in ("lora", "qlora"):
-        model = get_peft_model(model, peft_config(lora))
+        model = _with_adapter(model, lora)
         if checkpointing:
             # Frozen embeddings give checkpointed blocks inputs without grad; the adapters need one.
             model.enable_input_require_grads()
     if features and features.compile:
         model.compile()
     return model
+
+
+def merge_start_adapter(model, adapter: str):
+    """The base with a trained adapter folded in: the starting point (and, for preference tuning, the
+    reference) is then the adapted model, and a new adapter or a full fine-tune continues from it."""
+    from peft import PeftModel
+
+    if not (Path(adapter) / "adapter_config.json").is_file():
+        raise UserError(f"model.adapter: {adapter} is not an adapter directory (no adapter_config.json)")
+    return PeftModel.from_pretrained(model, adapter).merge_and_unload()
 
 
 def wants_checkpointing(cfg: ModelConfig, model) -> bool:
@@ -91,6 +104,20 @@ def peft_config(lora: LoraConfig) -> PeftLoraConfig:
     )
 
 
+def _with_adapter(model, lora: LoraConfig):
+    try:
+        return get_peft_model(model, peft_config(lora))
+    except ValueError as exc:  # peft's "target modules not found" and its kin
+        raise UserError(f"lora.target_modules: {lora.target_modules}: {str(exc).splitlines()[0]}") from None
+
+
+def local_path(path: str) -> str:
+    """An existing local directory as an absolute path (so files that record it work from any directory);
+    a hub id unchanged."""
+    local = Path(path).expanduser()
+    return str(local.resolve()) if local.is_dir() else path
+
+
 def _qlora_kwargs(local_rank: int) -> dict:
     if not torch.cuda.is_available():
         raise UserError("model.method: qlora needs a CUDA GPU (bitsandbytes 4-bit); use lora on this machine")
@@ -116,8 +143,20 @@ def _check_path(path: str) -> None:
         raise UserError(f"model.path: {path} does not exist")
 
 
-def _from_pretrained(cls, cfg: ModelConfig, **kwargs):
+def remote_code_refusal(exc: ValueError) -> str:
+    """One line for transformers' refusal to run a model's own code (else the error itself, unchanged)."""
+    if "trust_remote_code" not in str(exc):
+        raise exc
+    return "it ships its own modelling code, which runs only with trust_remote_code set by you"
+
+
+def _from_pretrained(cls, cfg: ModelConfig, what: str, **kwargs):
     try:
-        return cls.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code, **kwargs)
-    except OSError as exc:
-        raise UserError(f"model.path: cannot load {cfg.path}: {str(exc).splitlines()[0]}") from None
+        return cls.from_pretrained(local_path(cfg.path), trust_remote_code=cfg.trust_remote_code, **kwargs)
+    except (OSError, ValueError, SafetensorError) as exc:
+        if isinstance(exc, ValueError) and "trust_remote_code" in str(exc):
+            raise UserError(f"model.path: {cfg.path}: {remote_code_refusal(exc)}") from None
+        # A missing or truncated file, a folder without a tokenizer: transformers' first line says which.
+        raise UserError(
+            f"model.path: cannot load the {what} from {cfg.path}: {str(exc).splitlines()[0]}"
+        ) from None

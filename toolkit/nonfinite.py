@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from toolkit.errors import UserError
+
 
 class NonFiniteGuard:
     """Decides per step whether to apply the update. After `patience` non-finite steps in a row with
@@ -44,3 +46,17 @@ class NonFiniteGuard:
     def weights_intact(self) -> bool:
         """False once a non-finite update reached the weights."""
         return self.can_skip or not self.skipped
+
+
+def nonfinite_names(tensors) -> list[str]:
+    """Names of the floating tensors in `tensors` ((name, tensor) pairs) holding a NaN or an infinity."""
+    return [name for name, t in tensors if t.is_floating_point() and t.numel() and not t.isfinite().all()]
+
+
+def refuse_nonfinite(source, names: list[str]) -> None:
+    """Stop before anything trains on or exports weights that are not finite."""
+    if names:
+        raise UserError(
+            f"{source}: weights are not finite (NaN or inf) in {len(names)} tensors, first {names[0]}; "
+            "refusing to use them"
+        )

@@ -51,3 +51,18 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
     decay = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_scheduler == "cosine" else 1 - progress
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each parameter group's settings as this run built them (before any state is loaded into it)."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def continue_schedule(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, built: list[dict]) -> None:
+    """After a resume: keep the loaded schedule position, but take peak rates, betas and weight decay from
+    this run's config (`built`, from `hyperparameters`), so a changed setting applies from here on."""
+    scheduler.base_lrs = [group["initial_lr"] for group in built]
+    for group, settings, factor in zip(optimizer.param_groups, built, scheduler.lr_lambdas, strict=True):
+        group.update({k: v for k, v in settings.items() if k != "lr"})
+        group["lr"] = settings["initial_lr"] * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -20,8 +20,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from toolkit import safe_load
 from toolkit.checkpoint import read_marker
 from toolkit.errors import UserError
+from toolkit.nonfinite import nonfinite_names, refuse_nonfinite
 
 REPLICATED_MODEL = "model.safetensors"
 DCP_MODEL, DCP_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
@@ -45,12 +47,25 @@ def checkpoint_layout(path: Path) -> str:
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """The full model state (names as in the unwrapped model's state_dict), on CPU, in one copy."""
     read_marker(path)
+    check_pickles(path)
     layout = checkpoint_layout(path)
     if layout == "replicated":
-        return load_file(path / REPLICATED_MODEL)
-    if layout == "dcp":
-        return _read_dcp(path / DCP_MODEL, "model.")
-    return _read_zero(path)
+        weights = load_file(path / REPLICATED_MODEL)
+    else:
+        weights = _read_dcp(path / DCP_MODEL, "model.") if layout == "dcp" else _read_zero(path)
+    refuse_nonfinite(path, nonfinite_names(weights.items()))
+    return weights
+
+
+def check_pickles(path: Path) -> None:
+    """Refuse a checkpoint whose DeepSpeed or DCP pickles need more than plain data (see safe_load)."""
+    layout = checkpoint_layout(path)
+    if layout == "deepspeed":
+        safe_load.check_deepspeed(path / DEEPSPEED_TAG)
+    elif layout == "dcp":
+        for directory in (path / DCP_MODEL, path / DCP_OPTIMIZER):
+            if directory.is_dir():
+                safe_load.check_dcp(directory)
 
 
 def read_optimizer_moments(path: Path) -> dict[str, dict[str, torch.Tensor]] | None:
@@ -103,12 +118,14 @@ def restore_portable(path: Path, model, optimizer, scheduler, current: dict) -> 
 
 
 def restore_schedule(scheduler, optimizer, saved: dict) -> None:
-    """Continue a LambdaLR schedule at its saved position, on this run's own parameter groups and peak
-    rates (another backend may group parameters differently, another world size may scale the peak)."""
-    factor = saved["_last_lr"][0] / saved["base_lrs"][0]
-    lrs = [base * factor for base in scheduler.base_lrs]
-    position = {key: saved[key] for key in ("last_epoch", "_step_count")}
-    scheduler.load_state_dict({**scheduler.state_dict(), **position, "_last_lr": lrs})
+    """Continue a LambdaLR schedule at its saved position, on this run's own parameter groups, peak rates
+    and schedule (another backend may group parameters differently, another world size may scale the peak,
+    and a resumed run may change its schedule)."""
+    scheduler.last_epoch, scheduler._step_count = saved["last_epoch"], saved["_step_count"]
+    lrs = [
+        base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)
+    ]
+    scheduler._last_lr = lrs
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
 

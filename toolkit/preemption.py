@@ -7,6 +7,8 @@ import os
 import signal
 import time
 
+from toolkit.distributed import any_rank
+
 # EX_TEMPFAIL: "try again later" — a scheduler can requeue the job and `train.resume=auto` continues it.
 PREEMPTED_EXIT_CODE = 75
 # Launchers forward the signal they got to workers that often got it too (Ctrl-C reaches the whole process
@@ -33,3 +35,7 @@ class StopRequest:
     @property
     def requested(self) -> bool:
         return bool(self.signal_name)
+
+    def agreed(self, accelerator) -> bool:
+        """Collective: true on every rank when any rank was asked to stop."""
+        return any_rank(accelerator, self.requested)[0]

@@ -48,7 +48,8 @@ def test_output_dir_of_another_run_is_refused(tmp_path):
     out.mkdir()
     (out / "notes.txt").write_text("someone else's run")
     result = run_recipe(out, check=False)
-    assert result.returncode == 2 and "holds another run; set train.overwrite=true" in result.stderr
+    assert result.returncode == 2 and "was not created by ftkit" in result.stderr
     assert (out / "notes.txt").exists()
-    result = run_recipe(out, "train.resume=never", check=False)
-    assert result.returncode == 2 and "holds another run" in result.stderr
+    result = run_recipe(out, "train.overwrite=true", check=False)
+    assert result.returncode == 2 and "was not created by ftkit" in result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]

@@ -89,3 +89,31 @@ def test_cli_reports_a_missing_run_in_one_line(tmp_path, capsys):
     assert cli.main(["plot", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert "no metrics.jsonl" in err and err.count("\n") == 1
+
+
+def test_preference_runs_get_reward_accuracy_and_margin_beside_the_loss(tmp_path):
+    run = tmp_path / "dpo"
+    run.mkdir()
+    lines = [
+        {
+            "step": s,
+            "loss": 0.7 - 0.01 * s,
+            "lr": 1e-4,
+            "tokens_per_s": 100.0,
+            "reward_accuracy": 0.1 * s,
+            "reward_margin": 0.05 * s,
+        }
+        for s in range(1, 6)
+    ]
+    lines.append({"step": 5, "eval_loss": 0.6, "eval_reward_accuracy": 0.7, "eval_reward_margin": 0.3})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    figure = draw_runs([("dpo", read_run(run))])
+    titles = [ax.get_title() for ax in figure.axes]
+    assert titles[:3] == [
+        "loss (eval dashed)",
+        "reward accuracy (eval dashed)",
+        "reward margin (eval dashed)",
+    ]
+    assert [len(ax.lines) for ax in figure.axes[:3]] == [2, 2, 2]
+    sft = draw_runs([("sft", read_run(write_run(tmp_path / "sft")))])
+    assert len(sft.axes) == 3  # SFT runs keep their three panels

@@ -12,6 +12,9 @@ from toolkit.errors import UserError
 
 def main(argv: list[str] | None = None) -> int:
     from toolkit.commands import train
+    from toolkit.config import Method
+    from toolkit.fields import choices
+    from toolkit.plan import GradCkpt, PlanDtype, PlanPrecision
 
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(
@@ -28,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--model", required=True, help="final/ or merged model directory, or a PEFT adapter")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument(
+        "--trust-remote-code", action="store_true", help="run modelling code shipped with the model"
+    )
 
     # plan: options left out take the defaults of toolkit.plan.estimate.PlanRequest (the one place they live).
     plan = commands.add_parser(
@@ -38,16 +44,20 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--model", required=True, help="model dir, config.json, or hub id (built in or cached)")
     plan.add_argument("--gpus", type=int, help="GPUs on the machine (default 1)")
     plan.add_argument("--gpu-mem", type=float, help="GiB per GPU (default 24)")
-    plan.add_argument("--method", choices=("full", "lora", "qlora"), help="default lora")
+    plan.add_argument("--method", choices=choices(Method), help="default lora")
     plan.add_argument("--seq-len", type=int, help="tokens per example (default 2048)")
     plan.add_argument("--micro-batch", type=int, help="examples per GPU per forward (default: most that fit)")
     plan.add_argument("--global-batch", type=int, help="examples per optimizer step (default 32)")
     plan.add_argument("--lora-r", type=int, help="LoRA rank (default 16)")
     plan.add_argument("--lora-dropout", type=float, help="LoRA dropout (default 0)")
-    plan.add_argument("--grad-ckpt", choices=("auto", "on", "off"), help="checkpointing (default auto)")
-    plan.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), help="weights (default as recipes)")
-    plan.add_argument("--mixed-precision", choices=("bf16", "no"), help="autocast (default bf16)")
+    plan.add_argument("--grad-ckpt", choices=choices(GradCkpt), help="checkpointing (default auto)")
+    plan.add_argument("--dtype", choices=choices(PlanDtype), help="weights (default as recipes)")
+    plan.add_argument("--mixed-precision", choices=choices(PlanPrecision), help="default bf16")
     plan.add_argument("--cpu-mem", type=float, help="GiB of CPU RAM; setups needing more do not fit")
+    plan.add_argument("--objective", choices=("sft", "dpo"), help="dpo: chosen + rejected per example")
+    plan.add_argument(
+        "--reference-model", action="store_true", default=None, help="dpo with a separate reference model"
+    )
     plan.add_argument("--tokens", type=float, help="tokens to train on, for time and cost")
     plan.add_argument("--tokens-per-s", type=float, help="throughput of the whole machine")
     plan.add_argument("--from-run", help="a run's output_dir on the same hardware: its measured tokens/s")
@@ -73,10 +83,17 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument(
         "checkpoint_dir", metavar="CHECKPOINT_DIR", help="e.g. runs/demo/checkpoints/step-100"
     )
-    export.add_argument("--out", required=True, help="directory to write (replaced if it exists)")
+    export.add_argument(
+        "--out", required=True, help="directory to write: new, empty, or an earlier export (then replaced)"
+    )
     export.add_argument("--merge-lora", action="store_true", help="fold a LoRA adapter into a full model")
     export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default: the run's export.dtype")
     export.add_argument("--base-model", help="base model path, where the config's model.path moved")
+    export.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run modelling code shipped with the base model (never taken from the checkpoint's config)",
+    )
 
     scaling = commands.add_parser(
         "bench-scaling", help="the recipe at several process counts: tokens/s, speedup, efficiency"
@@ -114,7 +131,7 @@ def _run(args) -> int:
     if args.command == "generate":
         from toolkit.commands.generate import generate_cli
 
-        print(generate_cli(args.model, args.prompt, args.max_new_tokens))
+        print(generate_cli(args.model, args.prompt, args.max_new_tokens, args.trust_remote_code))
         return 0
     if args.command == "plan":
         from toolkit.plan import estimate, report
@@ -149,7 +166,12 @@ def _run(args) -> int:
 
         print(
             export_checkpoint(
-                Path(args.checkpoint_dir), Path(args.out), args.merge_lora, args.dtype, args.base_model
+                Path(args.checkpoint_dir),
+                Path(args.out),
+                args.merge_lora,
+                args.dtype,
+                args.base_model,
+                args.trust_remote_code,
             )
         )
         return 0

@@ -7,28 +7,44 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from toolkit import data, export, portable
 from toolkit import model as models
-from toolkit.checkpoint import CONFIG, read_marker
+from toolkit.checkpoint import CONFIG, MARKER, damage, read_marker
 from toolkit.config import RecipeConfig, load_config
 from toolkit.errors import UserError
+from toolkit.rundir import MARKER as RUN_MARKER
 
+EXPORT_MARKER = ".ftkit-export"
+"""Left in every export, so that a later export may replace it (and nothing else)."""
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def export_checkpoint(
-    checkpoint_dir: Path, out_dir: Path, merge_lora: bool, dtype: str | None, base_model: str | None
+    checkpoint_dir: Path,
+    out_dir: Path,
+    merge_lora: bool,
+    dtype: str | None,
+    base_model: str | None,
+    trust_remote_code: bool = False,
 ) -> str:
     """Write `checkpoint_dir` to `out_dir` and check it; returns a one-line summary.
 
     `dtype` is bf16 | fp16 | fp32 or None (the run's export.dtype); `base_model` replaces the config's
-    model.path, for a checkpoint moved away from where it was trained.
+    model.path, for a checkpoint moved away from where it was trained. Modelling code shipped with the
+    base model runs only with `trust_remote_code` (the command line's), whatever the saved config says.
     """
+    check_out_dir(out_dir)
     marker = read_marker(checkpoint_dir)
-    portable.checkpoint_layout(checkpoint_dir)  # an unknown layout fails before any model is built
+    reason = damage(checkpoint_dir)
+    if reason:
+        raise UserError(f"{checkpoint_dir}: damaged checkpoint: {reason}")
+    # An unknown layout or a refused pickle fails before any model is built.
+    portable.check_pickles(checkpoint_dir)
     cfg = run_config(checkpoint_dir)
+    cfg.model.trust_remote_code = trust_remote_code
     if base_model:
         cfg.model.path = base_model
     if merge_lora and cfg.model.method == "full":
@@ -39,25 +55,65 @@ def export_checkpoint(
     cast_weights(weights, skeleton, dtype)
     tokenizer = models.load_tokenizer(cfg.model)
     data.ensure_chat_template(tokenizer)  # as the recipe did before training, so prompts render the same
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    # A PEFT model saves only its adapter (peft's get_peft_model_state_dict picks those keys).
-    skeleton.save_pretrained(str(tmp), state_dict=weights)
-    tokenizer.save_pretrained(str(tmp))
-    del weights
-    if merge_lora:
-        adapter, tmp = tmp, out_dir.with_name(out_dir.name + ".merged.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        export.merge_adapter(adapter, tmp, dtype)
-        shutil.rmtree(adapter)
-    count = export.verify_export(tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    try:
+        count = _write(skeleton, weights, tokenizer, out_dir, merge_lora, dtype, trust_remote_code)
+    except (OSError, SafetensorError) as exc:
+        raise UserError(f"--out: {out_dir} not written: {getattr(exc, 'strerror', None) or exc}") from None
     what = "merged model" if merge_lora else "adapter" if cfg.model.method != "full" else "model"
     return (
         f"exported {what} ({count} tensors) of step {marker['step']} from a "
         f"{portable.describe(marker)} checkpoint to {out_dir}"
     )
+
+
+def _write(
+    skeleton, weights: dict, tokenizer, out_dir: Path, merge_lora: bool, dtype: str, trust_remote_code: bool
+) -> int:
+    """Write beside `out_dir`, check, then swap into place; on any failure nothing is left behind."""
+    tmp = out_dir.with_name(f".{out_dir.name}.export-tmp")
+    merged = out_dir.with_name(f".{out_dir.name}.merged-tmp")
+    try:
+        # A PEFT model saves only its adapter (peft's get_peft_model_state_dict picks those keys).
+        skeleton.save_pretrained(str(tmp), state_dict=weights)
+        weights.clear()  # one copy of the weights at a time: the merge loads the base again
+        tokenizer.save_pretrained(str(tmp))
+        if merge_lora:
+            export.merge_adapter(tmp, merged, dtype, trust_remote_code)
+            shutil.rmtree(tmp)
+            merged.rename(tmp)
+        count = export.verify_export(tmp, trust_remote_code)
+        (tmp / EXPORT_MARKER).write_text("written by ftkit export\n")
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(merged, ignore_errors=True)
+    return count
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse an --out whose files ftkit must not replace: a file, a run or checkpoint (or a directory
+    inside or holding one), or a non-empty directory that is not an earlier export."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out: {out_dir} is an existing file; choose a new directory")
+    for parent in [out_dir.resolve(), *out_dir.resolve().parents]:
+        if _is_run_or_checkpoint(parent):
+            raise UserError(f"--out: {out_dir} is or lies inside a training run ({parent}); export elsewhere")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        if not (out_dir / EXPORT_MARKER).is_file():
+            raise UserError(
+                f"--out: {out_dir} is a non-empty directory that ftkit export did not write; "
+                "choose a new or empty directory"
+            )
+        held = [p for p in out_dir.rglob("*") if p.is_dir() and _is_run_or_checkpoint(p)]
+        if held:
+            raise UserError(f"--out: {out_dir} holds a training run ({held[0]}); export elsewhere")
+
+
+def _is_run_or_checkpoint(path: Path) -> bool:
+    # Runs written before run directories were marked are known by their layout.
+    old_run = (path / "checkpoints").is_dir() and (path / CONFIG).is_file()
+    return (path / RUN_MARKER).is_file() or (path / MARKER).is_file() or old_run
 
 
 def run_config(checkpoint_dir: Path) -> RecipeConfig:
@@ -74,11 +130,15 @@ def run_config(checkpoint_dir: Path) -> RecipeConfig:
 def model_skeleton(cfg: RecipeConfig) -> torch.nn.Module:
     """The model the run trained, on the meta device: names, shapes and dtypes without any weights."""
     try:
-        config = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        config = AutoConfig.from_pretrained(
+            models.local_path(cfg.model.path), trust_remote_code=cfg.model.trust_remote_code
+        )
     except OSError:
         raise UserError(
             f"model.path: cannot read the base model {cfg.model.path} (pass --base-model)"
         ) from None
+    except ValueError as exc:
+        raise UserError(f"model.path: {cfg.model.path}: {models.remote_code_refusal(exc)}") from None
     dtype = config.dtype if cfg.model.dtype == "auto" else models.DTYPES[cfg.model.dtype]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(

@@ -4,29 +4,43 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.errors import UserError
 from toolkit.export import ADAPTER_CONFIG
 from toolkit.generation import chat_prompt_ids, greedy_answer
-from toolkit.model import with_pad_token
+from toolkit.model import remote_code_refusal, with_pad_token
 
 
-def load_for_generation(path: Path):
-    """(model, tokenizer) from an output's final/ or merged/ directory, or any HF model directory."""
+def load_for_generation(path: Path, trust_remote_code: bool = False):
+    """(model, tokenizer) from an output's final/ or merged/ directory, or any HF model directory; code
+    shipped with the model runs only with `trust_remote_code` (the command line's)."""
     if not path.is_dir():
         raise UserError(f"--model: {path} is not a directory")
+    if not (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file():
+        raise UserError(f"--model: {path} holds no model ({ADAPTER_CONFIG} or config.json)")
+    try:
+        return _load(path, trust_remote_code)
+    except (OSError, ValueError, SafetensorError) as exc:
+        if isinstance(exc, ValueError) and "trust_remote_code" in str(exc):
+            raise UserError(f"--model: {path}: {remote_code_refusal(exc)}") from None
+        raise UserError(f"--model: cannot load {path}: {str(exc).splitlines()[0]}") from None
+
+
+def _load(path: Path, trust_remote_code: bool):
     if (path / ADAPTER_CONFIG).is_file():
         from peft import AutoPeftModelForCausalLM
 
-        model = AutoPeftModelForCausalLM.from_pretrained(str(path))
+        model = AutoPeftModelForCausalLM.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(path))
-    return model.eval(), with_pad_token(AutoTokenizer.from_pretrained(str(path)))
+        model = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    return model.eval(), with_pad_token(tokenizer)
 
 
-def generate_cli(model_dir: str, prompt: str, max_new_tokens: int) -> str:
-    model, tokenizer = load_for_generation(Path(model_dir))
+def generate_cli(model_dir: str, prompt: str, max_new_tokens: int, trust_remote_code: bool = False) -> str:
+    model, tokenizer = load_for_generation(Path(model_dir), trust_remote_code)
     if not tokenizer.chat_template:
         raise UserError(f"--model: {model_dir} has no chat template; it was not saved by ftkit")
     return greedy_answer(model, tokenizer, chat_prompt_ids(tokenizer, prompt), max_new_tokens, synced=False)

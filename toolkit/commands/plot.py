@@ -9,6 +9,16 @@ from toolkit.metrics import read_metrics
 
 # (metric key, panel title); the loss panel also draws eval_loss.
 PANELS = (("loss", "loss (eval dashed)"), ("lr", "learning rate"), ("tokens_per_s", "tokens / s"))
+# Preference-tuning runs also get these, beside the loss (their eval_* values dashed).
+PREFERENCE_PANELS = (
+    ("reward_accuracy", "reward accuracy (eval dashed)"),
+    ("reward_margin", "reward margin (eval dashed)"),
+)
+
+
+def panels_for(runs: list[tuple[str, list[dict]]]) -> tuple[tuple[str, str], ...]:
+    preference = any("reward_accuracy" in r or "eval_reward_accuracy" in r for _, rs in runs for r in rs)
+    return (PANELS[0], *PREFERENCE_PANELS, *PANELS[1:]) if preference else PANELS
 
 
 def read_run(run_dir: Path) -> list[dict]:
@@ -46,18 +56,22 @@ def draw_runs(runs: list[tuple[str, list[dict]]]):
         from matplotlib.figure import Figure
     except ImportError:
         raise UserError("ftkit plot needs matplotlib: pip install 'ftkit[plot]'") from None
-    figure = Figure(figsize=(15, 4.2), layout="constrained")  # no pyplot: Agg renders it, no global state
-    axes = figure.subplots(1, len(PANELS))
+    panels = panels_for(runs)
+    # no pyplot: Agg renders it, no global state
+    figure = Figure(figsize=(5 * len(panels), 4.2), layout="constrained")
+    axes = figure.subplots(1, len(panels))
     for index, (label, records) in enumerate(runs):
         colour = f"C{index % 10}"
-        for ax, (key, _) in zip(axes, PANELS, strict=True):
+        for ax, (key, _) in zip(axes, panels, strict=True):
             _draw(ax, records, key, colour, label)
-        _draw(axes[0], records, "eval_loss", colour, None, linestyle="--", marker="o")
-    for ax, (_, title) in zip(axes, PANELS, strict=True):
+            if key == "loss" or key.startswith("reward_"):
+                _draw(ax, records, f"eval_{key}", colour, None, linestyle="--", marker="o")
+    for ax, (key, title) in zip(axes, panels, strict=True):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[1].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        if key == "lr":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     axes[0].legend(loc="upper right")
     return figure
 

@@ -11,16 +11,24 @@ import numpy as np
 import pyarrow.compute as pc
 
 from toolkit.config import DataConfig
-from toolkit.data.cache import cache_key, load_or_build, tokenizer_fingerprint
+from toolkit.data.cache import cache_key, encode_to_cache, tokenizer_fingerprint
 from toolkit.data.chat import ensure_chat_template
-from toolkit.data.encode import IGNORE, encode_source
+from toolkit.data.encode import IGNORE, ChunkEncoder, check_encoder
 from toolkit.data.formats import detect_format
 from toolkit.data.mixture import hold_out, mix
 from toolkit.data.packing import pack_dataset
+from toolkit.data.parallel import default_num_proc
 from toolkit.data.sources import read_source
+from toolkit.data.streaming import StreamRows
 from toolkit.errors import UserError
 
 logger = logging.getLogger(__name__)
+
+# Records per encoded chunk: large enough that the Rust tokenizer batches well, small enough to hold a few.
+CHUNK = 1000
+# Records per chunk when streaming: each process reads every world-size-th chunk, so smaller chunks let
+# a small corpus still feed every process.
+STREAM_CHUNK = 256
 
 
 @dataclass
@@ -39,8 +47,15 @@ class DataStats:
     """Rows the training examples were packed into (0 without data.packing)."""
     packing_efficiency: float = 0.0
     """Real tokens over the packed rows' capacity (rows x data.max_length)."""
+    streaming: bool = False
+    """Training rows are read, encoded and packed as training goes (data.streaming): counts unknown."""
 
     def summary(self) -> str:
+        if self.streaming:
+            return (
+                f"data: streaming {', '.join(self.train_examples)} (read, encoded and packed into rows as "
+                f"training goes; no totals ahead), {self.eval_examples} eval"
+            )
         sources = ", ".join(f"{name}: {count}" for name, count in self.train_examples.items())
         total = sum(self.train_examples.values())
         packed = ""
@@ -70,6 +85,8 @@ def build_datasets(
     names = cfg.train if isinstance(cfg.train, list) else [cfg.train]
     if not names:
         raise UserError("data.train: no training source given")
+    if cfg.streaming:
+        return _streaming(names, cfg, tokenizer, main_process_first)
     with main_process_first():
         parts = [_prepare(name, cfg, tokenizer) for name in names]
         held = _prepare(cfg.eval, cfg, tokenizer) if cfg.eval else None
@@ -101,6 +118,50 @@ def build_datasets(
     return train, eval_set, stats
 
 
+def _streaming(names: list[str], cfg: DataConfig, tokenizer, main_process_first):
+    """(stream of packed training rows, eval set from data.eval or None, stats without totals)."""
+    if cfg.weights is not None:
+        raise UserError("data.weights: mixtures need the whole data up front; not with data.streaming")
+    sources, identities = [], []
+    for name in names:
+        source = read_source(name, cfg.split, streaming=True)
+        encoder = ChunkEncoder(
+            _format(source, cfg, tokenizer), tokenizer, cfg.max_length, cfg.assistant_only_loss
+        )
+        sources.append((source, encoder))
+        identities.append((source.identity, encoder.fmt))
+    key = cache_key(
+        identities, cfg.max_length, cfg.assistant_only_loss, tokenizer_fingerprint(tokenizer), CHUNK
+    )
+    held = None
+    if cfg.eval:
+        with main_process_first():
+            held = _prepare(cfg.eval, cfg, tokenizer)
+    eval_set = held.dataset if held else None
+    stats = DataStats(
+        train_examples={name: 0 for name in names},
+        eval_examples=len(eval_set) if eval_set is not None else 0,
+        truncated=held.truncated if held else 0,
+        dropped=held.dropped if held else 0,
+        label_tokens=0,
+        streaming=True,
+    )
+    return StreamRows(sources, STREAM_CHUNK, cfg.max_length, key), eval_set, stats
+
+
+def _format(source, cfg: DataConfig, tokenizer) -> str:
+    """The source's record layout (detected from its first record with data.format auto), checked to be
+    encodable with this tokenizer."""
+    first = source.first()
+    if first is None:
+        raise UserError(f"{source.name}: no records")
+    fmt = detect_format(*first) if cfg.format == "auto" else cfg.format
+    if fmt != "text":
+        ensure_chat_template(tokenizer)
+    check_encoder(tokenizer, fmt, cfg.assistant_only_loss)
+    return fmt
+
+
 def _stats(
     names: list[str], parts: list[_Part], held: _Part | None, eval_set, train_rows: np.ndarray
 ) -> DataStats:
@@ -119,33 +180,33 @@ def _stats(
 
 
 def _prepare(name: str, cfg: DataConfig, tokenizer) -> _Part:
-    """One source read, checked and encoded, from the cache when this exact work was done before."""
+    """One source read, checked and encoded chunk by chunk, from the cache when this exact work was done
+    before."""
     source = read_source(name, cfg.split)
-    if not len(source.records):
-        raise UserError(f"{name}: no records")
-    fmt = detect_format(source.records[0], source.where(0)) if cfg.format == "auto" else cfg.format
-    if fmt != "text":
-        ensure_chat_template(tokenizer)
-
-    def build() -> tuple[dict, dict]:
-        encoded = encode_source(source, fmt, tokenizer, cfg.max_length, cfg.assistant_only_loss)
-        if not encoded.input_ids:
-            raise UserError(
-                f"{name}: none of its {len(source.records)} examples has a trained token left "
-                f"(no assistant turn, or cut off by data.max_length={cfg.max_length}; try a larger one)"
-            )
-        columns = {"input_ids": encoded.input_ids, "labels": encoded.labels}
-        return columns, {"truncated": encoded.truncated, "dropped": encoded.dropped}
-
+    fmt = _format(source, cfg, tokenizer)
     key = cache_key(
         source.identity, fmt, cfg.max_length, cfg.assistant_only_loss, tokenizer_fingerprint(tokenizer)
     )
-    dataset, counts = load_or_build(key, build)
+    dataset, counts = encode_to_cache(
+        key,
+        source.read(CHUNK),
+        ChunkEncoder(fmt, tokenizer, cfg.max_length, cfg.assistant_only_loss),
+        cfg.num_proc or default_num_proc(),
+        desc=f"encoding {name}",
+        empty_error=lambda counts: (
+            f"{name}: none of its {counts['dropped']} examples has a trained token left (no assistant "
+            f"turn, or cut off by data.max_length={cfg.max_length}; try a larger one)"
+        ),
+    )
     return _Part(dataset, counts["truncated"], counts["dropped"], _trained_per_row(dataset))
 
 
 def _trained_per_row(dataset: datasets.Dataset) -> np.ndarray:
-    labels = dataset.data.column("labels").combine_chunks()
-    flat = pc.list_flatten(labels).to_numpy()
-    rows = pc.list_parent_indices(labels).to_numpy()
-    return np.bincount(rows[flat != IGNORE], minlength=len(dataset))
+    """Trained tokens of each row, read one record batch at a time from the memory-mapped file."""
+    counts = []
+    for batch in dataset.data.to_batches():
+        labels = batch.column("labels")
+        flat = pc.list_flatten(labels).to_numpy()
+        rows = pc.list_parent_indices(labels).to_numpy()
+        counts.append(np.bincount(rows[flat != IGNORE], minlength=len(labels)))
+    return np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)

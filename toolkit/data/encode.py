@@ -9,14 +9,11 @@ import numpy as np
 
 from toolkit.data.chat import assistant_spans, render, turn_closing
 from toolkit.data.formats import to_example
-from toolkit.data.sources import Source
+from toolkit.data.sources import Chunk
 from toolkit.errors import UserError
 
 # The label of a token no loss is taken on (the value torch's cross entropy skips by default).
 IGNORE = -100
-
-# Examples tokenized per call: the Rust tokenizer spreads a batch over all cores.
-CHUNK = 1000
 
 
 @dataclass
@@ -39,33 +36,47 @@ class Encoded:
         self.labels.append(labels)
 
 
-def encode_source(source: Source, fmt: str, tokenizer, max_length: int, assistant_only_loss: bool) -> Encoded:
-    """Plain text trains every token (eos appended so documents end); a conversation is rendered through
-    the chat template and trains either every token or, with `assistant_only_loss`, only the tokens that
-    overlap an assistant turn's characters (its content and closing end-of-turn text)."""
-    masked = assistant_only_loss and fmt != "text"
-    if masked and not getattr(tokenizer, "is_fast", False):
+def check_encoder(tokenizer, fmt: str, assistant_only_loss: bool) -> None:
+    if assistant_only_loss and fmt != "text" and not getattr(tokenizer, "is_fast", False):
         raise UserError(
             "data.assistant_only_loss needs a fast tokenizer (character offsets); "
             "this one is not, so set data.assistant_only_loss: false"
         )
-    closing = turn_closing(tokenizer) if masked else ""
-    out = Encoded()
-    for begin in range(0, len(source.records), CHUNK):
-        indices = range(begin, min(begin + CHUNK, len(source.records)))
+
+
+@dataclass
+class ChunkEncoder:
+    """Encodes one chunk of records into rows. Plain text trains every token (eos appended so documents
+    end); a conversation is rendered through the chat template and trains either every token or, with
+    `assistant_only_loss`, only the tokens that overlap an assistant turn's characters (its content and
+    closing end-of-turn text). An object rather than a closure so worker processes can receive it."""
+
+    fmt: str
+    tokenizer: object
+    max_length: int
+    assistant_only_loss: bool
+
+    def __call__(self, chunk: Chunk) -> tuple[dict[str, list], dict[str, int]]:
+        """(columns, counts) for the rows of `chunk`: see `encode_to_cache`."""
+        fmt, tokenizer = self.fmt, self.tokenizer
+        masked = self.assistant_only_loss and fmt != "text"
+        closing = turn_closing(tokenizer) if masked else ""
+        records = chunk.records()
         rendered = [
-            _render(source.records[i], fmt, tokenizer, masked, closing, source.where(i)) for i in indices
+            _render(r, fmt, tokenizer, masked, closing, chunk.where(i)) for i, r in enumerate(records)
         ]
         texts = [text for text, _ in rendered]
         # Chat templates write any bos/eos the model expects; adding them again would double them.
         encoding = tokenizer(texts, add_special_tokens=fmt == "text", return_offsets_mapping=masked)
+        out = Encoded()
         for i, (text, spans) in enumerate(rendered):
             ids = encoding["input_ids"][i] if text.strip() else []
             if fmt == "text":
                 ids = _with_eos(ids, tokenizer.eos_token_id)
             labels = _mask(ids, encoding["offset_mapping"][i], spans) if masked else list(ids)
-            out.add(ids, labels, max_length)
-    return out
+            out.add(ids, labels, self.max_length)
+        columns = {"input_ids": out.input_ids, "labels": out.labels}
+        return columns, {"truncated": out.truncated, "dropped": out.dropped}
 
 
 def _render(record: dict, fmt: str, tokenizer, masked: bool, closing: str, where: str):

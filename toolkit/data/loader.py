@@ -13,15 +13,23 @@ from toolkit.config import DataConfig, TrainConfig
 from toolkit.data.collate import Collator, PackedCollator
 from toolkit.data.encode import IGNORE
 from toolkit.data.packing import LengthGroupedSampler, row_lengths
+from toolkit.data.streaming import StreamRows
+from toolkit.errors import UserError
 
 
-def train_loader(dataset, data: DataConfig, train: TrainConfig, pad_id: int, seed: int, flash_varlen: bool):
-    """(loader, sampler): micro-batches of `dataset` whose order depends on (seed, epoch) alone."""
+def train_loader(
+    dataset, data: DataConfig, train: TrainConfig, pad_id: int, seed: int, flash_varlen: bool, collate=None
+):
+    """(loader, sampler): micro-batches of `dataset` whose order depends on (seed, epoch) alone; `collate`
+    replaces the SFT collators (e.g. for preference pairs)."""
+    if data.streaming:
+        return _stream_loader(dataset, data, train, pad_id, flash_varlen)
     if data.group_by_length:
         sampler = LengthGroupedSampler(row_lengths(dataset), train.global_batch_size, seed)
     else:
         sampler = EpochSampler(len(dataset), train.global_batch_size, seed)
-    collate = PackedCollator(pad_id, flash_varlen=flash_varlen) if data.packing else Collator(pad_id)
+    if collate is None:
+        collate = PackedCollator(pad_id, flash_varlen=flash_varlen) if data.packing else Collator(pad_id)
     loader = DataLoader(
         dataset,
         batch_size=train.micro_batch_size,
@@ -31,6 +39,29 @@ def train_loader(dataset, data: DataConfig, train: TrainConfig, pad_id: int, see
         # Page-locked batches copy to the GPU asynchronously; workers stay alive across epochs.
         pin_memory=torch.cuda.is_available(),
         persistent_workers=data.num_workers > 0,
+        drop_last=True,
+    )
+    return loader, sampler
+
+
+def _stream_loader(rows: StreamRows, data: DataConfig, train: TrainConfig, pad_id: int, flash_varlen: bool):
+    """Packed rows in their stream order: row numbers 0, 1, ... for exactly max_steps steps, which the
+    step-shaped batch order deals out to the processes micro-batch by micro-batch."""
+    if data.num_workers or data.group_by_length:
+        raise UserError(
+            "data.streaming reads rows in order in the training process: set data.num_workers: 0 and "
+            "data.group_by_length: false"
+        )
+    rows.micro_batch_size = train.micro_batch_size  # how row numbers map to each process's stream
+    sampler = EpochSampler(
+        train.max_steps * train.global_batch_size, train.global_batch_size, 0, shuffle=False
+    )
+    loader = DataLoader(
+        rows,
+        batch_size=train.micro_batch_size,
+        sampler=sampler,
+        collate_fn=PackedCollator(pad_id, flash_varlen=flash_varlen),
+        pin_memory=torch.cuda.is_available(),
         drop_last=True,
     )
     return loader, sampler

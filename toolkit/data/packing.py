@@ -15,6 +15,7 @@ import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import torch
 
 from toolkit.batches import EpochSampler
 from toolkit.data.encode import IGNORE
@@ -22,6 +23,8 @@ from toolkit.data.encode import IGNORE
 # Global batches whose examples are sorted by length together: larger groups pad less, smaller ones keep
 # each step's mix of lengths closer to a random draw.
 GROUP_STEPS = 16
+# Rows whose lengths are read at once.
+LENGTHS_BATCH = 65536
 
 
 def fill_rows(lengths: np.ndarray, capacity: int, rng: np.random.Generator) -> list[list[int]]:
@@ -78,36 +81,50 @@ def _best_fill(queues: dict[int, list[int]], room: int) -> list[int]:
 
 def pack_dataset(
     dataset: datasets.Dataset, capacity: int, rng: np.random.Generator
-) -> tuple[datasets.Dataset, float]:
+) -> tuple[PackedRows, float]:
     """(packed rows, packing efficiency): every example of `dataset` exactly once, whole, in rows of at
     most `capacity` tokens with `input_ids`, `labels` and `position_ids`; efficiency is the share of the
-    rows' `capacity` tokens that are real."""
-    table = dataset.with_format("arrow")[:]
-    lengths = pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
+    rows' `capacity` tokens that are real. Planned from the examples' lengths alone; a row's tokens are
+    read from `dataset` (memory-mapped) when the row is used."""
+    lengths = row_lengths(dataset)
     rows = fill_rows(lengths, capacity, rng)
-    order = np.asarray([i for row in rows for i in row], dtype=np.int64)
-    tokens, positions = _token_order(lengths, order)
-    ids = _flat(table["input_ids"])[tokens]
-    labels = _flat(table["labels"])[tokens]
-    labels[positions == 0] = IGNORE
-    row_ends = np.cumsum([lengths[row].sum() for row in rows], dtype=np.int64)
-    offsets = pa.array(np.concatenate([[0], row_ends]).astype(np.int32))
-    columns = {
-        name: pa.ListArray.from_arrays(offsets, pa.array(values.astype(np.int32)))
-        for name, values in (("input_ids", ids), ("labels", labels), ("position_ids", positions))
-    }
+    order = np.fromiter((i for row in rows for i in row), dtype=np.int64, count=len(lengths))
+    bounds = np.cumsum([0, *map(len, rows)], dtype=np.int64)
     efficiency = float(lengths.sum()) / max(len(rows) * capacity, 1)
-    return datasets.Dataset.from_dict(columns), efficiency
+    return PackedRows(dataset, order, bounds, np.add.reduceat(lengths[order], bounds[:-1])), efficiency
 
 
-def _token_order(lengths: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(index of each token in the flattened examples, its position within its example) when the
-    examples are laid out in `order`."""
-    sizes = lengths[order]
-    starts = np.cumsum(lengths) - lengths
-    first = np.repeat(np.cumsum(sizes) - sizes, sizes)
-    positions = np.arange(int(sizes.sum()), dtype=np.int64) - first
-    return np.repeat(starts[order], sizes) + positions, positions
+class PackedRows(torch.utils.data.Dataset):
+    """Packed rows as a view of the examples: row r is examples order[bounds[r]:bounds[r + 1]] of
+    `examples`, one after another. Indexing by a column name lists that column of every row."""
+
+    def __init__(
+        self, examples: datasets.Dataset, order: np.ndarray, bounds: np.ndarray, lengths: np.ndarray
+    ):
+        self.examples = examples.with_format("arrow")
+        self.order = order
+        self.bounds = bounds
+        self.lengths = lengths if len(order) else np.zeros(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return [self[i][key] for i in range(len(self))]
+        picked = self.examples[self.order[self.bounds[key] : self.bounds[key + 1]].tolist()]
+        sizes = pc.list_value_length(picked["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
+        positions = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        labels = _flat(picked["labels"])
+        labels[positions == 0] = IGNORE
+        return {
+            "input_ids": _flat(picked["input_ids"]).tolist(),
+            "labels": labels.tolist(),
+            "position_ids": positions.tolist(),
+        }
+
+    def __iter__(self) -> Iterator[dict]:
+        return (self[i] for i in range(len(self)))
 
 
 def _flat(column: pa.ChunkedArray) -> np.ndarray:
@@ -115,9 +132,15 @@ def _flat(column: pa.ChunkedArray) -> np.ndarray:
 
 
 def row_lengths(dataset: datasets.Dataset) -> np.ndarray:
-    """Tokens in each row of `dataset`."""
-    column = dataset.with_format("arrow")["input_ids"]
-    return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+    """Tokens in each row of `dataset` (examples or packed rows), from the row offsets alone."""
+    if isinstance(dataset, PackedRows):
+        return dataset.lengths
+    # A batch at a time: a dataset that selects rows would otherwise copy every token to list them.
+    lengths = [
+        pc.list_value_length(batch["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
+        for batch in dataset.with_format("arrow").iter(batch_size=LENGTHS_BATCH)
+    ]
+    return np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
 
 
 def group_by_length(

@@ -92,6 +92,20 @@ def count_parameters(config, method: str, lora_r: int, source: str = "") -> Mode
     return _counts(model, config.get_text_config(), method, lora_r, source)
 
 
+SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
+
+
+def check_sizes(raw: dict, model: str) -> None:
+    """Sizes that are not positive counts would end in a division by zero inside transformers."""
+    for section in (raw, raw.get("text_config") or {}):
+        for name in SIZES:
+            value = section.get(name)
+            if value is not None and not (isinstance(value, int) and value > 0):
+                raise UserError(
+                    f"--model {model}: config.json: {name} must be a positive integer, got {value}"
+                )
+
+
 def build_meta_model(config):
     """The causal LM for `config` with every tensor on the meta device (shapes only, no storage)."""
     from transformers import AutoModelForCausalLM
@@ -148,6 +162,7 @@ def _config_from_dict(raw: dict, model: str):
 
     if "model_type" not in raw:
         raise UserError(f"--model {model}: config.json has no model_type")
+    check_sizes(raw, model)
     try:
         return AutoConfig.for_model(**raw)
     except ValueError as exc:

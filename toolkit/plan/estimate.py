@@ -8,18 +8,19 @@ import shlex
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from toolkit import flops
-from toolkit.config import flat_dict, load_config
+from toolkit.config import Method, flat_dict, load_config
 from toolkit.errors import UserError
+from toolkit.fields import NonNegativeFloat, PositiveFloat, PositiveInt, Probability, field_errors
 from toolkit.hardware import GIB
 from toolkit.metrics import read_metrics
-from toolkit.plan import architectures, memory
+from toolkit.plan import GradCkpt, PlanDtype, PlanPrecision, architectures, memory
 from toolkit.plan.counts import ModelCounts, count_parameters, load_model_config
 from toolkit.plan.memory import MemoryEstimate, Precision
 
-METHODS = ("full", "lora", "qlora")
-GRAD_CKPT = ("auto", "on", "off")
+RECIPES = {"sft": "finetune_llm.py", "dpo": "dpo_llm.py"}
 # The printed command runs from a checkout's root, so its recipe configs are looked up from there too.
 RECIPE_CONFIGS = Path("recipes") / "configs"
 # Fastest first. Gradient checkpointing costs about a third more compute; ZeRO-1/2 move no more data than
@@ -32,49 +33,43 @@ SINGLE_GPU_TIERS = (("single",), ("zero3_offload",))
 class PlanRequest:
     model: str
     """Local model dir, config.json path, or hub id (built-in table or local cache)."""
-    gpus: int = 1
+    gpus: PositiveInt = 1
     """GPUs on the machine (one process each)."""
-    gpu_mem: float = 24.0
+    gpu_mem: PositiveFloat = 24.0
     """Memory of one GPU in GiB (a "24 GB" RTX 4090 has 24 GiB)."""
-    method: str = "lora"
-    """full | lora | qlora."""
-    seq_len: int = 2048
+    method: Method = "lora"
+    """How the model is fine-tuned, as the recipe's model.method."""
+    seq_len: PositiveInt = 2048
     """Tokens per example (data.max_length)."""
-    micro_batch: int | None = None
+    micro_batch: PositiveInt | None = None
     """Examples per forward pass per GPU; None: the largest that fits."""
-    global_batch: int = 32
+    global_batch: PositiveInt = 32
     """Examples per optimizer step across all GPUs."""
-    lora_r: int = 16
+    lora_r: PositiveInt = 16
     """LoRA rank (adapters on every linear layer)."""
-    lora_dropout: float = 0.0
+    lora_dropout: Probability = 0.0
     """LoRA dropout; above 0 it stores a dropped copy of every adapted input."""
-    grad_ckpt: str = "auto"
-    """auto (try off, then on) | on | off."""
-    dtype: str = "auto"
-    """Weights dtype: float32 | bfloat16 | auto (bfloat16 for LoRA/QLoRA, float32 for full, as recipes)."""
-    mixed_precision: str = "bf16"
-    """Autocast: bf16 | no."""
-    cpu_mem: float | None = None
+    grad_ckpt: GradCkpt = "auto"
+    """Gradient checkpointing (auto: try off, then on)."""
+    dtype: PlanDtype = "auto"
+    """Weights dtype (auto: bfloat16 for LoRA/QLoRA, float32 for full, as recipes)."""
+    mixed_precision: PlanPrecision = "bf16"
+    """Autocast."""
+    cpu_mem: NonNegativeFloat | None = None
     """CPU RAM of the machine in GiB; when set, setups needing more do not fit."""
+    objective: Literal["sft", "dpo"] = "sft"
+    """What is trained: sft, or dpo (preference tuning: two sequences, chosen and rejected, per example)."""
+    reference_model: bool = False
+    """dpo with a separate reference model: its frozen weights too (none with LoRA or precomputed
+    reference log-probs)."""
 
     def validate(self) -> None:
-        for name, allowed in (
-            ("method", METHODS),
-            ("grad_ckpt", GRAD_CKPT),
-            ("mixed_precision", ("bf16", "no")),
-            ("dtype", ("auto", "float32", "bfloat16")),
-        ):
-            if getattr(self, name) not in allowed:
-                raise UserError(
-                    f"--{name.replace('_', '-')} {getattr(self, name)}: not one of {', '.join(allowed)}"
-                )
-        for name in ("gpus", "gpu_mem", "seq_len", "global_batch", "lora_r"):
-            if not getattr(self, name) > 0:
-                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.micro_batch is not None and self.micro_batch < 1:
-            raise UserError(f"--micro-batch must be positive, got {self.micro_batch}")
-        if not 0 <= self.lora_dropout < 1:
-            raise UserError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        errors = field_errors(self)
+        if errors:
+            name, _, message = errors[0].partition(": ")
+            raise UserError(f"--{name.replace('_', '-')} {message}")
+        if self.reference_model and self.objective != "dpo":
+            raise UserError("--reference-model is for --objective dpo")
         per_step = (self.micro_batch or 1) * self.gpus
         if self.global_batch % per_step:
             raise UserError(
@@ -209,9 +204,28 @@ def _grow_micro_batch(row: MemoryEstimate, counts, request: PlanRequest, precisi
 def _estimate(
     counts, request: PlanRequest, precision, backend: str, ckpt: bool, micro: int
 ) -> MemoryEstimate:
+    sequences = 2 if request.objective == "dpo" else 1
     return memory.estimate(
-        counts, backend, request.gpus, request.seq_len, micro, ckpt, precision, request.lora_dropout
+        counts,
+        backend,
+        request.gpus,
+        request.seq_len,
+        micro,
+        ckpt,
+        precision,
+        request.lora_dropout,
+        sequences_per_example=sequences,
+        reference=reference_bytes(counts, request, precision, backend),
     )
+
+
+def reference_bytes(counts, request: PlanRequest, precision: Precision, backend: str) -> int:
+    """A separate reference model's weights per GPU: the model whole, sharded like the policy under
+    FSDP/ZeRO-3."""
+    if not request.reference_model:
+        return 0
+    whole = counts.total * (4 if precision.weights == "float32" else 2)
+    return whole // request.gpus if backend in ("fsdp", "zero3", "zero3_offload") else whole
 
 
 def _ckpt_options(request: PlanRequest) -> tuple[bool, ...]:
@@ -220,7 +234,7 @@ def _ckpt_options(request: PlanRequest) -> tuple[bool, ...]:
 
 def launch_line(row: MemoryEstimate, request: PlanRequest, precision: Precision) -> str | None:
     """The exact `accelerate launch` line: a shipped recipe config plus the overrides this plan assumed."""
-    template = _template_config(request.model, request.method)
+    template = _template_config(request.model, request.method, request.objective)
     if template is None:
         return None
     path, current = template
@@ -245,19 +259,23 @@ def launch_line(row: MemoryEstimate, request: PlanRequest, precision: Precision)
     procs = "" if row.backend == "single" else f" --num_processes {request.gpus}"
     return (
         f"accelerate launch --config_file accelerate_configs/{row.backend}.yaml{procs} "
-        f"recipes/finetune_llm.py --config {path} " + " ".join(shlex.quote(item) for item in overrides)
+        f"recipes/{RECIPES[request.objective]} --config {path} "
+        + " ".join(shlex.quote(item) for item in overrides)
     )
 
 
-def _template_config(model: str, method: str) -> tuple[str, dict] | None:
-    """The shipped recipe config closest to this run: same method first, then same model, then same shapes."""
-    configs = sorted(RECIPE_CONFIGS.glob("*.yaml"))
+def _template_config(model: str, method: str, objective: str = "sft") -> tuple[str, dict] | None:
+    """The shipped recipe config closest to this run: same method first, then same model, then same shapes
+    (among the preference configs, named *dpo*, for `dpo`)."""
+    configs = [
+        path for path in sorted(RECIPE_CONFIGS.glob("*.yaml")) if ("dpo" in path.name) == (objective == "dpo")
+    ]
     if not configs:
         return None
     arch = architectures.lookup(model)
 
     def closeness(path: Path):
-        cfg = load_config(path)
+        cfg = _load(path)
         same_arch = arch is not None and architectures.lookup(cfg.model.path) == arch
         return (
             cfg.model.method == method,
@@ -267,7 +285,15 @@ def _template_config(model: str, method: str) -> tuple[str, dict] | None:
         )
 
     best = max(configs, key=closeness)
-    return str(best), flat_dict(load_config(best))
+    return str(best), flat_dict(_load(best))
+
+
+def _load(path: Path):
+    if "dpo" in path.name:
+        from toolkit.preference.config import load_preference_config
+
+        return load_preference_config(path, [])
+    return load_config(path)
 
 
 def _yaml_value(value) -> str:

@@ -237,6 +237,8 @@ class MemoryEstimate:
     activations: int
     overhead: int
     cpu_ram: int
+    reference: int = 0
+    """A separate frozen reference model's weights on this GPU (preference tuning; 0 otherwise)."""
 
     def per_gpu(self) -> dict[str, int]:
         """Bytes on each GPU by kind; `weights` includes gathered or autocast working copies."""
@@ -253,6 +255,8 @@ class MemoryEstimate:
             "activations": self.activations,
             "overhead": self.overhead,
         }
+        if self.reference:
+            parts["reference"] = self.reference
         return {**parts, "total": sum(parts.values())}
 
 
@@ -265,12 +269,16 @@ def estimate(
     checkpointing: bool,
     precision: Precision,
     lora_dropout: float = 0.0,
+    sequences_per_example: int = 1,
+    reference: int = 0,
 ) -> MemoryEstimate:
-    """Everything one GPU (and the machine's RAM) needs for `backend` on `n_gpus` GPUs."""
+    """Everything one GPU (and the machine's RAM) needs for `backend` on `n_gpus` GPUs; preference tuning
+    runs 2 `sequences_per_example` (chosen and rejected) and may hold `reference` bytes of frozen weights."""
     states = model_state_bytes(counts, backend, n_gpus, precision)
     working = working_weight_bytes(counts, backend, precision)
-    activations = activation_bytes(counts, seq_len, micro_batch, checkpointing, precision, lora_dropout)
-    tensors = (states.persistent if states.in_cpu_ram else states.total) + working + activations
+    sequences = micro_batch * sequences_per_example
+    activations = activation_bytes(counts, seq_len, sequences, checkpointing, precision, lora_dropout)
+    tensors = (states.persistent if states.in_cpu_ram else states.total) + working + activations + reference
     return MemoryEstimate(
         backend=backend,
         checkpointing=checkpointing,
@@ -280,4 +288,5 @@ def estimate(
         activations=activations,
         overhead=overhead_bytes(tensors, backend, n_gpus, counts, precision),
         cpu_ram=cpu_ram_bytes(counts, backend, n_gpus, states, precision),
+        reference=reference,
     )

@@ -1,0 +1,148 @@
+"""recipes/dpo_llm.py end to end on the embedded model: LoRA (reference = adapter off) and full fine-tune
+(reference log-probs precomputed and reused on resume), exact resume, export, a start from an SFT adapter,
+and every shipped accelerate config on 2 gloo processes giving one process's per-step loss."""
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, launch, run_launched
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from toolkit.metrics import read_metrics
+from toolkit.preference.reference import FILE as REFERENCE_FILE
+
+RECIPE = REPO / "recipes" / "dpo_llm.py"
+STEPS = 3
+LEARNING_RATE = {"lora": "1e-3", "full": "1e-4"}
+METRICS = (
+    "loss",
+    "rewards_chosen",
+    "rewards_rejected",
+    "reward_accuracy",
+    "reward_margin",
+    "logps_chosen",
+    "logps_rejected",
+    "pairs_per_s",
+    "tokens_per_s",
+)
+
+
+@pytest.fixture(scope="module")
+def pair_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pairs")
+    demo = REPO / "toolkit" / "assets" / "demo"
+    (root / "train.jsonl").write_text("".join((demo / "pairs_train.jsonl").read_text().splitlines(True)[:32]))
+    (root / "eval.jsonl").write_text("".join((demo / "pairs_eval.jsonl").read_text().splitlines(True)[:8]))
+    return root
+
+
+def run_dpo(out: Path, pair_files: Path, method: str, *overrides: str, processes: int = 0, config: str = ""):
+    args = [
+        f"output_dir={out}",
+        f"data.train={pair_files / 'train.jsonl'}",
+        f"data.eval={pair_files / 'eval.jsonl'}",
+        "model.adapter=null",
+        f"model.method={method}",
+        f"train.learning_rate={LEARNING_RATE[method]}",
+        f"train.max_steps={STEPS}",
+        "train.log_every_steps=1",
+        "train.warmup_steps=0",
+        "train.lr_scheduler=constant",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "data.max_length=64",
+        "eval.exact_match_samples=0",
+        *overrides,
+    ]
+    head = [sys.executable]
+    if config:
+        head += ["-m", "accelerate.commands.launch", *launch(config, processes)]
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    result = run_launched([*head, str(RECIPE), *args], {**os.environ, **env}, keep=out)
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return result
+
+
+def train_lines(out: Path) -> list[dict]:
+    return [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+def resume_from_step(out: Path, step: int) -> None:
+    """Leave the run as if it had stopped right after checkpointing `step`."""
+    for later in (out / "checkpoints").glob("step-*"):
+        if int(later.name[5:]) > step:
+            shutil.rmtree(later)
+    shutil.rmtree(out / "final")
+
+
+@pytest.fixture(scope="module", params=["lora", "full"])
+def single(request, tmp_path_factory, pair_files):
+    out = tmp_path_factory.mktemp(f"dpo-{request.param}") / "run"
+    result = run_dpo(out, pair_files, request.param, "train.save_every_steps=1")
+    return request.param, out, result
+
+
+def test_run_logs_preference_metrics_and_exports(single):
+    method, out, result = single
+    lines = train_lines(out)
+    assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
+    assert all(key in lines[-1] for key in METRICS)
+    assert lines[-1]["loss"] < lines[0]["loss"]
+    evals = [r for r in read_metrics(out / "metrics.jsonl") if "eval_loss" in r]
+    assert evals[0]["eval_reward_margin"] == 0 and evals[-1]["eval_reward_margin"] > 0
+    exported = "adapter_config.json" if method == "lora" else "model.safetensors"
+    assert (out / "final" / exported).is_file()
+    assert ((out / REFERENCE_FILE).is_file()) == (method == "full")
+    assert "train pairs" in result.stdout and "0 truncated, 0 dropped" in result.stdout
+
+
+def test_resume_continues_exactly_and_reuses_the_reference(single, pair_files, tmp_path):
+    method, out, _ = single
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    resume_from_step(copy, 1)
+    result = run_dpo(copy, pair_files, method, "train.save_every_steps=1")
+    expected, resumed = train_lines(out), train_lines(copy)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for a, b in zip(expected[1:], resumed[1:]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+    if method == "full":
+        assert "reference log-probs: read from" in result.stdout
+
+
+def test_start_from_an_sft_adapter_makes_it_the_reference(single, pair_files, tmp_path):
+    method, out, _ = single
+    if method != "lora":
+        pytest.skip("one start is enough")
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(REPO / "toolkit" / "assets" / "tiny-llama")
+    adapter = get_peft_model(
+        base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    adapter.save_pretrained(tmp_path / "sft")
+    run = tmp_path / "run"
+    run_dpo(run, pair_files, "lora", f"model.adapter={tmp_path / 'sft'}", "train.max_steps=1")
+    before = [r for r in read_metrics(run / "metrics.jsonl") if r["step"] == 0][0]
+    plain = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] == 0][0]
+    assert before["eval_reward_margin"] == 0 and before["eval_rewards_chosen"] == 0
+    assert before["eval_logps_chosen"] != pytest.approx(plain["eval_logps_chosen"], rel=1e-3)
+
+
+MATRIX = ["ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("config", MATRIX)
+def test_backend_gives_one_process_loss(config, single, pair_files, tmp_path):
+    method, out, _ = single
+    run = tmp_path / "run"
+    run_dpo(run, pair_files, method, processes=2, config=config)
+    expected, got = train_lines(out), train_lines(run)
+    assert len(got) == STEPS
+    for a, b in zip(expected, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3), (config, method)

@@ -1,0 +1,78 @@
+"""The preference recipe's config: the shared recipe config plus a `dpo` section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from toolkit.config import RecipeConfig, load_config
+from toolkit.errors import UserError
+
+DEMO_DPO_CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "demo-dpo.yaml"
+REFERENCE_FREE = ("simpo", "orpo")
+
+
+@dataclass
+class DpoConfig:
+    loss: Literal["sigmoid", "ipo", "simpo", "orpo"] = "sigmoid"
+    """Objective: sigmoid (DPO) | ipo | simpo (reference-free, length-normalised) | orpo (reference-free,
+    odds ratio plus NLL of the chosen completion)."""
+    beta: float = 0.1
+    """Strength of the preference term: DPO/SimPO temperature, IPO regulariser, ORPO's odds-ratio weight."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin gamma (used by loss simpo only)."""
+    max_prompt_length: int = 0
+    """Prompt tokens kept (from the end) when a pair exceeds data.max_length; 0 means half of it."""
+    reference_model: str | None = None
+    """Separate frozen reference model (path or hub id); unset: the policy's starting point (adapter off
+    for LoRA, precomputed log-probs for a full fine-tune)."""
+    precompute_reference: bool = False
+    """Compute reference log-probs once before training and reuse them (always so for a full fine-tune
+    without dpo.reference_model)."""
+
+
+@dataclass
+class PreferenceConfig(RecipeConfig):
+    output_dir: str = "runs/demo-dpo"
+    """Where config.yaml, metrics.jsonl, checkpoints/, reference log-probs and final/ are written."""
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+
+
+def load_preference_config(path: str | Path | None, overrides: list[str]) -> PreferenceConfig:
+    """The recipe config at `path` (the demo when None), checked for what preference tuning needs."""
+    cfg = load_config(path or DEMO_DPO_CONFIG, overrides, schema=PreferenceConfig)
+    validate_preference(cfg)
+    return cfg
+
+
+def validate_preference(cfg: PreferenceConfig) -> None:
+    if cfg.dpo.beta <= 0:
+        raise UserError(f"dpo.beta: must be positive, got {cfg.dpo.beta}")
+    if not 0 <= cfg.dpo.max_prompt_length < cfg.data.max_length:
+        raise UserError(
+            f"dpo.max_prompt_length: must be in [0, data.max_length={cfg.data.max_length}), "
+            f"got {cfg.dpo.max_prompt_length}"
+        )
+    if cfg.data.packing or cfg.data.group_by_length:
+        raise UserError("data.packing and data.group_by_length are for SFT; set them false for pairs")
+    if cfg.data.format != "auto":
+        raise UserError("data.format: preference layouts are detected from the records; leave it auto")
+    if cfg.dpo.loss in REFERENCE_FREE and (cfg.dpo.reference_model or cfg.dpo.precompute_reference):
+        raise UserError(f"dpo.loss {cfg.dpo.loss} uses no reference model; unset dpo.reference_model")
+
+
+def prompt_budget(cfg: PreferenceConfig) -> int:
+    """Prompt tokens a too-long pair keeps."""
+    return cfg.dpo.max_prompt_length or cfg.data.max_length // 2
+
+
+def uses_reference(cfg: PreferenceConfig) -> bool:
+    return cfg.dpo.loss not in REFERENCE_FREE
+
+
+def precomputes_reference(cfg: PreferenceConfig) -> bool:
+    """Reference log-probs from a first pass: asked for, or a full fine-tune with no other reference."""
+    if not uses_reference(cfg):
+        return False
+    return cfg.dpo.precompute_reference or (cfg.model.method == "full" and not cfg.dpo.reference_model)

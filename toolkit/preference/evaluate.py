@@ -1,0 +1,100 @@
+"""Held-out pairs: loss, rewards, reward accuracy and margin over the whole eval set (all ranks), and
+exact match of greedy answers against the chosen completion."""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.data import model_inputs
+from toolkit.generation import greedy_answer
+from toolkit.preference.config import DpoConfig
+from toolkit.preference.data import strided_batches
+from toolkit.preference.loss import pair_terms, sequence_logps, step_metrics
+
+
+@torch.no_grad()
+def evaluate_pairs(model, dataset, collate, accelerator, cfg: DpoConfig, reference, batch_size: int) -> dict:
+    """Collective: eval_* metrics over every pair of `dataset`; `reference(batch)` gives the reference
+    log-probs of a stacked batch (None for reference-free losses)."""
+    model.eval()
+    sums = torch.zeros(10, dtype=torch.float64, device=accelerator.device)
+    for rows, real in strided_batches(
+        dataset, accelerator.process_index, accelerator.num_processes, batch_size
+    ):
+        batch = {k: v.to(accelerator.device) for k, v in collate(rows).items()}
+        logps, counts = sequence_logps(model(**model_inputs(batch)).logits, batch["labels"])
+        terms = pair_terms(cfg, logps, counts, reference(batch))
+        keep = torch.tensor(real, device=logps.device, dtype=torch.float64)
+        chosen, rejected = logps.double().chunk(2)
+        margin = (terms.chosen_rewards - terms.rejected_rewards).double()
+        nll = -chosen if cfg.loss == "orpo" else torch.zeros_like(chosen)
+        per_pair = [
+            terms.losses.double(),
+            nll,
+            terms.chosen_rewards.double(),
+            terms.rejected_rewards.double(),
+        ]
+        per_pair += [(margin > 0).double(), margin, chosen, rejected, torch.ones_like(chosen)]
+        per_pair += [counts.chunk(2)[0].double()]
+        sums += torch.stack([(value * keep).sum() for value in per_pair])
+    model.train()
+    totals = accelerator.reduce(sums, reduction="sum").tolist()
+    return step_metrics(totals[:8], pairs=int(totals[8]), chosen_tokens=int(totals[9]), prefix="eval_")
+
+
+class PairEvaluator:
+    """The held-out pairs' evaluations, gathered once: metrics at `evaluate`, plus exact match and the
+    printed before/after line at `report`."""
+
+    def __init__(self, accelerator, model, tokenizer, dataset, collate, cfg, reference, log):
+        self.accelerator = accelerator
+        self.model = model
+        self.tokenizer = tokenizer
+        self.dataset = dataset
+        self.collate = collate
+        self.cfg = cfg
+        self.reference = reference
+        self.log = log
+
+    def _metrics(self) -> dict:
+        return evaluate_pairs(
+            self.model,
+            self.dataset,
+            self.collate,
+            self.accelerator,
+            self.cfg.dpo,
+            lambda batch: self.reference.logps(batch, "eval"),
+            self.cfg.train.micro_batch_size,
+        )
+
+    def evaluate(self, step: int) -> dict:
+        """Collective: eval_* metrics logged at `step`; {} when the run has no eval pairs."""
+        return self.log.write(step, **self._metrics()) if self.dataset is not None else {}
+
+    def report(self, step: int, label: str) -> None:
+        """Collective: the metrics and exact match of greedy answers, shown (tagged `label`) and logged."""
+        if self.dataset is None:
+            return
+        results = self._metrics()
+        if self.cfg.eval.exact_match_samples:
+            results["exact_match"] = pair_exact_match(
+                self.accelerator.unwrap_model(self.model),
+                self.tokenizer,
+                self.dataset,
+                self.cfg.eval.exact_match_samples,
+                self.cfg.eval.max_new_tokens,
+                self.accelerator.num_processes > 1,
+            )
+        self.accelerator.print(f"[{label}] " + "  ".join(f"{k}={v:.4g}" for k, v in results.items()))
+        self.log.write(step, **results)
+
+
+def pair_exact_match(model, tokenizer, dataset, samples: int, max_new_tokens: int, synced: bool) -> float:
+    """Share of the first `samples` eval pairs whose greedy answer equals the chosen completion."""
+    rows = [dataset[i] for i in range(min(samples, len(dataset)))]
+    hits = sum(
+        greedy_answer(model, tokenizer, row["prompt_ids"], max_new_tokens, synced)
+        == tokenizer.decode(row["chosen_ids"], skip_special_tokens=True).strip()
+        for row in rows
+    )
+    return hits / max(len(rows), 1)

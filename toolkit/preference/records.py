@@ -1,0 +1,91 @@
+"""Preference records to (prompt, chosen, rejected) conversations.
+
+Two published layouts are read, told apart by their keys:
+- explicit prompt: `prompt`, `chosen`, `rejected`, each text or a list of {role, content} turns (a text
+  prompt is one user turn, a text answer one assistant turn; answers that repeat the prompt's turns, as
+  in UltraFeedback-binarized, have them removed);
+- implicit prompt: `chosen` and `rejected` only, two whole conversations whose shared opening turns are the
+  prompt (HH-RLHF style).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.data.formats import ROLES
+from toolkit.errors import UserError
+
+LAYOUTS = {"explicit": ("prompt", "chosen", "rejected"), "implicit": ("chosen", "rejected")}
+
+
+@dataclass
+class Pair:
+    prompt: list[dict]
+    """The turns both answers follow."""
+    chosen: list[dict]
+    """Turns of the preferred completion."""
+    rejected: list[dict]
+    """Turns of the dispreferred completion."""
+
+
+def detect_layout(record: dict, where: str) -> str:
+    for layout, keys in LAYOUTS.items():
+        if all(key in record for key in keys):
+            return layout
+    found = ", ".join(sorted(record)) or "none"
+    raise UserError(
+        f"{where}: keys [{found}] are not a preference pair; expected prompt, chosen, rejected "
+        "(explicit prompt) or chosen, rejected (conversations sharing their opening turns)"
+    )
+
+
+def to_pair(record: dict, layout: str, where: str) -> Pair:
+    """The record's pair; a missing side, identical answers or no shared prompt is an error at `where`."""
+    for key in LAYOUTS[layout]:
+        if record.get(key) in (None, "", []):
+            raise UserError(f"{where}: missing or empty '{key}'")
+    chosen = _turns(record["chosen"], "chosen", "assistant", where)
+    rejected = _turns(record["rejected"], "rejected", "assistant", where)
+    if layout == "explicit":
+        prompt = _turns(record["prompt"], "prompt", "user", where)
+        chosen, rejected = _after(prompt, chosen), _after(prompt, rejected)
+    else:
+        shared = _shared_prefix(chosen, rejected)
+        if shared == 0:
+            raise UserError(f"{where}: 'chosen' and 'rejected' share no opening turn to use as the prompt")
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    if not chosen or not rejected:
+        side = "chosen" if not chosen else "rejected"
+        raise UserError(f"{where}: '{side}' has no turn after the prompt")
+    if chosen == rejected:
+        raise UserError(f"{where}: 'chosen' is identical to 'rejected'")
+    return Pair(prompt, chosen, rejected)
+
+
+def _turns(value, key: str, role: str, where: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if not isinstance(value, list):
+        raise UserError(f"{where}: '{key}' must be text or a list of turns, got {type(value).__name__}")
+    turns = []
+    for i, turn in enumerate(value):
+        if not (isinstance(turn, dict) and isinstance(turn.get("content"), str)):
+            raise UserError(f"{where}: {key}[{i}] must be an object with role and text content")
+        if turn.get("role") not in ROLES:
+            raise UserError(
+                f"{where}: {key}[{i}]: role {turn.get('role')!r} is not one of {', '.join(ROLES)}"
+            )
+        turns.append({"role": turn["role"], "content": turn["content"]})
+    return turns
+
+
+def _after(prompt: list[dict], answer: list[dict]) -> list[dict]:
+    return answer[len(prompt) :] if answer[: len(prompt)] == prompt else answer
+
+
+def _shared_prefix(a: list[dict], b: list[dict]) -> int:
+    """Opening turns both conversations share, stopping before the last turn of either."""
+    count = 0
+    while count < min(len(a), len(b)) - 1 and a[count] == b[count]:
+        count += 1
+    return count
