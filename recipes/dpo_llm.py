@@ -121,7 +121,7 @@ def main(argv: list[str]) -> int:
         accelerator.log if cfg.log.trackers else None,
     )
     evaluator = evaluate.PairEvaluator(accelerator, model, tokenizer, eval_set, collate, cfg, ref, log)
-    start_step, tokens_seen = resume.after_prepare(accelerator, log)
+    start_step, tokens_seen = resume.after_prepare(accelerator, log, model)
     if resume.checkpoint is None and not stop.agreed(accelerator):
         evaluator.report(0, "before")
     if stop.agreed(accelerator):  # stopped while loading or evaluating: nothing new to save

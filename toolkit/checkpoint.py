@@ -176,6 +176,29 @@ def _agree_or_raise(accelerator, error: str, tmp: Path, final: Path, output_dir:
     raise UserError(f"{final}: checkpoint not written: {error or 'failed on another rank'}; {still}")
 
 
+def reload_fsdp1_optimizer(path: Path, model, optimizer) -> None:
+    """Collective, after `accelerator.load_state`: read FSDP1's sharded optimizer state again, by the
+    names the checkpoint holds; `model` is the prepared (FSDP-wrapped) one, else nothing happens.
+
+    Accelerate reads it into the state a fresh optimizer has, which is empty, so the moments would
+    silently restart at zero; torch's reader takes its keys from the checkpoint itself.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+    directory = path / "optimizer_0"
+    if not isinstance(model, FullyShardedDataParallel) or not directory.is_dir():
+        return
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        saved = load_sharded_optimizer_state_dict(
+            model_state_dict=model.state_dict(),
+            optimizer_key="optimizer",
+            storage_reader=FileSystemReader(str(directory)),
+        )["optimizer"]
+        optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, saved))
+
+
 def read_marker(path: Path) -> dict:
     if not is_complete(path):
         raise UserError(f"{path}: not a complete checkpoint (no {MARKER})")

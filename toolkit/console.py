@@ -21,6 +21,15 @@ EXIT_DIR_ENV = "FTKIT_EXIT_DIR"
 # Warnings that say nothing the user can act on: torch deprecations raised inside DeepSpeed's collectives
 # (hundreds per ZeRO-3 step) and inside transformers' own calls.
 KNOWN_WARNINGS = (r"`torch\.distributed\.\w+` is deprecated", r"`is_gradient_checkpointing` is deprecated")
+# FSDP1's sharded checkpoints go through torch APIs that torch itself marks for removal; FSDP2 is the
+# user's way out, and the warnings (dozens per checkpoint) name nothing else to change.
+FSDP1_WARNINGS = (
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning),
+    (r"FSDP\.state_dict_type\(\) and FSDP\.set_state_dict_type\(\) are being deprecated", FutureWarning),
+    (r"`load_state_dict` is deprecated", FutureWarning),
+    (r"`_get_pg_default_device` will be deprecated", UserWarning),
+    (r"Multiple backends are registered with this ProcessGroup", UserWarning),
+)
 SCHEDULER_ORDER = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
 # Whole lines from the launcher and libraries, matched wherever they appear (`ftkit train` drops them).
 KNOWN_LINES = re.compile(
@@ -46,6 +55,8 @@ def quiet_third_party() -> None:
         return
     for pattern in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)
+    for pattern, category in FSDP1_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern, category=category, module=r"torch\.distributed")
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
         # The engine steps the optimizer inside backward (CPU Adam under offload), out of sight of the
         # counter torch's scheduler checks; the recipe's loop order is right by construction.

@@ -11,6 +11,7 @@ The recipe asks for the Accelerator in one call; this module builds it and check
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -173,11 +174,6 @@ def refuse_unsupported(launch: Launch) -> None:
         raise UserError(
             f"{launch.source} asks for DeepSpeed, which is not installed: pip install 'ftkit[deepspeed]'"
         )
-    if launch.on_cpu and launch.backend == "fsdp" and launch.fsdp_version == 1:
-        raise UserError(
-            f"{launch.source} asks for FSDP1, which torch runs on GPUs only: set fsdp_version: 2 for a run "
-            "without GPUs (as in accelerate_configs/fsdp.yaml)"
-        )
 
 
 def deepspeed_installed() -> bool:
@@ -234,6 +230,9 @@ def _finish_setup(accelerator, launch: Launch) -> None:
         state.distributed_type = DistributedType.FSDP
         # Every later AcceleratorState() copies PartialState's fields over its own.
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        if launch.fsdp_version == 1:
+            # FSDP1 computes on `cpu` and refuses accelerate's `cpu:0` as a different device.
+            state.device = PartialState._shared_state["device"] = torch.device("cpu")
     verify(accelerator, launch)
 
 
@@ -295,6 +294,19 @@ def clip_grad_norm(accelerator, model, max_norm: float) -> torch.Tensor | float:
         raise RuntimeError("no gradient norm: call clip_grad_norm after accelerator.prepare and backward")
     # FSDP2 returns a DTensor; gathering it is a collective, so do it here where every process is.
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def root_params_gathered(model):
+    """Collective: around `generate` on the unwrapped model, the weights the FSDP1 root wrapper shards.
+
+    Unwrapping drops the root's hooks, which alone gather its own weights (embeddings, final norm, head);
+    the wrapped layers inside still gather theirs. Any other model needs nothing.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if not isinstance(model, FullyShardedDataParallel):
+        return contextlib.nullcontext()
+    return FullyShardedDataParallel.summon_full_params(model, recurse=False, writeback=False)
 
 
 def any_rank(accelerator, *flags: bool) -> list[bool]:

@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader
 
 from toolkit.config import EvalConfig
 from toolkit.data import model_inputs
+from toolkit.distributed import root_params_gathered
 from toolkit.generation import chat_prompt_ids, exact_match, greedy_answer, split_prompt
 from toolkit.loss import count_targets, summed_token_loss
 from toolkit.metrics import MetricsLog
@@ -46,15 +47,22 @@ class Evaluator:
         cfg, synced = self.cfg, self.accelerator.num_processes > 1
         generator = self.accelerator.unwrap_model(self.model)
         if self.dataset is not None and cfg.exact_match_samples:
-            results["exact_match"] = exact_match(
-                generator, self.tokenizer, self.dataset, cfg.exact_match_samples, cfg.max_new_tokens, synced
-            )
+            with root_params_gathered(self.model):
+                results["exact_match"] = exact_match(
+                    generator,
+                    self.tokenizer,
+                    self.dataset,
+                    cfg.exact_match_samples,
+                    cfg.max_new_tokens,
+                    synced,
+                )
         if results:
             self.log.write(step, **results)
             self.accelerator.print(f"[{label}] " + "  ".join(f"{k}={v:.4g}" for k, v in results.items()))
         prompt_ids = self._sample_prompt()
         if prompt_ids is not None:
-            answer = greedy_answer(generator, self.tokenizer, prompt_ids, cfg.max_new_tokens, synced)
+            with root_params_gathered(self.model):
+                answer = greedy_answer(generator, self.tokenizer, prompt_ids, cfg.max_new_tokens, synced)
             question = " ".join(self.tokenizer.decode(prompt_ids, skip_special_tokens=True).split())
             self.accelerator.print(f"[{label}] sample: {question!r} -> {answer!r}")
 

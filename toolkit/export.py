@@ -22,7 +22,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 def export_model(accelerator, model, tokenizer, out_dir: Path, dtype: str) -> None:
     """Collective: gathers the full state dict (sharded backends included) and writes it on the main rank.
     A failed write (disk full, permissions) leaves no partial files and raises UserError on every rank."""
-    state_dict = accelerator.get_state_dict(model)
+    state_dict = full_state_dict(accelerator, model)
     error = ""
     if accelerator.is_main_process:
         if dtype != "auto":
@@ -31,7 +31,7 @@ def export_model(accelerator, model, tokenizer, out_dir: Path, dtype: str) -> No
             }
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         try:
-            _write_export(accelerator.unwrap_model(model), state_dict, tokenizer, tmp, out_dir)
+            _write_export(saver(accelerator, model), state_dict, tokenizer, tmp, out_dir)
         except (OSError, SafetensorError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             error = f"{out_dir}: model not exported: {getattr(exc, 'strerror', None) or exc}"
@@ -46,6 +46,41 @@ def _write_export(model, state_dict: dict, tokenizer, tmp: Path, out_dir: Path) 
     verify_export(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
+
+
+def full_state_dict(accelerator, model) -> dict[str, torch.Tensor]:
+    """Collective: every weight, whole, on the main rank at least.
+
+    On CPU processes FSDP1's own gather (accelerate's path) crashes moving the gathered weights to
+    host memory that is already where they are; torch's state-dict API gathers them in place.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel) and accelerator.device.type == "cpu":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+        return get_model_state_dict(model, options=options)
+    return accelerator.get_state_dict(model)
+
+
+def saver(accelerator, model) -> torch.nn.Module:
+    """The model whose save_pretrained writes the gathered state dict.
+
+    PEFT picks adapter weights by the module names it sees, and FSDP1's wrapped layers insert
+    `_fsdp_wrapped_module` into them: an adapter saved from the unwrapped model would come out empty, so
+    it is saved from the same adapter on a weightless copy of the base model.
+    """
+    from peft import PeftModel, get_peft_model
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    unwrapped = accelerator.unwrap_model(model)
+    if not (isinstance(model, FullyShardedDataParallel) and isinstance(unwrapped, PeftModel)):
+        return unwrapped
+    base = unwrapped.get_base_model()
+    name = unwrapped.active_adapter
+    with torch.device("meta"):
+        return get_peft_model(type(base)(base.config), unwrapped.peft_config[name], adapter_name=name)
 
 
 def verify_export(path: Path, trust_remote_code: bool = False) -> int:

@@ -4,7 +4,7 @@ same model and data. A recipe makes one `Resume` and calls it on either side of 
     resume = Resume.find(output_dir, cfg, say=accelerator.print)
     resume.before_prepare(model, optimizer, scheduler, accelerator)
     model, optimizer, ... = accelerator.prepare(model, optimizer, ...)
-    start_step, tokens_seen = resume.after_prepare(accelerator, log)
+    start_step, tokens_seen = resume.after_prepare(accelerator, log, model)
 """
 
 from __future__ import annotations
@@ -77,9 +77,11 @@ class Resume:
                 portable.restore_portable(self.checkpoint, model, optimizer, scheduler, current)
             )
 
-    def after_prepare(self, accelerator, log: metrics.MetricsLog) -> tuple[int, int]:
+    def after_prepare(self, accelerator, log: metrics.MetricsLog, prepared_model) -> tuple[int, int]:
         """Load what `accelerator.load_state` restores, check the weights, continue the schedule under this
-        run's config and the metrics file at the checkpoint's step. Returns (start_step, tokens_seen)."""
+        run's config and the metrics file at the checkpoint's step. Returns (start_step, tokens_seen).
+
+        `prepared_model` is what `accelerator.prepare` returned for the model (FSDP1 wraps a new module)."""
         if self.checkpoint is None:
             return 0, 0
         model, optimizer, scheduler, built = self._held
@@ -87,6 +89,7 @@ class Resume:
         if self._exact:
             _warn_random_states(self.checkpoint, accelerator)
             accelerator.load_state(str(self.checkpoint))
+            checkpoint.reload_fsdp1_optimizer(self.checkpoint, prepared_model, optimizer)
             bad = nonfinite_names((name, _local(p)) for name, p in model.named_parameters())
             if any_rank(accelerator, bool(bad))[0]:
                 refuse_nonfinite(self.checkpoint, bad or ["(on another rank)"])

@@ -168,8 +168,8 @@ def test_accelerator_kwargs_run_gpu_backends_on_gloo_without_a_gpu(monkeypatch):
     assert "cpu" not in distributed.accelerator_kwargs(Launch("ddp", 2, 2, on_cpu=False), train, 4)
     fsdp = distributed.accelerator_kwargs(Launch("fsdp", 2, 2, on_cpu=True, fsdp_version=2), train, 4)
     assert fsdp["cpu"] is True and fsdp["fsdp_plugin"].sync_module_states is not True
-    with pytest.raises(UserError, match="FSDP1, which torch runs on GPUs only"):
-        distributed.accelerator_kwargs(Launch("fsdp", 2, 2, on_cpu=True, fsdp_version=1), train, 4)
+    fsdp1 = distributed.accelerator_kwargs(Launch("fsdp", 2, 2, on_cpu=True, fsdp_version=1), train, 4)
+    assert fsdp1["cpu"] is True and fsdp1["fsdp_plugin"].sync_module_states is False
 
 
 @pytest.mark.parametrize("json_file", ["ds_configs/zero2.json", "ds_configs/zero3_offload.json", ""])
@@ -311,10 +311,6 @@ def test_deepspeed_json_with_matching_concrete_values_is_accepted(tmp_path):
         (
             {"distributed_type": "MULTI_GPU", "num_processes": 2, "mixed_precision": "bf16"},
             "mixed_precision bf16 in .*accel.yaml != no \\(train.mixed_precision in recipe.yaml\\)",
-        ),
-        (
-            {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_version": 1}},
-            "FSDP1, which torch runs on GPUs only",
         ),
         (
             {
