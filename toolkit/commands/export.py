@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from toolkit import data, export, portable
 from toolkit import model as models
 from toolkit.checkpoint import CONFIG, MARKER, damage, read_marker
-from toolkit.config import RecipeConfig, load_config
+from toolkit.config import RecipeConfig, load_config, read_yaml_mapping
 from toolkit.errors import UserError
 from toolkit.rundir import MARKER as RUN_MARKER
 
@@ -120,11 +120,20 @@ def run_config(checkpoint_dir: Path) -> RecipeConfig:
     """The recipe config saved in the checkpoint, else the one its run saved in output_dir."""
     for path in (checkpoint_dir / CONFIG, checkpoint_dir.parent.parent / CONFIG):
         if path.is_file():
-            return load_config(path)
+            return _saved_config(path)
     raise UserError(
         f"{checkpoint_dir}: no {CONFIG} in the checkpoint or its run directory, so the base model and "
         "method are unknown"
     )
+
+
+def _saved_config(path: Path) -> RecipeConfig:
+    """Read with the schema of the recipe that wrote it: a preference run saves a `dpo` section too."""
+    if "dpo" in read_yaml_mapping(path, "config"):
+        from toolkit.preference.config import PreferenceConfig
+
+        return load_config(path, schema=PreferenceConfig)
+    return load_config(path)
 
 
 def model_skeleton(cfg: RecipeConfig) -> torch.nn.Module:
