@@ -17,6 +17,9 @@ from toolkit.errors import UserError
 from toolkit.model import DTYPES
 
 ADAPTER_CONFIG = "adapter_config.json"
+# A run that began from a trained adapter (model.adapter) folded it into its base, so the adapter it trains
+# applies on top of that one: a copy travels with the export and every loader folds it in first.
+START_ADAPTER = "start_adapter"
 
 
 def export_model(accelerator, model, tokenizer, out_dir: Path, dtype: str) -> None:
@@ -107,14 +110,31 @@ def verify_export(path: Path, trust_remote_code: bool = False) -> int:
     return len(saved)
 
 
+def keep_start_adapter(out_dir: Path, start: str) -> None:
+    """Copy the adapter a run started from (its config and weights) into an exported adapter."""
+    (out_dir / START_ADAPTER).mkdir()
+    for name in (ADAPTER_CONFIG, "adapter_model.safetensors"):
+        shutil.copyfile(Path(start) / name, out_dir / START_ADAPTER / name)
+
+
+def adapted_base(adapter_dir: Path, trust_remote_code: bool = False, **kwargs):
+    """The model an exported adapter applies to: its base, with the run's start adapter folded in."""
+    from peft import PeftModel
+
+    base_path = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+    base = AutoModelForCausalLM.from_pretrained(base_path, trust_remote_code=trust_remote_code, **kwargs)
+    if (adapter_dir / START_ADAPTER).is_dir():
+        base = PeftModel.from_pretrained(base, str(adapter_dir / START_ADAPTER)).merge_and_unload()
+    return base
+
+
 def merge_adapter(adapter_dir: Path, out_dir: Path, dtype: str, trust_remote_code: bool = False) -> None:
     """Fold a LoRA adapter into its base model and save a standalone model (one copy of the base, CPU)."""
     from peft import PeftModel
 
-    base_path = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
     with outside_zero3():
-        base = AutoModelForCausalLM.from_pretrained(
-            base_path, dtype=DTYPES[dtype] if dtype != "auto" else "auto", trust_remote_code=trust_remote_code
+        base = adapted_base(
+            adapter_dir, trust_remote_code, dtype=DTYPES[dtype] if dtype != "auto" else "auto"
         )
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(str(out_dir))

@@ -82,6 +82,8 @@ def export_final(accelerator, model, tokenizer, cfg, output_dir: Path) -> Path:
     request for adapters)."""
     final_dir = output_dir / "final"
     export.export_model(accelerator, model, tokenizer, final_dir, cfg.export.dtype)
+    if cfg.model.adapter and cfg.model.method != "full" and accelerator.is_main_process:
+        export.keep_start_adapter(final_dir, cfg.model.adapter)
     if cfg.export.merge and cfg.model.method != "full" and accelerator.is_main_process:
         export.merge_adapter(final_dir, final_dir / "merged", cfg.export.dtype)
     accelerator.wait_for_everyone()

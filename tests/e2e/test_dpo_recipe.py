@@ -13,6 +13,9 @@ from helpers import REPO, launch, run_launched
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from toolkit import portable
+from toolkit.commands import cli
+from toolkit.commands.generate import load_for_generation
 from toolkit.metrics import read_metrics
 from toolkit.preference.reference import FILE as REFERENCE_FILE
 
@@ -131,6 +134,16 @@ def test_start_from_an_sft_adapter_makes_it_the_reference(single, pair_files, tm
     plain = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] == 0][0]
     assert before["eval_reward_margin"] == 0 and before["eval_rewards_chosen"] == 0
     assert before["eval_logps_chosen"] != pytest.approx(plain["eval_logps_chosen"], rel=1e-3)
+    # The exported adapter applies to the base with the SFT adapter folded in, as trained: every weight
+    # that loading final/ (and a checkpoint export of it) gives equals the trained model's checkpoint.
+    trained = portable.read_weights(run / "checkpoints" / "step-1")
+    assert cli.main(["export", str(run / "checkpoints" / "step-1"), "--out", str(tmp_path / "exported")]) == 0
+    for exported in (run / "final", tmp_path / "exported"):
+        assert (exported / "start_adapter" / "adapter_config.json").is_file()
+        loaded = load_for_generation(exported)[0].state_dict()
+        assert set(loaded) == set(trained)
+        for name, tensor in trained.items():
+            torch.testing.assert_close(loaded[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
 MATRIX = ["ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload"]

@@ -56,7 +56,7 @@ def export_checkpoint(
     tokenizer = models.load_tokenizer(cfg.model)
     data.ensure_chat_template(tokenizer)  # as the recipe did before training, so prompts render the same
     try:
-        count = _write(skeleton, weights, tokenizer, out_dir, merge_lora, dtype, trust_remote_code)
+        count = _write(skeleton, weights, tokenizer, out_dir, merge_lora, dtype, cfg)
     except (OSError, SafetensorError) as exc:
         raise UserError(f"--out: {out_dir} not written: {getattr(exc, 'strerror', None) or exc}") from None
     what = "merged model" if merge_lora else "adapter" if cfg.model.method != "full" else "model"
@@ -67,9 +67,10 @@ def export_checkpoint(
 
 
 def _write(
-    skeleton, weights: dict, tokenizer, out_dir: Path, merge_lora: bool, dtype: str, trust_remote_code: bool
+    skeleton, weights: dict, tokenizer, out_dir: Path, merge_lora: bool, dtype: str, cfg: RecipeConfig
 ) -> int:
     """Write beside `out_dir`, check, then swap into place; on any failure nothing is left behind."""
+    trust_remote_code = cfg.model.trust_remote_code  # the command line's, set by the caller
     tmp = out_dir.with_name(f".{out_dir.name}.export-tmp")
     merged = out_dir.with_name(f".{out_dir.name}.merged-tmp")
     try:
@@ -77,6 +78,8 @@ def _write(
         skeleton.save_pretrained(str(tmp), state_dict=weights)
         weights.clear()  # one copy of the weights at a time: the merge loads the base again
         tokenizer.save_pretrained(str(tmp))
+        if cfg.model.adapter and cfg.model.method != "full":
+            export.keep_start_adapter(tmp, cfg.model.adapter)
         if merge_lora:
             export.merge_adapter(tmp, merged, dtype, trust_remote_code)
             shutil.rmtree(tmp)

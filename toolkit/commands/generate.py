@@ -8,7 +8,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.errors import UserError
-from toolkit.export import ADAPTER_CONFIG
+from toolkit.export import ADAPTER_CONFIG, adapted_base
 from toolkit.generation import chat_prompt_ids, greedy_answer
 from toolkit.model import remote_code_refusal, with_pad_token
 
@@ -30,9 +30,10 @@ def load_for_generation(path: Path, trust_remote_code: bool = False):
 
 def _load(path: Path, trust_remote_code: bool):
     if (path / ADAPTER_CONFIG).is_file():
-        from peft import AutoPeftModelForCausalLM
+        from peft import PeftModel
 
-        model = AutoPeftModelForCausalLM.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        base = adapted_base(path, trust_remote_code)
+        model = PeftModel.from_pretrained(base, str(path))
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
