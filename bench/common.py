@@ -50,13 +50,7 @@ def write_data(path: Path) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    words = sorted(
-        {
-            t.lstrip("Ġ▁")
-            for t in tokenizer.get_vocab()
-            if t.lstrip("Ġ▁").isalpha() and len(t.lstrip("Ġ▁")) > 2
-        }
-    )
+    words = vocabulary_words(tokenizer)
     rng = random.Random(SEED)
 
     def text(median_words: float, sigma: float) -> str:
@@ -70,6 +64,48 @@ def write_data(path: Path) -> None:
                 {"role": "assistant", "content": text(30, 0.9)},
             ]
             handle.write(json.dumps({"messages": messages}) + "\n")
+
+
+def write_pairs(path: Path) -> None:
+    """Preference pairs in the messages layout: a user turn and two assistant answers of plain words with
+    lognormal lengths (as `write_data`), redrawn when the longer side would pass SEQ_LEN, so no tool's
+    truncation rule comes into play."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    words = vocabulary_words(tokenizer)
+    rng = random.Random(SEED)
+
+    def text(median_words: float, sigma: float) -> str:
+        n = max(1, int(rng.lognormvariate(math.log(median_words), sigma)))
+        return " ".join(rng.choice(words) for _ in range(n)) + "."
+
+    def length(prompt: list[dict], answer: str) -> int:
+        turns = [*prompt, {"role": "assistant", "content": answer}]
+        return len(tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False))
+
+    with path.open("w") as handle:
+        written = 0
+        while written < EXAMPLES:
+            prompt = [{"role": "user", "content": text(12, 0.8)}]
+            chosen, rejected = text(30, 0.9), text(30, 0.9)
+            if max(length(prompt, chosen), length(prompt, rejected)) > SEQ_LEN:
+                continue
+            pair = {"prompt": prompt, "chosen": [{"role": "assistant", "content": chosen}],
+                    "rejected": [{"role": "assistant", "content": rejected}]}  # fmt: skip
+            handle.write(json.dumps(pair) + "\n")
+            written += 1
+
+
+def vocabulary_words(tokenizer) -> list[str]:
+    """The tokenizer's whole-word alphabetic tokens longer than two letters, sorted."""
+    return sorted(
+        {
+            t.lstrip("Ġ▁")
+            for t in tokenizer.get_vocab()
+            if t.lstrip("Ġ▁").isalpha() and len(t.lstrip("Ġ▁")) > 2
+        }
+    )
 
 
 def encode(tokenizer, messages: list[dict]) -> list[int]:

@@ -1,7 +1,8 @@
 """Side-by-side CPU benchmark: bare Accelerate loop, ftkit (with and without packing), TRL SFTTrainer
 (defaults and packing) and HF Trainer on the same model files, data and settings. Prints the table, puts it
 with the machine and the target verdicts into bench/RESULTS.md (between its markers), and writes every run's
-figures to bench/raw_results.json. Then the data-preparation section (bench/data_prep.py).
+figures to bench/raw_results.json. Then the DPO section (bench/dpo.py) and the data-preparation section
+(bench/data_prep.py).
 
     python bench/run.py [--repeats 5]
 """
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import data_prep
+import dpo
 import torch
 from common import BATCH, LEARNING_RATE, ROOT, SEQ_LEN, STEPS, build_model_dir, write_data
 
@@ -45,7 +47,8 @@ def commands(work: Path) -> dict[str, list[str]]:
     }
 
 
-def run_once(name: str, cmd: list[str], work: Path) -> dict:
+def run_process(name: str, cmd: list[str], work: Path) -> tuple[float, float, float]:
+    """Run `cmd` to its end with BENCH_STATS at work/stats.json: (launch time, wall seconds, peak RSS MB)."""
     stats_path = work / "stats.json"
     stats_path.unlink(missing_ok=True)
     env = {**os.environ, "BENCH_STATS": str(stats_path), "PYTHONPATH": str(BENCH)}
@@ -56,6 +59,12 @@ def run_once(name: str, cmd: list[str], work: Path) -> dict:
     wall = time.time() - launched
     if status != 0:
         raise SystemExit(f"{name} failed:\n{stderr.decode()[-3000:]}")
+    return launched, wall, usage.ru_maxrss / 1024
+
+
+def run_once(name: str, cmd: list[str], work: Path) -> dict:
+    launched, wall, rss_mb = run_process(name, cmd, work)
+    stats_path = work / "stats.json"
     if name.startswith("ftkit"):
         lines = [x for x in read_metrics(work / "out" / "ftkit" / "metrics.jsonl") if "tokens_per_s" in x]
         ends = [x["time"] for x in lines]
@@ -72,7 +81,7 @@ def run_once(name: str, cmd: list[str], work: Path) -> dict:
         "step_s": statistics.median(steps),
         "setup_s": begin - launched,
         "first_step_s": ends[0] - launched,
-        "rss_mb": usage.ru_maxrss / 1024,
+        "rss_mb": rss_mb,
         "loss": loss,
         "wall_s": wall,
     }
@@ -89,11 +98,11 @@ COLUMNS = [
 ]
 
 
-def table(results: dict[str, list[dict]]) -> str:
-    lines = ["| contender | " + " | ".join(c[1] for c in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+def table(results: dict[str, list[dict]], columns=COLUMNS) -> str:
+    lines = ["| contender | " + " | ".join(c[1] for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for name, runs in results.items():
         cells = []
-        for key, _, fmt in COLUMNS:
+        for key, _, fmt in columns:
             values = sorted(r[key] for r in runs)
             cells.append(
                 " / ".join(fmt.format(v) for v in (values[0], statistics.median(values), values[-1]))
@@ -134,14 +143,15 @@ def verdicts(results: dict[str, list[dict]]) -> str:
 BEGIN, END = "<!-- make bench: begin -->", "<!-- make bench: end -->"
 
 
-def write_results(path: Path, block: str) -> None:
-    """Replace what lies between the RESULTS.md markers with `block`."""
+def write_results(path: Path, block: str, markers: tuple[str, str] = (BEGIN, END)) -> None:
+    """Replace what lies between the RESULTS.md `markers` with `block`."""
+    begin, end = markers
     text = path.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path}: the markers {BEGIN} and {END} are missing; table not written")
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    path.write_text(f"{head}{BEGIN}\n{block}\n{END}{tail}")
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path}: the markers {begin} and {end} are missing; table not written")
+    head, _, rest = text.partition(begin)
+    _, _, tail = rest.partition(end)
+    path.write_text(f"{head}{begin}\n{block}\n{end}{tail}")
 
 
 def machine() -> str:
@@ -181,6 +191,7 @@ def main() -> None:
     print(block)
     write_results(BENCH / "RESULTS.md", block)
     (BENCH / "raw_results.json").write_text(json.dumps({"machine": machine(), "runs": results}, indent=1))
+    print(dpo.run_section(args.repeats, machine))
     print(data_prep.run_section([20000, 100000], machine()))
 
 

@@ -1,0 +1,132 @@
+"""DPO side by side: ftkit's recipes/dpo_llm.py against TRL's DPOTrainer on the SFT benchmark's model,
+LoRA, on the same preference pairs, global batch, sequence length, learning rate and steps; round-robin
+repeats. Writes its table between the DPO markers of bench/RESULTS.md and every run's figures to
+bench/raw_dpo.json (also run by `make bench`, after the SFT table).
+
+    python bench/dpo.py [--repeats 3]
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from common import BATCH, LEARNING_RATE, ROOT, SEQ_LEN, STEPS, build_model_dir, write_pairs
+
+from toolkit.metrics import read_metrics
+
+BENCH = Path(__file__).resolve().parent
+PY = sys.executable
+BEGIN, END = "<!-- make bench dpo: begin -->", "<!-- make bench dpo: end -->"
+
+
+def commands(work: Path) -> dict[str, list[str]]:
+    model, pairs, out = str(work / "model"), str(work / "pairs.jsonl"), work / "out"
+    trl = [PY, str(BENCH / "trl_dpo.py")]
+    return {
+        "ftkit": [PY, str(ROOT / "recipes" / "dpo_llm.py"), "--config", str(BENCH / "ftkit-dpo.yaml"),
+                  f"model.path={model}", f"data.train={pairs}", f"output_dir={out}/ftkit",
+                  f"train.max_steps={STEPS}", f"train.global_batch_size={BATCH}",
+                  f"train.micro_batch_size={BATCH}", f"train.learning_rate={LEARNING_RATE}",
+                  f"data.max_length={SEQ_LEN}"],
+        "TRL DPOTrainer": [*trl, "chat", model, pairs, str(out / "trl")],
+        "TRL DPOTrainer, ftkit's token rows": [*trl, "text", model, pairs, str(out / "trl-text")],
+    }  # fmt: skip
+
+
+def step_record(name: str, work: Path) -> tuple[list[float], list[int], float, float]:
+    """(step end times, pairs per step, loss of the last step, start of step 1) of the run just made."""
+    if name == "ftkit":
+        lines = [x for x in read_metrics(work / "out" / "ftkit" / "metrics.jsonl") if "pairs_per_s" in x]
+        pairs = [round(x["pairs_per_s"] * x["step_time_s"]) for x in lines]
+        return (
+            [x["time"] for x in lines],
+            pairs,
+            lines[-1]["loss"],
+            lines[0]["time"] - lines[0]["step_time_s"],
+        )
+    record = json.loads((work / "stats.json").read_text())
+    return record["step_end"], record["tokens"], record["loss"], record["first_step_begin"]
+
+
+def run_once(name: str, cmd: list[str], work: Path) -> dict:
+    from run import run_process
+
+    launched, wall, rss_mb = run_process(name, cmd, work)
+    ends, pairs, loss, begin = step_record(name, work)
+    return {
+        "pairs_per_s": sum(pairs[1:]) / (ends[-1] - ends[0]),
+        "step_s": statistics.median(b - a for a, b in zip(ends, ends[1:])),
+        "setup_s": begin - launched,
+        "first_step_s": ends[0] - launched,
+        "rss_mb": rss_mb,
+        "loss": loss,
+        "wall_s": wall,
+    }
+
+
+COLUMNS = [
+    ("pairs_per_s", "pairs/s", "{:.2f}"),
+    ("step_s", "step time median (s)", "{:.2f}"),
+    ("setup_s", "launch → start of step 1 (s)", "{:.1f}"),
+    ("first_step_s", "launch → end of step 1 (s)", "{:.1f}"),
+    ("rss_mb", "peak RSS (MB)", "{:.0f}"),
+    ("loss", "final loss", "{:.4f}"),
+    ("wall_s", "whole run (s)", "{:.1f}"),
+]
+
+
+def verdicts(results: dict[str, list[dict]]) -> str:
+    """The pairs/s target on medians, and how far the final losses of equal token rows lie apart."""
+    ours = statistics.median(r["pairs_per_s"] for r in results["ftkit"])
+    lines = []
+    for name in ("TRL DPOTrainer", "TRL DPOTrainer, ftkit's token rows"):
+        theirs = statistics.median(r["pairs_per_s"] for r in results[name])
+        met = ours / theirs >= 1.2
+        lines.append(
+            f"- ftkit pairs/s >= 1.2x {name}: **{'met' if met else 'not met'}** — median {ours:.3g} "
+            f"against {theirs:.3g}, ratio {ours / theirs:.3f}"
+        )
+    same = results["TRL DPOTrainer, ftkit's token rows"][0]["loss"]
+    gap = abs(results["ftkit"][0]["loss"] - same)
+    lines.append(
+        f"- final loss on equal batches (ftkit against TRL given ftkit's token rows): "
+        f"{results['ftkit'][0]['loss']:.5f} against {same:.5f}, difference {gap:.1e}"
+    )
+    return "\n".join(lines)
+
+
+def run_section(repeats: int, machine) -> str:
+    """Every contender `repeats` times round-robin; returns the markdown block it also writes."""
+    from run import table, write_results
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        build_model_dir(work / "model")
+        write_pairs(work / "pairs.jsonl")
+        cmds = commands(work)
+        results: dict[str, list[dict]] = {name: [] for name in cmds}
+        for repeat in range(repeats):  # round-robin, so drift in machine speed hits every contender
+            for name, cmd in cmds.items():
+                results[name].append(run_once(name, cmd, work))
+                print(f"[dpo {repeat + 1}/{repeats}] {name}: {results[name][-1]}", flush=True)
+    head = f"Machine: {machine()}. {repeats} runs of each contender; cells are min / median / max."
+    block = "\n\n".join([head, table(results, COLUMNS), verdicts(results)])
+    write_results(BENCH / "RESULTS.md", block, (BEGIN, END))
+    (BENCH / "raw_dpo.json").write_text(json.dumps({"machine": machine(), "runs": results}, indent=1))
+    return block
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    from run import machine
+
+    print(run_section(args.repeats, machine))
+
+
+if __name__ == "__main__":
+    main()
