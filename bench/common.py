@@ -50,12 +50,7 @@ def write_data(path: Path) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    words = vocabulary_words(tokenizer)
-    rng = random.Random(SEED)
-
-    def text(median_words: float, sigma: float) -> str:
-        n = max(1, int(rng.lognormvariate(math.log(median_words), sigma)))
-        return " ".join(rng.choice(words) for _ in range(n)) + "."
+    text = sentences(tokenizer)
 
     with path.open("w") as handle:
         for _ in range(EXAMPLES):
@@ -73,12 +68,7 @@ def write_pairs(path: Path) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    words = vocabulary_words(tokenizer)
-    rng = random.Random(SEED)
-
-    def text(median_words: float, sigma: float) -> str:
-        n = max(1, int(rng.lognormvariate(math.log(median_words), sigma)))
-        return " ".join(rng.choice(words) for _ in range(n)) + "."
+    text = sentences(tokenizer)
 
     def length(prompt: list[dict], answer: str) -> int:
         turns = [*prompt, {"role": "assistant", "content": answer}]
@@ -97,15 +87,23 @@ def write_pairs(path: Path) -> None:
             written += 1
 
 
-def vocabulary_words(tokenizer) -> list[str]:
-    """The tokenizer's whole-word alphabetic tokens longer than two letters, sorted."""
-    return sorted(
+def sentences(tokenizer):
+    """text(median_words, sigma): a sentence of the tokenizer's whole words (alphabetic, longer than two
+    letters) with a lognormal word count, from a generator seeded with SEED."""
+    words = sorted(
         {
             t.lstrip("Ġ▁")
             for t in tokenizer.get_vocab()
             if t.lstrip("Ġ▁").isalpha() and len(t.lstrip("Ġ▁")) > 2
         }
     )
+    rng = random.Random(SEED)
+
+    def text(median_words: float, sigma: float) -> str:
+        n = max(1, int(rng.lognormvariate(math.log(median_words), sigma)))
+        return " ".join(rng.choice(words) for _ in range(n)) + "."
+
+    return text
 
 
 def encode(tokenizer, messages: list[dict]) -> list[int]:
