@@ -1,5 +1,6 @@
 """Shared by every test. Its folder is on sys.path, so tests in tests/unit and tests/e2e import `helpers`."""
 
+import signal
 import sys
 
 import datasets
@@ -20,3 +21,20 @@ def fresh_accelerate_state():
     state = sys.modules.get("accelerate.state")
     if state is not None:
         state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    """recipes/finetune_llm.py as a module, for tests that run its main() in this process."""
+    from helpers import load_recipe
+
+    return load_recipe()
+
+
+@pytest.fixture
+def signal_handlers_restored():
+    """The recipe installs its stop handlers in this process; put pytest's back."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)

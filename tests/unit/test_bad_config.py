@@ -2,11 +2,10 @@
 its declared range stops the recipe with one line naming the key, the value and what is allowed, before
 anything is written."""
 
-import signal
 import typing
 
 import pytest
-from helpers import REPO, load_recipe
+from helpers import REPO
 
 from toolkit import config, fields
 from toolkit.commands import cli
@@ -49,18 +48,7 @@ BAD = [
 ]
 
 
-@pytest.fixture(scope="module")
-def recipe():
-    return load_recipe()
-
-
-@pytest.fixture(autouse=True)
-def signal_handlers():
-    """The recipe installs its stop handlers in this process; put pytest's back."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
+pytestmark = pytest.mark.usefixtures("signal_handlers_restored")
 
 
 @pytest.mark.parametrize(("override", "message"), BAD, ids=[b[0] for b in BAD])

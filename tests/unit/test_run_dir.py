@@ -3,7 +3,6 @@ cannot hold a run is one line, and a full or read-only disk leaves nothing half-
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import sys
 import pytest
 import torch
 from accelerate import Accelerator
-from helpers import REPO, load_recipe
+from helpers import REPO
 
 from toolkit import checkpoint, export, rundir
 from toolkit.commands import cli
@@ -19,19 +18,7 @@ from toolkit.config import RecipeConfig
 from toolkit.errors import UserError, run_main
 from toolkit.metrics import MetricsLog
 
-
-@pytest.fixture(scope="module")
-def recipe():
-    return load_recipe()
-
-
-@pytest.fixture(autouse=True)
-def signal_handlers():
-    """The recipe installs its stop handlers in this process; put pytest's back."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
+pytestmark = pytest.mark.usefixtures("signal_handlers_restored")
 
 
 def edge(recipe, capsys, *argv) -> tuple[int, str]:
