@@ -90,7 +90,14 @@ def main(argv: list[str]) -> int:
         eval_set = eval_set.add_column("pair_index", list(range(len(eval_set))))
     collate = pairs.PairCollator(tokenizer.pad_token_id)
     loader, sampler = train_loader(
-        train_set, cfg.data, cfg.train, tokenizer.pad_token_id, cfg.seed, False, collate
+        train_set,
+        cfg.data,
+        cfg.train,
+        tokenizer.pad_token_id,
+        cfg.seed,
+        False,
+        collate,
+        lengths=pairs.pair_lengths(train_set) if cfg.data.group_by_length else None,
     )
     model = models.load_model(cfg.model, cfg.lora, accelerator.local_process_index, features)
     trainable, total = models.trainable_and_total(model)

@@ -8,10 +8,11 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from toolkit.config import DataConfig
+from toolkit.config import DataConfig, TrainConfig
+from toolkit.data.loader import train_loader
 from toolkit.errors import UserError
 from toolkit.loss import IGNORE
-from toolkit.preference.data import EncodedPairs, PairCollator, build_pairs
+from toolkit.preference.data import EncodedPairs, PairCollator, build_pairs, pair_lengths
 from toolkit.preference.records import detect_layout, to_pair
 
 TINY = Path(__file__).resolve().parents[2] / "toolkit" / "assets" / "tiny-llama"
@@ -118,3 +119,35 @@ def test_formats_mixture_and_summary(tmp_path, tokenizer):
     assert (
         stats.summary().startswith("data: 20 train pairs (") and "0 truncated, 0 dropped" in stats.summary()
     )
+
+
+def test_group_by_length_pads_less_and_keeps_every_pair_once(tmp_path, tokenizer):
+    # Prompts and answers of 1 to 30 words, so a random batch of pairs pads to far more than its pairs need.
+    words = [f"w{i % 7}" for i in range(60)]
+    records = [
+        {
+            "prompt": " ".join(words[: 1 + (7 * i) % 30]),
+            "chosen": " ".join(words[: 1 + (11 * i) % 30]),
+            "rejected": " ".join(words[: 1 + (5 * i) % 30]) + " x",
+        }
+        for i in range(64)
+    ]
+    cfg = DataConfig(train=jsonl(tmp_path / "p.jsonl", records), eval_fraction=0, max_length=256)
+    train, _, _ = build_pairs(cfg, tokenizer, 128, seed=0)
+    collate = PairCollator(tokenizer.pad_token_id, multiple=1)
+    lengths = pair_lengths(train)
+    assert [collate([train[i]])["input_ids"].shape[1] for i in range(len(train))] == lengths.tolist()
+
+    def epoch(group: bool):
+        data = DataConfig(train="x", group_by_length=group)
+        steps = TrainConfig(global_batch_size=8, micro_batch_size=8)
+        loader, sampler = train_loader(train, data, steps, 0, 0, False, collate, pair_lengths(train))
+        sampler.set_epoch(1)
+        picked = [batch["input_ids"].shape for batch in loader]
+        return sorted(i for i in sampler), sum(rows * width for rows, width in picked)
+
+    every, padded_slots = epoch(group=False)
+    grouped_every, grouped_slots = epoch(group=True)
+    assert every == grouped_every == list(range(len(train)))
+    least = 2 * int(lengths.sum())  # each pair's two rows are at least its own width
+    assert least <= grouped_slots < 0.8 * padded_slots, (least, grouped_slots, padded_slots)

@@ -1,7 +1,8 @@
 """ftkit's preference losses equal TRL's trainers' on identical weights and batches (TRL is a dev-only
 dependency). TRL is driven through its trainers' public loss methods: DPOTrainer.compute_loss for sigmoid
 and ipo, CPOTrainer (loss_type simpo, cpo_alpha 0) and ORPOTrainer .get_batch_loss_metrics for the
-reference-free losses; its logged rewards are compared pair by pair (batches of one pair)."""
+reference-free losses, DPOTrainer with loss types sigmoid + sft for dpo.sft_weight; its logged rewards
+are compared pair by pair (batches of one pair)."""
 
 import copy
 import json
@@ -80,14 +81,16 @@ def _dataset():
     return datasets.Dataset.from_list(PAIRS)
 
 
-@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
-def test_dpo_and_ipo_match_trl(setup, tmp_path, loss):
+@pytest.mark.parametrize(("loss", "sft_weight"), [("sigmoid", 0.0), ("ipo", 0.0), ("sigmoid", 0.7)])
+def test_dpo_and_ipo_match_trl(setup, tmp_path, loss, sft_weight):
     tokenizer, policy, reference, rows = setup
-    cfg = DpoConfig(loss=loss, beta=0.3)
+    cfg = DpoConfig(loss=loss, beta=0.3, sft_weight=sft_weight)
+    # dpo.sft_weight is TRL's DPO combined with its "sft" loss (mean NLL of the chosen tokens).
+    types, weights = ([loss, "sft"], [1.0, sft_weight]) if sft_weight else ([loss], None)
     trainer = trl.DPOTrainer(
         policy,
         ref_model=reference,
-        args=trl.DPOConfig(loss_type=[loss], beta=cfg.beta, **trl_args(tmp_path)),
+        args=trl.DPOConfig(loss_type=types, loss_weights=weights, beta=cfg.beta, **trl_args(tmp_path)),
         train_dataset=_dataset(),
         processing_class=tokenizer,
     )

@@ -18,14 +18,23 @@ from toolkit.errors import UserError
 
 
 def train_loader(
-    dataset, data: DataConfig, train: TrainConfig, pad_id: int, seed: int, flash_varlen: bool, collate=None
+    dataset,
+    data: DataConfig,
+    train: TrainConfig,
+    pad_id: int,
+    seed: int,
+    flash_varlen: bool,
+    collate=None,
+    lengths=None,
 ):
     """(loader, sampler): micro-batches of `dataset` whose order depends on (seed, epoch) alone; `collate`
-    replaces the SFT collators (e.g. for preference pairs)."""
+    replaces the SFT collators and `lengths` (tokens per row, for data.group_by_length) the SFT row
+    lengths (e.g. for preference pairs)."""
     if data.streaming:
         return _stream_loader(dataset, data, train, pad_id, flash_varlen)
     if data.group_by_length:
-        sampler = LengthGroupedSampler(row_lengths(dataset), train.global_batch_size, seed)
+        lengths = row_lengths(dataset) if lengths is None else lengths
+        sampler = LengthGroupedSampler(lengths, train.global_batch_size, seed)
     else:
         sampler = EpochSampler(len(dataset), train.global_batch_size, seed)
     if collate is None:

@@ -8,6 +8,7 @@ from typing import Literal
 
 from toolkit.config import RecipeConfig, load_config
 from toolkit.errors import UserError
+from toolkit.fields import NonNegativeFloat
 
 DEMO_DPO_CONFIG = Path(__file__).resolve().parents[1] / "assets" / "demo-dpo.yaml"
 REFERENCE_FREE = ("simpo", "orpo")
@@ -22,6 +23,9 @@ class DpoConfig:
     """Strength of the preference term: DPO/SimPO temperature, IPO regulariser, ORPO's odds-ratio weight."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin gamma (used by loss simpo only)."""
+    sft_weight: NonNegativeFloat = 0.0
+    """Weight of the chosen completions' NLL (per chosen token) added to sigmoid, ipo or simpo: keeps the
+    chosen answers likely while the margin grows (DPO lowers both otherwise); 0 turns it off."""
     max_prompt_length: int = 0
     """Prompt tokens kept (from the end) when a pair exceeds data.max_length; 0 means half of it."""
     reference_model: str | None = None
@@ -54,8 +58,12 @@ def validate_preference(cfg: PreferenceConfig) -> None:
             f"dpo.max_prompt_length: must be in [0, data.max_length={cfg.data.max_length}), "
             f"got {cfg.dpo.max_prompt_length}"
         )
-    if cfg.data.packing or cfg.data.group_by_length:
-        raise UserError("data.packing and data.group_by_length are for SFT; set them false for pairs")
+    if cfg.dpo.loss == "orpo" and cfg.dpo.sft_weight:
+        raise UserError(
+            "dpo.sft_weight: orpo always adds the chosen NLL (weight 1); set it for sigmoid/ipo/simpo"
+        )
+    if cfg.data.packing:
+        raise UserError("data.packing is for SFT; pairs are batched whole (data.group_by_length pads less)")
     if cfg.data.format != "auto":
         raise UserError("data.format: preference layouts are detected from the records; leave it auto")
     if cfg.dpo.loss in REFERENCE_FREE and (cfg.dpo.reference_model or cfg.dpo.precompute_reference):

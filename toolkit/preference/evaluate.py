@@ -9,7 +9,7 @@ from toolkit.data import model_inputs
 from toolkit.generation import greedy_answer
 from toolkit.preference.config import DpoConfig
 from toolkit.preference.data import strided_batches
-from toolkit.preference.loss import pair_terms, sequence_logps, step_metrics
+from toolkit.preference.loss import nll_weight, pair_terms, sequence_logps, step_metrics
 
 
 @torch.no_grad()
@@ -27,10 +27,9 @@ def evaluate_pairs(model, dataset, collate, accelerator, cfg: DpoConfig, referen
         keep = torch.tensor(real, device=logps.device, dtype=torch.float64)
         chosen, rejected = logps.double().chunk(2)
         margin = (terms.chosen_rewards - terms.rejected_rewards).double()
-        nll = -chosen if cfg.loss == "orpo" else torch.zeros_like(chosen)
         per_pair = [
             terms.losses.double(),
-            nll,
+            -nll_weight(cfg) * chosen,
             terms.chosen_rewards.double(),
             terms.rejected_rewards.double(),
         ]

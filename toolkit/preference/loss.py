@@ -2,9 +2,9 @@
 
 Each pair's completion log-probability is the sum over its completion tokens (padding and prompt never
 count). A step's loss is the mean of the per-pair losses over every pair of the global batch, plus, for
-ORPO, the NLL of the chosen completions per chosen token of the global batch; the recipe scales each
-micro-batch's sums by those global counts (see `toolkit.loss.backward_scale`), so the split into
-micro-batches and processes does not change the gradient.
+ORPO or with dpo.sft_weight, the NLL of the chosen completions per chosen token of the global batch; the
+recipe scales each micro-batch's sums by those global counts (see `toolkit.loss.backward_scale`), so the
+split into micro-batches and processes does not change the gradient.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class PairTerms:
     chosen_rewards: torch.Tensor
     rejected_rewards: torch.Tensor
     nll_sum: torch.Tensor
-    """Summed NLL of the chosen completion tokens (ORPO's second term; zero for the other losses)."""
+    """Summed NLL of the chosen completion tokens (ORPO's second term, or dpo.sft_weight's; else zero)."""
 
 
 def pair_terms(
@@ -46,7 +46,6 @@ def pair_terms(
     chosen, rejected = logps.chunk(2)
     n_chosen, n_rejected = counts.clamp(min=1).chunk(2)
     beta = cfg.beta
-    nll = torch.zeros((), dtype=logps.dtype, device=logps.device)
     if cfg.loss in ("sigmoid", "ipo"):
         ref_chosen, ref_rejected = ref_logps.chunk(2)
         chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
@@ -65,8 +64,13 @@ def pair_terms(
         else:
             log_odds = (mean_chosen - mean_rejected) - (_log1mexp(mean_chosen) - _log1mexp(mean_rejected))
             losses = -beta * F.logsigmoid(log_odds)
-            nll = -chosen.sum()
+    nll = -nll_weight(cfg) * chosen.sum()
     return PairTerms(losses, rewards[0].detach(), rewards[1].detach(), nll)
+
+
+def nll_weight(cfg: DpoConfig) -> float:
+    """Weight of the chosen completions' NLL in the loss: ORPO's fixed 1, else dpo.sft_weight."""
+    return 1.0 if cfg.loss == "orpo" else cfg.sft_weight
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
