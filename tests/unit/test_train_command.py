@@ -2,6 +2,7 @@
 before it starts, and hands on the worker's exit: all in-process, nothing launched."""
 
 import argparse
+import dataclasses
 import io
 
 import pytest
@@ -200,3 +201,25 @@ def test_each_recipe_is_checked_with_its_own_config_schema_and_default():
     assert not isinstance(sft, PreferenceConfig) and sft.output_dir == "runs/demo"
     with pytest.raises(UserError, match="unknown key dpo"):
         recipe_config("sft", None, ["dpo.beta=0.2"])
+
+
+def test_auto_plans_preference_tuning_with_two_sequences_and_the_reference():
+    from toolkit.commands.auto_backend import plan_request
+    from toolkit.commands.train import recipe_config
+    from toolkit.plan.estimate import make_plan
+
+    config = "recipes/configs/llama3-8b-dpo-lora.yaml"
+    dpo = plan_request(recipe_config("dpo", config, []), [], 2, 24.0)
+    assert (dpo.objective, dpo.reference_model) == ("dpo", False)
+    separate = plan_request(recipe_config("dpo", config, ["dpo.reference_model=ref"]), [], 2, 24.0)
+    assert separate.reference_model
+    sft = plan_request(recipe_config("sft", config.replace("-dpo", ""), []), [], 2, 24.0)
+    assert sft.objective == "sft"
+
+    def ddp_total(request):  # per-GPU bytes of DDP at micro-batch 1, checkpointing on
+        row = next(r for r in make_plan(request).rows if r.backend == "ddp" and r.checkpointing)
+        return row.per_gpu()["total"]
+
+    pinned = dict(micro_batch=1, grad_ckpt="on", seq_len=dpo.seq_len)
+    totals = [ddp_total(dataclasses.replace(r, **pinned)) for r in (sft, dpo, separate)]
+    assert totals[0] < totals[1] < totals[2]

@@ -13,6 +13,7 @@ from toolkit.config import RecipeConfig
 from toolkit.errors import UserError
 from toolkit.plan.estimate import PlanRequest, make_plan
 from toolkit.plan.memory import GIB
+from toolkit.preference.config import PreferenceConfig
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -47,8 +48,10 @@ def choose(cfg: RecipeConfig, overrides: list[str], hardware, processes: int) ->
 
 
 def plan_request(cfg: RecipeConfig, overrides: list[str], processes: int, mem_gib: float) -> PlanRequest:
-    """The recipe config as the estimator sees it; what the user fixed on the command line stays fixed."""
+    """The recipe config as the estimator sees it; what the user fixed on the command line stays fixed.
+    A preference config plans two sequences per pair, and a separate reference model's weights."""
     fixed = _keys(overrides)
+    dpo = cfg.dpo if isinstance(cfg, PreferenceConfig) else None
     ckpt = cfg.model.gradient_checkpointing
     model = Path(cfg.model.path)
     return PlanRequest(
@@ -64,6 +67,8 @@ def plan_request(cfg: RecipeConfig, overrides: list[str], processes: int, mem_gi
         grad_ckpt=_on(ckpt) if "model.gradient_checkpointing" in fixed and ckpt != "auto" else "auto",
         dtype=cfg.model.dtype if cfg.model.dtype in ("float32", "bfloat16") else "auto",
         mixed_precision="no" if cfg.train.mixed_precision == "no" else "bf16",
+        objective="dpo" if dpo else "sft",
+        reference_model=bool(dpo and dpo.reference_model),
     )
 
 
