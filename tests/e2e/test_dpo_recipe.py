@@ -59,6 +59,8 @@ def run_dpo(out: Path, pair_files: Path, method: str, *overrides: str, processes
         "train.global_batch_size=8",
         "train.micro_batch_size=2",
         "data.max_length=64",
+        # Length-grouped pair batches everywhere: each backend and resume below also covers that order.
+        "data.group_by_length=true",
         "eval.exact_match_samples=0",
         *overrides,
     ]
