@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import datasets
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from toolkit.config import DataConfig
@@ -202,11 +203,17 @@ def _prepare(name: str, cfg: DataConfig, tokenizer) -> _Part:
 
 
 def _trained_per_row(dataset: datasets.Dataset) -> np.ndarray:
-    """Trained tokens of each row, read one record batch at a time from the memory-mapped file."""
+    """Trained tokens of each row of a freshly cached `dataset`, read one record batch at a time with
+    plain reads: reading the labels through the memory map would leave every page of them resident, and
+    counted in this process's RSS, for the rest of the run."""
     counts = []
-    for batch in dataset.data.to_batches():
-        labels = batch.column("labels")
-        flat = pc.list_flatten(labels).to_numpy()
-        rows = pc.list_parent_indices(labels).to_numpy()
-        counts.append(np.bincount(rows[flat != IGNORE], minlength=len(labels)))
+    for cached in dataset.cache_files:
+        with pa.OSFile(cached["filename"]) as handle:
+            counts += [_trained(batch.column("labels")) for batch in pa.ipc.open_stream(handle)]
     return np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)
+
+
+def _trained(labels) -> np.ndarray:
+    flat = pc.list_flatten(labels).to_numpy()
+    rows = pc.list_parent_indices(labels).to_numpy()
+    return np.bincount(rows[flat != IGNORE], minlength=len(labels))
