@@ -161,3 +161,48 @@ def test_backend_gives_one_process_loss(config, single, pair_files, tmp_path):
     assert len(got) == STEPS
     for a, b in zip(expected, got):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-3), (config, method)
+
+
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory):
+    """A frozen reference unlike the starting policy, so the rewards differ from zero from step 0."""
+    path = tmp_path_factory.mktemp("reference") / "model"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(REPO / "toolkit" / "assets" / "tiny-llama")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.02 * torch.randn_like(param))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def separate_single(reference_dir, pair_files, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dpo-separate") / "run"
+    run_dpo(out, pair_files, "full", f"dpo.reference_model={reference_dir}")
+    return out
+
+
+def test_separate_reference_live_equals_its_precomputed_values(
+    separate_single, reference_dir, pair_files, tmp_path
+):
+    start = [r for r in read_metrics(separate_single / "metrics.jsonl") if r["step"] == 0][0]
+    assert abs(start["eval_reward_margin"]) > 1e-4  # scored against the given model, not the start
+    run = tmp_path / "run"
+    run_dpo(run, pair_files, "full", f"dpo.reference_model={reference_dir}", "dpo.precompute_reference=true")
+    assert (run / REFERENCE_FILE).is_file()
+    for a, b in zip(train_lines(separate_single), train_lines(run), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("config", MATRIX)
+def test_separate_reference_gives_one_process_loss(
+    config, separate_single, reference_dir, pair_files, tmp_path
+):
+    run = tmp_path / "run"
+    run_dpo(run, pair_files, "full", f"dpo.reference_model={reference_dir}", processes=2, config=config)
+    expected, got = train_lines(separate_single), train_lines(run)
+    assert len(got) == STEPS
+    for a, b in zip(expected, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3), config

@@ -8,6 +8,7 @@ sharded backends gather their weights as in training.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from pathlib import Path
 
@@ -112,12 +113,8 @@ def load(path: Path, fingerprint: dict) -> dict[str, Precomputed] | None:
 
 
 def load_separate(accelerator, cfg, features):
-    """dpo.reference_model loaded frozen in the policy's dtype and prepared (sharded) like the policy."""
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        raise UserError(
-            "dpo.reference_model under DeepSpeed is not supported; use FSDP or DDP, or train LoRA "
-            "(the reference is then the policy with its adapter off)"
-        )
+    """dpo.reference_model loaded frozen in the policy's dtype and prepared (sharded) like the policy:
+    DDP/FSDP through accelerate, DeepSpeed as an inference engine of its own (below)."""
     spec = ModelConfig(
         path=cfg.dpo.reference_model,
         method="full",
@@ -128,7 +125,26 @@ def load_separate(accelerator, cfg, features):
     )
     model = load_model(spec, LoraConfig(), accelerator.local_process_index, features).eval()
     model.requires_grad_(False)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return deepspeed_reference(accelerator, model)
     return accelerator.prepare_model(model, evaluation_mode=True)
+
+
+def deepspeed_reference(accelerator, model):
+    """`model` as a DeepSpeed engine without optimizer: under ZeRO-3 its weights are partitioned across
+    the ranks (and offloaded where the policy's are) and gathered layer by layer in forward, as the
+    policy's; under ZeRO-1/2, which partition only training states, it is held whole like the policy."""
+    import deepspeed
+
+    config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+    for key in ("optimizer", "scheduler"):
+        config.pop(key, None)
+    zero = config.setdefault("zero_optimization", {})
+    if zero.get("stage") != 3:
+        config["zero_optimization"] = {"stage": 0}
+    zero.pop("offload_optimizer", None)
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    return engine.eval()
 
 
 class Reference:
