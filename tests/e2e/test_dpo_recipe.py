@@ -62,6 +62,8 @@ def run_dpo(out: Path, pair_files: Path, method: str, *overrides: str, processes
         # Length-grouped pair batches everywhere: each backend and resume below also covers that order.
         "data.group_by_length=true",
         "eval.exact_match_samples=0",
+        # The DPO term alone (the demo adds the chosen NLL), so the checks below see its arithmetic.
+        "dpo.sft_weight=0",
         *overrides,
     ]
     head = [sys.executable]
@@ -206,3 +208,4 @@ def test_separate_reference_gives_one_process_loss(
     assert len(got) == STEPS
     for a, b in zip(expected, got):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-3), config
+        assert b["rewards_chosen"] == pytest.approx(a["rewards_chosen"], rel=1e-2, abs=1e-4), config

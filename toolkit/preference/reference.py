@@ -144,7 +144,8 @@ def deepspeed_reference(accelerator, model):
         config["zero_optimization"] = {"stage": 0}
     zero.pop("offload_optimizer", None)
     engine = deepspeed.initialize(model=model, config=config)[0]
-    return engine.eval()
+    engine.eval()  # DeepSpeed's eval() returns None, not the engine
+    return engine
 
 
 class Reference:
