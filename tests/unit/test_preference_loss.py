@@ -126,3 +126,14 @@ def test_step_metrics_are_per_pair_means():
     assert metrics["logps_chosen"] == pytest.approx(-1.5) and metrics["loss"] == pytest.approx(
         terms.losses.mean().item()
     )
+
+
+def test_sft_weight_sets_the_chosen_nll_weight_and_orpo_keeps_its_own_unless_set():
+    logps = torch.tensor([-3.0, -5.0, -4.0, -9.0])  # two chosen rows, then two rejected
+    counts = torch.tensor([2, 3, 2, 4])
+    ref = torch.tensor([-3.5, -5.0, -3.0, -8.0])
+    nll = {}
+    for loss, weight in [("sigmoid", None), ("sigmoid", 0.5), ("orpo", None), ("orpo", 0.25)]:
+        terms = pair_terms(DpoConfig(loss=loss, sft_weight=weight), logps, counts, ref)
+        nll[loss, weight] = terms.nll_sum.item()
+    assert nll == {("sigmoid", None): 0.0, ("sigmoid", 0.5): 4.0, ("orpo", None): 8.0, ("orpo", 0.25): 2.0}

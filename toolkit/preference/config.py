@@ -23,9 +23,9 @@ class DpoConfig:
     """Strength of the preference term: DPO/SimPO temperature, IPO regulariser, ORPO's odds-ratio weight."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin gamma (used by loss simpo only)."""
-    sft_weight: NonNegativeFloat = 0.0
-    """Weight of the chosen completions' NLL (per chosen token) added to sigmoid, ipo or simpo: keeps the
-    chosen answers likely while the margin grows (DPO lowers both otherwise); 0 turns it off."""
+    sft_weight: NonNegativeFloat | None = None
+    """Weight of the chosen completions' NLL (per chosen token) in the loss: keeps the chosen answers likely
+    while the margin grows (DPO lowers both otherwise). Unset: 0, except ORPO's own 1."""
     max_prompt_length: int = 0
     """Prompt tokens kept (from the end) when a pair exceeds data.max_length; 0 means half of it."""
     reference_model: str | None = None
@@ -57,10 +57,6 @@ def validate_preference(cfg: PreferenceConfig) -> None:
         raise UserError(
             f"dpo.max_prompt_length: must be in [0, data.max_length={cfg.data.max_length}), "
             f"got {cfg.dpo.max_prompt_length}"
-        )
-    if cfg.dpo.loss == "orpo" and cfg.dpo.sft_weight:
-        raise UserError(
-            "dpo.sft_weight: orpo always adds the chosen NLL (weight 1); set it for sigmoid/ipo/simpo"
         )
     if cfg.data.packing:
         raise UserError("data.packing is for SFT; pairs are batched whole (data.group_by_length pads less)")

@@ -69,8 +69,11 @@ def pair_terms(
 
 
 def nll_weight(cfg: DpoConfig) -> float:
-    """Weight of the chosen completions' NLL in the loss: ORPO's fixed 1, else dpo.sft_weight."""
-    return 1.0 if cfg.loss == "orpo" else cfg.sft_weight
+    """Weight of the chosen completions' NLL in the loss: dpo.sft_weight, unset meaning ORPO's 1 for orpo
+    and 0 for the others."""
+    if cfg.sft_weight is not None:
+        return cfg.sft_weight
+    return 1.0 if cfg.loss == "orpo" else 0.0
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
