@@ -260,6 +260,13 @@ def validate(cfg: RecipeConfig, source: str = "config") -> None:
         raise UserError("model.adapter cannot be merged into a 4-bit base; use model.method lora or full")
 
 
+def check_local_path(path: str, key: str) -> None:
+    """Fail early on a local-looking path that does not exist, rather than asking the hub for it."""
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") >= 2
+    if looks_local and not Path(path).expanduser().exists():
+        raise UserError(f"{key}: {path} does not exist")
+
+
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 

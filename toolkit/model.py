@@ -11,7 +11,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit import speed
-from toolkit.config import LoraConfig, ModelConfig
+from toolkit.config import LoraConfig, ModelConfig, check_local_path
 from toolkit.errors import UserError
 from toolkit.speed import SpeedFeatures
 
@@ -20,7 +20,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def load_tokenizer(cfg: ModelConfig):
     """The model's tokenizer, with a pad token (the eos token when the model has none)."""
-    _check_path(cfg.path)
+    check_local_path(cfg.path, "model.path")
     return with_pad_token(_from_pretrained(AutoTokenizer, cfg, "tokenizer"))
 
 
@@ -37,18 +37,23 @@ are then what fills the GPU."""
 
 
 def load_model(
-    cfg: ModelConfig, lora: LoraConfig, local_rank: int = 0, features: SpeedFeatures | None = None
+    cfg: ModelConfig,
+    lora: LoraConfig,
+    local_rank: int = 0,
+    features: SpeedFeatures | None = None,
+    key: str = "model.path",
 ):
     """The trainable model: everything trainable for `full`, only the adapter for `lora`/`qlora`.
 
-    `features` (from `speed.resolve`) chooses the attention kernel, Liger kernels and compilation.
+    `features` (from `speed.resolve`) chooses the attention kernel, Liger kernels and compilation; `key`
+    is the config key that errors about `cfg.path` name.
     """
-    _check_path(cfg.path)
+    check_local_path(cfg.path, key)
     attention = features.attention if features else cfg.attn_implementation
     kwargs = {"dtype": DTYPES[cfg.dtype], "attn_implementation": attention}
     if cfg.method == "qlora":
         kwargs.update(_qlora_kwargs(local_rank))
-    model = _from_pretrained(AutoModelForCausalLM, cfg, "model", **kwargs)
+    model = _from_pretrained(AutoModelForCausalLM, cfg, "model", key, **kwargs)
     if cfg.adapter:
         model = merge_start_adapter(model, cfg.adapter)
     if features and features.liger:
@@ -136,13 +141,6 @@ def _qlora_kwargs(local_rank: int) -> dict:
     return {"quantization_config": quant, "device_map": {"": local_rank}}
 
 
-def _check_path(path: str) -> None:
-    """Fail early on a local-looking path that does not exist, rather than asking the hub for it."""
-    looks_local = path.startswith((".", "/", "~")) or path.count("/") >= 2
-    if looks_local and not Path(path).expanduser().exists():
-        raise UserError(f"model.path: {path} does not exist")
-
-
 def remote_code_refusal(exc: ValueError) -> str:
     """One line for transformers' refusal to run a model's own code (else the error itself, unchanged)."""
     if "trust_remote_code" not in str(exc):
@@ -150,13 +148,13 @@ def remote_code_refusal(exc: ValueError) -> str:
     return "it ships its own modelling code, which runs only with trust_remote_code set by you"
 
 
-def _from_pretrained(cls, cfg: ModelConfig, what: str, **kwargs):
+def _from_pretrained(cls, cfg: ModelConfig, what: str, key: str = "model.path", **kwargs):
     try:
         return cls.from_pretrained(local_path(cfg.path), trust_remote_code=cfg.trust_remote_code, **kwargs)
     except (OSError, ValueError, SafetensorError) as exc:
         if isinstance(exc, ValueError) and "trust_remote_code" in str(exc):
-            raise UserError(f"model.path: {cfg.path}: {remote_code_refusal(exc)}") from None
+            raise UserError(f"{key}: {cfg.path}: {remote_code_refusal(exc)}") from None
         # A missing or truncated file, a folder without a tokenizer: transformers' first line says which.
         raise UserError(
-            f"model.path: cannot load the {what} from {cfg.path}: {str(exc).splitlines()[0]}"
+            f"{key}: cannot load the {what} from {cfg.path}: {str(exc).splitlines()[0]}"
         ) from None

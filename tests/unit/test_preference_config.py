@@ -53,6 +53,7 @@ def test_every_dpo_key_is_documented():
         (["dpo.max_prompt_length=64"], "dpo.max_prompt_length: must be in [0, data.max_length=64)"),
         (["data.packing=true"], "data.packing is for SFT; pairs are batched whole"),
         (["dpo.sft_weight=-1"], "dpo.sft_weight"),
+        (["dpo.reference_model=/no/such/ref"], "dpo.reference_model: /no/such/ref does not exist"),
         (["dpo.loss=orpo", "dpo.reference_model=x"], "dpo.loss orpo uses no reference model"),
         (["model.method=qlora"], "model.adapter cannot be merged into a 4-bit base"),
     ],

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from toolkit.config import RecipeConfig, load_config
+from toolkit.config import RecipeConfig, check_local_path, load_config
 from toolkit.errors import UserError
 from toolkit.fields import NonNegativeFloat
 
@@ -64,6 +64,8 @@ def validate_preference(cfg: PreferenceConfig) -> None:
         raise UserError("data.format: preference layouts are detected from the records; leave it auto")
     if cfg.dpo.loss in REFERENCE_FREE and (cfg.dpo.reference_model or cfg.dpo.precompute_reference):
         raise UserError(f"dpo.loss {cfg.dpo.loss} uses no reference model; unset dpo.reference_model")
+    if cfg.dpo.reference_model:
+        check_local_path(cfg.dpo.reference_model, "dpo.reference_model")
 
 
 def prompt_budget(cfg: PreferenceConfig) -> int:

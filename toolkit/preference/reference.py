@@ -123,7 +123,8 @@ def load_separate(accelerator, cfg, features):
         gradient_checkpointing=False,
         trust_remote_code=cfg.model.trust_remote_code,
     )
-    model = load_model(spec, LoraConfig(), accelerator.local_process_index, features).eval()
+    model = load_model(spec, LoraConfig(), accelerator.local_process_index, features, "dpo.reference_model")
+    model.eval()
     model.requires_grad_(False)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return deepspeed_reference(accelerator, model)
