@@ -9,9 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 import yaml
 from accelerate.utils.other import get_free_port as free_port
-from transformers import LlamaConfig
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from toolkit.metrics import read_metrics
 
@@ -163,6 +164,21 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
         max_position_embeddings=64,
     )
     return LlamaConfig(**{**shape, **overrides})
+
+
+def micro_llama(**overrides) -> LlamaForCausalLM:
+    """The smallest Llama the loss and reference tests need (1 layer, hidden 16, vocab 64), its weights
+    drawn from seed 0 so every call gives the same model."""
+    torch.manual_seed(0)
+    shape = dict(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    return LlamaForCausalLM(tiny_llama_config(**{**shape, **overrides}))
 
 
 def load_recipe(name: str = "finetune_llm"):

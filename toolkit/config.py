@@ -271,19 +271,23 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def dotted(tree: dict, prefix: str = "") -> dict:
+    """A nested mapping as one level of dotted keys (`train.max_steps`), leaves unchanged."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(dotted(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
 def flat_dict(cfg) -> dict:
     """Dotted keys to scalars (lists as strings): the shape experiment trackers accept."""
-    flat = {}
-
-    def walk(node, prefix):
-        for key, value in node.items():
-            if isinstance(value, dict):
-                walk(value, f"{prefix}{key}.")
-            else:
-                flat[prefix + key] = str(value) if isinstance(value, list) or value is None else value
-
-    walk(to_dict(cfg), "")
-    return flat
+    return {
+        key: str(value) if isinstance(value, list) or value is None else value
+        for key, value in dotted(to_dict(cfg)).items()
+    }
 
 
 def save_config(cfg: RecipeConfig, path: Path) -> None:

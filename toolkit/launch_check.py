@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from toolkit.batches import grad_accum_steps
-from toolkit.config import RecipeConfig, TrainConfig, read_yaml_mapping
+from toolkit.config import RecipeConfig, TrainConfig, dotted, read_yaml_mapping
 from toolkit.distributed import (
     DS_SETTINGS_ENV,
     Launch,
@@ -164,7 +164,7 @@ def _check_deepspeed(launch: Launch, train: TrainConfig, recipe_source: str, ga:
             f"accelerate: set them in {launch.ds_config_file} (or leave them to the recipe config)"
         )
     where = launch.ds_config_file or launch.source
-    values = _flat(launch.ds_config) if launch.ds_config_file else launch.ds_settings
+    values = dotted(launch.ds_config) if launch.ds_config_file else launch.ds_settings
     for key, expected, recipe_key in _recipe_values(train, ga, launch.world_size):
         found = values.get(key, "auto")
         if str(found).lower() != "auto" and not _same(found, expected):
@@ -215,16 +215,6 @@ def _same(found, expected) -> bool:
 
 def _show(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def _flat(config: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + key] = value
-    return flat
 
 
 def _disable_nccl_p2p(machine: Machine, env: MutableMapping[str, str]) -> list[str]:

@@ -15,7 +15,7 @@ import yaml
 from accelerate.utils.other import load as accelerate_load
 
 from toolkit import checkpoint, metrics, optim, portable, rundir
-from toolkit.config import to_dict
+from toolkit.config import dotted, to_dict
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
 from toolkit.nonfinite import nonfinite_names, refuse_nonfinite
@@ -104,7 +104,7 @@ def config_changes(saved: dict | None, current: dict, fixed: tuple[str, ...] = F
     """`key old -> new` for each changed key; changed `fixed` keys are refused in one line."""
     if saved is None:
         return []
-    before, after = _flatten(saved), _flatten(current)
+    before, after = dotted(saved), dotted(current)
     changed = [
         key
         for key in sorted(set(before) | set(after))
@@ -166,18 +166,8 @@ def _run_config(output_dir: Path) -> dict | None:
 
 
 def _identity(config: dict | None) -> dict:
-    flat = _flatten(config or {})
+    flat = dotted(config or {})
     return {key: value for key, value in flat.items() if _is_fixed(key, FIXED)}
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + key] = value
-    return flat
 
 
 def _warn_random_states(path: Path, accelerator) -> None:

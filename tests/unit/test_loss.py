@@ -4,8 +4,7 @@ label token in the global batch, however it is split into micro-batches."""
 import pytest
 import torch
 from accelerate import Accelerator
-from helpers import tiny_llama_config
-from transformers import LlamaForCausalLM
+from helpers import micro_llama
 
 from toolkit.loss import IGNORE, backward_scale, count_targets, summed_token_loss
 
@@ -22,25 +21,11 @@ def variable_length_batch(seed=0, length=12, vocab=64):
     return ids, labels
 
 
-def tiny_model():
-    torch.manual_seed(0)
-    config = tiny_llama_config(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
-    return LlamaForCausalLM(config).double()
-
-
 def step_gradient(micro: int, naive: bool = False) -> torch.Tensor:
     """One optimizer step's gradient through Accelerator.backward, as the recipe computes it."""
     grad_accum = GLOBAL_BATCH // micro
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=grad_accum)
-    model = accelerator.prepare(tiny_model())
+    model = accelerator.prepare(micro_llama().double())
     ids, labels = variable_length_batch()
     chunks = list(zip(ids.split(micro), labels.split(micro)))
     scale = backward_scale(sum(count_targets(lab) for _, lab in chunks), grad_accum, world_size=1)
@@ -67,7 +52,7 @@ def test_naive_per_micro_batch_mean_is_caught():
 
 
 def test_summed_loss_matches_mean_cross_entropy():
-    model = tiny_model()
+    model = micro_llama().double()
     ids, labels = variable_length_batch()
     logits = model(input_ids=ids).logits
     expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), labels[:, 1:].reshape(-1))

@@ -4,7 +4,7 @@ token of the global batch), however the pairs are split into micro-batches and p
 import pytest
 import torch
 from accelerate import Accelerator
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import micro_llama
 
 from toolkit.loss import backward_scale
 from toolkit.preference.config import DpoConfig
@@ -29,20 +29,6 @@ def pairs():
 
 
 REFERENCE = torch.tensor([-30.0, -41.0, -25.0, -12.0, -28.0, -14.0, -33.0, -20.0], dtype=torch.float64)
-
-
-def tiny_model():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config).double()
 
 
 def padded_mean_logps(logits, labels):
@@ -71,7 +57,7 @@ def step_gradient(loss: str, micro: int, world: int, logps_fn=sequence_logps) ->
     grads = []
     for rank_batches in batches:
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=grad_accum)
-        model = accelerator.prepare(tiny_model())
+        model = accelerator.prepare(micro_llama().double())
         for batch in rank_batches:
             with accelerator.accumulate(model):
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -102,7 +88,7 @@ def test_log_probs_averaged_over_padding_are_caught(loss):
 
 
 def test_padding_never_counts():
-    model = tiny_model()
+    model = micro_llama().double()
     row = pairs()[:1]
     narrow = PairCollator(pad_id=0, multiple=1)(row)
     wide = PairCollator(pad_id=0, multiple=32)(row)

@@ -4,28 +4,13 @@ precomputed tables equal to live ones, saved as safetensors + JSON and refused f
 import pytest
 import torch
 from accelerate import Accelerator
+from helpers import micro_llama
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from toolkit.errors import UserError
 from toolkit.preference import reference
 from toolkit.preference.data import PairCollator
 from toolkit.preference.loss import sequence_logps
-
-
-def tiny_model(dropout=0.0):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        attention_dropout=dropout,
-    )
-    return LlamaForCausalLM(config)
 
 
 def dataset():
@@ -55,7 +40,10 @@ def eval_logps(model, batch):
 
 def test_reference_runs_without_dropout_and_restores_train_mode():
     accelerator = Accelerator(cpu=True)
-    model = get_peft_model(tiny_model(dropout=0.5), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(
+        micro_llama(num_hidden_layers=2, attention_dropout=0.5),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
     batch = PairCollator(pad_id=0)(dataset())
     model.train()
     first = reference.live_logps(accelerator, model, batch)
@@ -68,7 +56,7 @@ def test_reference_runs_without_dropout_and_restores_train_mode():
 
 def test_adapter_is_switched_off_for_the_reference():
     accelerator = Accelerator(cpu=True)
-    base = tiny_model()
+    base = micro_llama(num_hidden_layers=2)
     batch = PairCollator(pad_id=0)(dataset())
     expected = eval_logps(base, batch)
     model = get_peft_model(
@@ -80,7 +68,7 @@ def test_adapter_is_switched_off_for_the_reference():
 
 def test_precomputed_tables_equal_live_values_and_round_trip(tmp_path):
     accelerator = Accelerator(cpu=True)
-    model = tiny_model()
+    model = micro_llama(num_hidden_layers=2)
     rows, collate = dataset(), PairCollator(pad_id=0)
     table = reference.compute(accelerator, model, rows, collate, batch_size=2)
     live = eval_logps(model, collate(rows)).double()

@@ -140,10 +140,11 @@ def deepspeed_reference(accelerator, model):
     config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
     for key in ("optimizer", "scheduler"):
         config.pop(key, None)
-    zero = config.setdefault("zero_optimization", {})
-    if zero.get("stage") != 3:
+    zero = config.get("zero_optimization", {})
+    if zero.get("stage") == 3:
+        config["zero_optimization"] = {k: v for k, v in zero.items() if k != "offload_optimizer"}
+    else:
         config["zero_optimization"] = {"stage": 0}
-    zero.pop("offload_optimizer", None)
     engine = deepspeed.initialize(model=model, config=config)[0]
     engine.eval()  # DeepSpeed's eval() returns None, not the engine
     return engine
