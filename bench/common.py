@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -151,3 +152,30 @@ class StepStats:
             "loss": self.loss,
         }
         Path(os.environ["BENCH_STATS"]).write_text(json.dumps(record))
+
+
+def step_figures(rate: str, ends: list[float], counts: list[int], loss: float, begin: float, run) -> dict:
+    """A run's table figures from its step end times and the work done in each step (tokens or pairs):
+    `rate` = work of steps 2.. / time from the end of step 1 to the last end, the median step, set-up
+    (launch → `begin` of step 1), launch → end of step 1; `run` = (launch time, wall seconds, peak RSS MB)."""
+    launched, wall, rss_mb = run
+    return {
+        rate: sum(counts[1:]) / (ends[-1] - ends[0]),
+        "step_s": statistics.median(b - a for a, b in zip(ends, ends[1:])),
+        "setup_s": begin - launched,
+        "first_step_s": ends[0] - launched,
+        "rss_mb": rss_mb,
+        "loss": loss,
+        "wall_s": wall,
+    }
+
+
+def write_results(path: Path, block: str, markers: tuple[str, str]) -> None:
+    """Replace what lies between the RESULTS.md `markers` with `block`."""
+    begin, end = markers
+    text = path.read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path}: the markers {begin} and {end} are missing; table not written")
+    head, _, rest = text.partition(begin)
+    _, _, tail = rest.partition(end)
+    path.write_text(f"{head}{begin}\n{block}\n{end}{tail}")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import psutil
-from common import ROOT, TOKENIZER_DIR
+from common import ROOT, TOKENIZER_DIR, write_results
 
 from toolkit.metrics import read_metrics
 
@@ -170,15 +170,6 @@ def verdicts(results: dict[int, dict[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def write_block(path: Path, block: str) -> None:
-    text = path.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path}: the markers {BEGIN} and {END} are missing; table not written")
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    path.write_text(f"{head}{BEGIN}\n{block}\n{END}{tail}")
-
-
 def earlier_runs(sizes: list[int]) -> tuple[dict[int, dict[str, dict]], dict[int, str]]:
     """(runs, machine lines) of the sizes not run now, from bench/raw_data_prep.json, so that a run of
     one size (e.g. `--sizes 1000000`) adds its rows to the table instead of replacing it."""
@@ -212,7 +203,7 @@ def run_section(sizes: list[int], machine: str) -> str:
              f"{line}." for line in dict.fromkeys(machines[n] for n in sorted(machines))]  # fmt: skip
     heads.append("One run of each, each from an empty datasets cache.")
     block = "\n\n".join(["\n".join(heads), table(results), verdicts(results)])
-    write_block(BENCH / "RESULTS.md", block)
+    write_results(BENCH / "RESULTS.md", block, (BEGIN, END))
     raw = {"machines": machines, "runs": results}
     (BENCH / "raw_data_prep.json").write_text(json.dumps(raw, indent=1))
     return block

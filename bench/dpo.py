@@ -13,7 +13,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import BATCH, LEARNING_RATE, ROOT, SEQ_LEN, STEPS, build_model_dir, write_pairs
+from common import (
+    BATCH,
+    LEARNING_RATE,
+    ROOT,
+    SEQ_LEN,
+    STEPS,
+    build_model_dir,
+    step_figures,
+    write_pairs,
+    write_results,
+)
 
 from toolkit.metrics import read_metrics
 
@@ -69,17 +79,8 @@ def step_record(name: str, work: Path) -> tuple[list[float], list[int], float, f
 def run_once(name: str, cmd: list[str], work: Path) -> dict:
     from run import run_process
 
-    launched, wall, rss_mb = run_process(name, cmd, work)
-    ends, pairs, loss, begin = step_record(name, work)
-    return {
-        "pairs_per_s": sum(pairs[1:]) / (ends[-1] - ends[0]),
-        "step_s": statistics.median(b - a for a, b in zip(ends, ends[1:])),
-        "setup_s": begin - launched,
-        "first_step_s": ends[0] - launched,
-        "rss_mb": rss_mb,
-        "loss": loss,
-        "wall_s": wall,
-    }
+    run = run_process(name, cmd, work)
+    return step_figures("pairs_per_s", *step_record(name, work), run)
 
 
 COLUMNS = [
@@ -115,7 +116,7 @@ def verdicts(results: dict[str, list[dict]]) -> str:
 
 def run_section(repeats: int, machine) -> str:
     """Every contender `repeats` times round-robin; returns the markdown block it also writes."""
-    from run import table, write_results
+    from run import table
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -21,7 +21,17 @@ from pathlib import Path
 import data_prep
 import dpo
 import torch
-from common import BATCH, LEARNING_RATE, ROOT, SEQ_LEN, STEPS, build_model_dir, write_data
+from common import (
+    BATCH,
+    LEARNING_RATE,
+    ROOT,
+    SEQ_LEN,
+    STEPS,
+    build_model_dir,
+    step_figures,
+    write_data,
+    write_results,
+)
 
 from toolkit.metrics import read_metrics
 
@@ -63,7 +73,7 @@ def run_process(name: str, cmd: list[str], work: Path) -> tuple[float, float, fl
 
 
 def run_once(name: str, cmd: list[str], work: Path) -> dict:
-    launched, wall, rss_mb = run_process(name, cmd, work)
+    run = run_process(name, cmd, work)
     stats_path = work / "stats.json"
     if name.startswith("ftkit"):
         lines = [x for x in read_metrics(work / "out" / "ftkit" / "metrics.jsonl") if "tokens_per_s" in x]
@@ -75,16 +85,7 @@ def run_once(name: str, cmd: list[str], work: Path) -> dict:
         record = json.loads(stats_path.read_text())
         ends, tokens, loss = record["step_end"], record["tokens"], record["loss"]
         begin = record["first_step_begin"]
-    steps = [b - a for a, b in zip(ends, ends[1:])]
-    return {
-        "tokens_per_s": sum(tokens[1:]) / (ends[-1] - ends[0]),
-        "step_s": statistics.median(steps),
-        "setup_s": begin - launched,
-        "first_step_s": ends[0] - launched,
-        "rss_mb": rss_mb,
-        "loss": loss,
-        "wall_s": wall,
-    }
+    return step_figures("tokens_per_s", ends, tokens, loss, begin, run)
 
 
 COLUMNS = [
@@ -143,17 +144,6 @@ def verdicts(results: dict[str, list[dict]]) -> str:
 BEGIN, END = "<!-- make bench: begin -->", "<!-- make bench: end -->"
 
 
-def write_results(path: Path, block: str, markers: tuple[str, str] = (BEGIN, END)) -> None:
-    """Replace what lies between the RESULTS.md `markers` with `block`."""
-    begin, end = markers
-    text = path.read_text()
-    if begin not in text or end not in text:
-        raise SystemExit(f"{path}: the markers {begin} and {end} are missing; table not written")
-    head, _, rest = text.partition(begin)
-    _, _, tail = rest.partition(end)
-    path.write_text(f"{head}{begin}\n{block}\n{end}{tail}")
-
-
 def machine() -> str:
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     meminfo = Path("/proc/meminfo").read_text().splitlines()
@@ -189,7 +179,7 @@ def main() -> None:
         ]
     )
     print(block)
-    write_results(BENCH / "RESULTS.md", block)
+    write_results(BENCH / "RESULTS.md", block, (BEGIN, END))
     (BENCH / "raw_results.json").write_text(json.dumps({"machine": machine(), "runs": results}, indent=1))
     print(dpo.run_section(args.repeats, machine))
     print(data_prep.run_section([20000, 100000], machine()))
