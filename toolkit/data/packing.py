@@ -131,13 +131,14 @@ def _flat(column: pa.ChunkedArray) -> np.ndarray:
     return pc.list_flatten(column).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
-def row_lengths(dataset: datasets.Dataset) -> np.ndarray:
-    """Tokens in each row of `dataset` (examples or packed rows), from the row offsets alone."""
+def row_lengths(dataset: datasets.Dataset, column: str = "input_ids") -> np.ndarray:
+    """Tokens in each row of `dataset` (examples or packed rows), in its token-list `column`, from the row
+    offsets alone."""
     if isinstance(dataset, PackedRows):
         return dataset.lengths
     # A batch at a time: a dataset that selects rows would otherwise copy every token to list them.
     lengths = [
-        pc.list_value_length(batch["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
+        pc.list_value_length(batch[column]).to_numpy(zero_copy_only=False).astype(np.int64)
         for batch in dataset.with_format("arrow").iter(batch_size=LENGTHS_BATCH)
     ]
     return np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)

@@ -11,14 +11,13 @@ from dataclasses import dataclass, field
 
 import datasets
 import numpy as np
-import pyarrow.compute as pc
 import torch
 
 from toolkit.config import DataConfig
 from toolkit.data.cache import cache_key, encode_to_cache, tokenizer_fingerprint
 from toolkit.data.chat import ensure_chat_template, render
 from toolkit.data.mixture import hold_out, mix
-from toolkit.data.packing import LENGTHS_BATCH
+from toolkit.data.packing import row_lengths
 from toolkit.data.sources import read_source
 from toolkit.errors import UserError
 from toolkit.loss import IGNORE
@@ -152,14 +151,8 @@ def _prepare(name: str, cfg: DataConfig, tokenizer, keep_prompt: int):
 def pair_lengths(dataset) -> np.ndarray:
     """Width of each pair's rows once stacked: the prompt plus the longer completion (from the Arrow
     offsets alone), what data.group_by_length sorts pairs by."""
-    table = dataset.with_format("arrow")
-    columns = [
-        np.concatenate(
-            [pc.list_value_length(b[name]).to_numpy(zero_copy_only=False) for b in table.iter(LENGTHS_BATCH)]
-        ).astype(np.int64)
-        for name in COLUMNS
-    ]
-    return columns[0] + np.maximum(columns[1], columns[2])
+    prompt, chosen, rejected = (row_lengths(dataset, name) for name in COLUMNS)
+    return prompt + np.maximum(chosen, rejected)
 
 
 class PairCollator:
