@@ -81,9 +81,10 @@ def main(argv: list[str]) -> int:
 
     # Pairs and model.
     tokenizer = models.load_tokenizer(cfg.model)
-    train_set, eval_set, stats = pairs.build_pairs(
-        cfg.data, tokenizer, pref.prompt_budget(cfg), cfg.seed, accelerator.main_process_first
-    )
+    with stop.interruptible(f"step {resume.next_step}"):
+        train_set, eval_set, stats = pairs.build_pairs(
+            cfg.data, tokenizer, pref.prompt_budget(cfg), cfg.seed, accelerator.main_process_first
+        )
     accelerator.print(stats.summary())
     train_set = train_set.add_column("pair_index", list(range(len(train_set))))
     if eval_set is not None:

@@ -84,9 +84,10 @@ def main(argv: list[str]) -> int:
     # Data and model.
     tokenizer = models.load_tokenizer(cfg.model)
     data.ensure_chat_template(tokenizer)
-    train_set, eval_set, stats = data.build_datasets(
-        cfg.data, tokenizer, cfg.seed, accelerator.main_process_first
-    )
+    with stop.interruptible(f"step {resume.next_step}"):
+        train_set, eval_set, stats = data.build_datasets(
+            cfg.data, tokenizer, cfg.seed, accelerator.main_process_first
+        )
     accelerator.print(stats.summary())
     train_loader, sampler = data.train_loader(
         train_set,

@@ -86,6 +86,13 @@ def finish(recipe: str, code: int, message: str = "") -> int:
     return code
 
 
+def say_once(line: str) -> None:
+    """A line every rank would print, printed by the first rank alone."""
+    if os.environ.get("RANK", "0") == "0":
+        _close_progress_bars()
+        print(line, flush=True)
+
+
 def _close_progress_bars() -> None:
     """A bar left open by the error ends its line first, so the message gets a line of its own."""
     bars = sys.modules.get("tqdm.std")

@@ -9,11 +9,16 @@ USER_ERROR_EXIT_CODE = 2
 
 
 def run_main(main, argv: list[str], prog: str) -> int:
-    """Run a recipe's `main`; a UserError becomes one line (see console.finish) and exit code 2."""
+    """Run a recipe's `main`; a UserError becomes one line (see console.finish) and exit code 2, a stop
+    before the first step its line and the preemption exit code."""
     from toolkit import console
+    from toolkit.preemption import PREEMPTED_EXIT_CODE, Stopped
 
     try:
         code, message = main(argv), ""
     except UserError as exc:
         code, message = USER_ERROR_EXIT_CODE, str(exc)
+    except Stopped as exc:
+        code, message = PREEMPTED_EXIT_CODE, ""
+        console.say_once(str(exc))
     return console.finish(prog, code, message)

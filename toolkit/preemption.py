@@ -1,11 +1,13 @@
 """Graceful stop on SIGTERM / SIGINT: finish the optimizer step, checkpoint, exit with PREEMPTED_EXIT_CODE.
-A second signal exits at once."""
+A second signal exits at once. Before the first step nothing needs saving, so there a stop ends the
+work at once (`StopRequest.interruptible`)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+from contextlib import contextmanager
 
 from toolkit.distributed import any_rank
 
@@ -16,12 +18,17 @@ PREEMPTED_EXIT_CODE = 75
 REPEAT_WINDOW_S = 2.0
 
 
+class Stopped(Exception):
+    """A stop request ended the run where nothing needed saving; the message says so."""
+
+
 class StopRequest:
     """Installs the handlers; the recipe agrees on `requested` across ranks so all stop after one step."""
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
         self.signal_name = ""
         self._first_at = 0.0
+        self._interrupt = ""  # while set: what a stop interrupts, raised as Stopped at once
         for sig in signals:
             signal.signal(sig, self._handle)
 
@@ -31,6 +38,8 @@ class StopRequest:
             os._exit(128 + signum)
         if not self.signal_name:
             self.signal_name, self._first_at = signal.Signals(signum).name, now
+        if self._interrupt:
+            raise self._stopped()
 
     @property
     def requested(self) -> bool:
@@ -39,3 +48,28 @@ class StopRequest:
     def agreed(self, accelerator) -> bool:
         """Collective: true on every rank when any rank was asked to stop."""
         return any_rank(accelerator, self.requested)[0]
+
+    @contextmanager
+    def interruptible(self, before: str):
+        """Work a stop may cut short (loading, encoding): a stop request raises Stopped ("stopped by
+        SIGTERM before <before>") at once, and so does any failure once a stop was asked for (a worker or
+        peer ended by the same signal)."""
+        self._interrupt = before
+        try:
+            if self.requested:
+                raise self._stopped()
+            yield
+        except Stopped:
+            raise
+        except (Exception, KeyboardInterrupt) as exc:
+            if self.requested:
+                raise self._stopped() from exc
+            raise
+        finally:
+            self._interrupt = ""
+
+    def _stopped(self) -> Stopped:
+        before, self._interrupt = self._interrupt, ""
+        return Stopped(
+            f"stopped by {self.signal_name} before {before}; nothing to save, launch again to start"
+        )

@@ -64,6 +64,11 @@ class Resume:
         portable.check_pickles(path)
         return cls(path, new_run)
 
+    @property
+    def next_step(self) -> int:
+        """The step this run trains first."""
+        return self.marker["step"] + 1 if self.checkpoint is not None else 1
+
     def before_prepare(self, model, optimizer, scheduler, accelerator) -> None:
         """Remember the objects as built (prepare wraps them in place); from another backend or world
         size, load the checkpoint into them now, while the model is a plain module."""

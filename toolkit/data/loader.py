@@ -13,6 +13,7 @@ from toolkit.config import DataConfig, TrainConfig
 from toolkit.data.collate import Collator, PackedCollator
 from toolkit.data.encode import IGNORE
 from toolkit.data.packing import LengthGroupedSampler, row_lengths
+from toolkit.data.parallel import default_signals
 from toolkit.data.streaming import StreamRows
 from toolkit.errors import UserError
 
@@ -48,9 +49,15 @@ def train_loader(
         # Page-locked batches copy to the GPU asynchronously; workers stay alive across epochs.
         pin_memory=torch.cuda.is_available(),
         persistent_workers=data.num_workers > 0,
+        worker_init_fn=_start_worker,
         drop_last=True,
     )
     return loader, sampler
+
+
+def _start_worker(worker_id: int) -> None:
+    """A loader worker leaves stopping to the training process (see toolkit/data/parallel.py)."""
+    default_signals()
 
 
 def _stream_loader(rows: StreamRows, data: DataConfig, train: TrainConfig, pad_id: int, flash_varlen: bool):

@@ -1,14 +1,26 @@
 """An ordered map over worker processes: results come back in input order, so N processes produce exactly
-what one does."""
+what one does.
+
+Workers start with the default signal dispositions (a forked child would otherwise inherit the run's
+graceful-stop handler and ignore the SIGTERM meant to end it) and leave stopping to the parent. A pool
+ends by shutting down after its last task, never by terminating workers that may hold a queue's lock; a
+worker that dies is reported as `WorkerLost` instead of leaving the parent waiting for its result."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 # The function each worker process applies, set once per worker (tasks then carry only their input).
 _worker_fn: Callable | None = None
+
+
+class WorkerLost(RuntimeError):
+    """A worker process ended before returning its result (killed by a signal, out of memory)."""
 
 
 def default_num_proc(cap: int = 8) -> int:
@@ -18,6 +30,13 @@ def default_num_proc(cap: int = 8) -> int:
     except AttributeError:  # not every platform reports affinity
         cores = os.cpu_count() or 1
     return max(1, min(cores, cap))
+
+
+def default_signals() -> None:
+    """What a process ftkit starts runs first: SIGTERM ends it and SIGINT raises KeyboardInterrupt, as in
+    any fresh Python, whatever handlers the parent had installed."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def ordered_map(fn: Callable, items: Iterable, num_proc: int) -> Iterator:
@@ -35,25 +54,34 @@ def ordered_map(fn: Callable, items: Iterable, num_proc: int) -> Iterator:
         yield fn(first)
         return
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    context = multiprocessing.get_context(method)
-    with context.Pool(num_proc, initializer=_start_worker, initargs=(fn,)) as pool:
+    pool = ProcessPoolExecutor(
+        num_proc, multiprocessing.get_context(method), initializer=_start_worker, initargs=(fn,)
+    )
+    try:
         yield from _bounded(pool, [first, second], items, 2 * num_proc)
+    except BrokenProcessPool as exc:
+        raise WorkerLost(f"a worker process ended without its result ({exc})") from None
+    finally:
+        # Waits for the tasks already running (at most num_proc), drops the queued ones; workers then
+        # leave on their own, so none is left behind and none is killed mid-task.
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _bounded(pool, head: list, items: Iterator, window: int) -> Iterator:
-    """Pool results in order, never more than `window` submitted and not yet taken (Pool.imap would read
-    the whole input ahead)."""
-    pending = [pool.apply_async(_run, (item,)) for item in head]
+def _bounded(pool: ProcessPoolExecutor, head: list, items: Iterator, window: int) -> Iterator:
+    """Pool results in order, never more than `window` submitted and not yet taken (Executor.map would
+    read the whole input ahead)."""
+    pending: list[Future] = [pool.submit(_run, item) for item in head]
     for item in items:
         while len(pending) >= window:
-            yield pending.pop(0).get()
-        pending.append(pool.apply_async(_run, (item,)))
-    for result in pending:
-        yield result.get()
+            yield pending.pop(0).result()
+        pending.append(pool.submit(_run, item))
+    while pending:
+        yield pending.pop(0).result()
 
 
 def _start_worker(fn: Callable) -> None:
     global _worker_fn
+    default_signals()
     _worker_fn = fn
     # Each worker is one of num_proc processes already: the tokenizer's own thread pool would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
