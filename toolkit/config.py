@@ -154,8 +154,9 @@ class TrainConfig:
     """On a NaN/inf loss or gradient norm: skip (drop the step, count it) or stop (see below)."""
     nonfinite_patience: PositiveInt = 3
     """Non-finite steps in a row before `stop` ends the run (earlier ones are skipped)."""
-    collective_timeout_minutes: PositiveFloat = 30.0
-    """A collective (all-reduce, barrier) that waits longer than this fails instead of hanging."""
+    stall_timeout_minutes: PositiveFloat = 15.0
+    """No step, eval batch or checkpoint write for this long ends the run: stacks in output_dir/stall/,
+    exit 124. A collective (all-reduce, barrier) fails after twice this long instead of hanging."""
     resume: str = "auto"
     """auto (newest checkpoint in output_dir) | never | path to a checkpoint directory."""
     overwrite: bool = False

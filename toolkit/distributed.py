@@ -157,8 +157,9 @@ def accelerator_kwargs(launch: Launch, train: TrainConfig, grad_accum_steps: int
         kwargs["cpu"] = True
     if launch.on_cpu and launch.backend == "fsdp":
         kwargs["fsdp_plugin"] = _cpu_fsdp_plugin(launch.fsdp_version)
-    # A stalled rank fails the collective after this long instead of hanging the job forever.
-    group = {"timeout": timedelta(minutes=train.collective_timeout_minutes)}
+    # A stalled rank fails the collective after this long instead of hanging the job forever; the watchdog
+    # (toolkit/watchdog.py) reports first, and the main process may prepare data meanwhile.
+    group = {"timeout": timedelta(minutes=2 * train.stall_timeout_minutes)}
     if launch.backend == "deepspeed":
         kwargs["deepspeed_plugin"] = deepspeed_plugin(train, grad_accum_steps)
         if launch.on_cpu:

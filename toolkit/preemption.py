@@ -39,7 +39,7 @@ class StopRequest:
         if not self.signal_name:
             self.signal_name, self._first_at = signal.Signals(signum).name, now
         if self._interrupt:
-            raise self._stopped()
+            raise self.stopped_before(self._interrupt)
 
     @property
     def requested(self) -> bool:
@@ -57,19 +57,18 @@ class StopRequest:
         self._interrupt = before
         try:
             if self.requested:
-                raise self._stopped()
+                raise self.stopped_before(self._interrupt)
             yield
         except Stopped:
             raise
         except (Exception, KeyboardInterrupt) as exc:
             if self.requested:
-                raise self._stopped() from exc
+                raise self.stopped_before(self._interrupt) from exc
             raise
         finally:
             self._interrupt = ""
 
-    def _stopped(self) -> Stopped:
-        before, self._interrupt = self._interrupt, ""
-        return Stopped(
-            f"stopped by {self.signal_name} before {before}; nothing to save, launch again to start"
-        )
+    def stopped_before(self, what: str) -> Stopped:
+        """The exception that ends a run stopped before `what` (e.g. "step 1"): nothing new to save."""
+        self._interrupt = ""
+        return Stopped(f"stopped by {self.signal_name or 'another rank'} before {what}; nothing new to save")

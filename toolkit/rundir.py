@@ -15,13 +15,14 @@ from typing import IO
 from toolkit.config import RecipeConfig, save_config
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
+from toolkit.watchdog import STALL_DIR
 
 MARKER = ".ftkit-run"
 LOCK = ".ftkit-run.lock"
 CONFIG = "config.yaml"
 # What a run (and `ftkit plot`) writes at the top of output_dir; trackers' folders are recorded in MARKER.
 OUTPUTS = frozenset(
-    {MARKER, LOCK, CONFIG, "metrics.jsonl", "metrics.png", "checkpoints", "final", "final.tmp"}
+    {MARKER, LOCK, CONFIG, STALL_DIR, "metrics.jsonl", "metrics.png", "checkpoints", "final", "final.tmp"}
 )
 CHECKPOINT_NAME = re.compile(r"^(step-\d+|\.step-\d+\.tmp)$")
 

@@ -1,22 +1,12 @@
-"""The per-step machinery every recipe's loop shares: counts summed across ranks, the update (clipping,
-the non-finite guard, optimizer and scheduler), and the end of a step (checkpoint cadence, stop requests,
-failures), plus the end of the run (final checkpoint, export). The loss is each recipe's own."""
+"""The pieces of a step and of a run's end that toolkit/run.py puts together: the update (clipping, the
+non-finite guard, optimizer and scheduler), the logging cadence and the export. The loss is each recipe's."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from toolkit import checkpoint, distributed, export
-from toolkit.errors import UserError
+from toolkit import distributed, export
 from toolkit.nonfinite import NonFiniteGuard
-from toolkit.preemption import PREEMPTED_EXIT_CODE, StopRequest
-
-
-def global_counts(accelerator, counts: list[int]) -> list[int]:
-    """Collective: this rank's per-step counts summed over every rank."""
-    return accelerator.reduce(torch.tensor(counts, device=accelerator.device), reduction="sum").tolist()
 
 
 def apply_update(
@@ -35,46 +25,6 @@ def apply_update(
 def every(step: int, period: int, last_step: int = 0) -> bool:
     """True every `period` steps (never for 0) and at `last_step`."""
     return bool(period) and step % period == 0 or step == last_step
-
-
-def end_of_step(
-    accelerator,
-    cfg,
-    output_dir: Path,
-    step: int,
-    state: dict,
-    schedule: checkpoint.SaveSchedule,
-    guard: NonFiniteGuard,
-    stop: StopRequest,
-    progress,
-) -> int | None:
-    """Collective: checkpoint when due or stopping (never weights a non-finite update reached), then the
-    exit code when the run must stop now (a stop request: PREEMPTED_EXIT_CODE; a failure: UserError),
-    with the progress bar closed first so the last line printed says why."""
-    stopping, save_due = distributed.any_rank(
-        accelerator, stop.requested or bool(guard.failure), schedule.due(step)
-    )
-    if (save_due or stopping) and guard.weights_intact:
-        checkpoint.save_checkpoint(accelerator, output_dir, step, state, cfg)
-        schedule.saved(step)
-        if accelerator.is_main_process and (cfg.train.keep_last or cfg.train.keep_best):
-            checkpoint.prune_checkpoints(output_dir, cfg.train.keep_last, cfg.train.keep_best)
-    if not stopping:
-        return None
-    progress.close()
-    if guard.failure:
-        raise UserError(guard.failure)
-    accelerator.print(
-        f"stopped by {stop.signal_name or 'another rank'} after step {step}; checkpoint saved, "
-        "launch again with train.resume=auto to continue"
-    )
-    return PREEMPTED_EXIT_CODE
-
-
-def final_checkpoint(accelerator, cfg, output_dir: Path, schedule: checkpoint.SaveSchedule, state: dict):
-    """Collective: the last step's checkpoint, unless the schedule just wrote it."""
-    if schedule.last_step < cfg.train.max_steps:
-        checkpoint.save_checkpoint(accelerator, output_dir, cfg.train.max_steps, state, cfg)
 
 
 def export_final(accelerator, model, tokenizer, cfg, output_dir: Path) -> Path:

@@ -1,0 +1,238 @@
+"""A training run as every recipe starts, steps, saves and ends it. The recipe holds the Run and keeps
+what is its own: data, model, loss, `accelerator.prepare` and the loop; the Run owns set-up (stop handler,
+launch checks, Accelerator, seed, run lock, resume, output dir, trackers, metrics log, watchdog) and the
+loop's exits (checkpoint cadence, stop requests, failures, the finish)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from toolkit import batches, checkpoint, distributed, flops, launch_check, metrics, optim, rundir, speed
+from toolkit import model as models
+from toolkit.config import flat_dict
+from toolkit.errors import UserError
+from toolkit.nonfinite import NonFiniteGuard
+from toolkit.preemption import PREEMPTED_EXIT_CODE, StopRequest
+from toolkit.resume import Resume
+from toolkit.steps import apply_update, every, export_final
+from toolkit.watchdog import Watchdog
+
+
+class Run:
+    """One launched run, on every rank: `with Run.start(...) as run:` (leaving it ends the watchdog)."""
+
+    def __init__(self, cfg, stop: StopRequest, launch, accelerator, grad_accum: int, features, prog: str):
+        self.cfg, self.stop, self.launch, self.prog = cfg, stop, launch, prog
+        self.accelerator, self.grad_accum, self.features = accelerator, grad_accum, features
+        self.output_dir = Path(cfg.output_dir)
+        self.tokens_seen = 0
+        self.guard = NonFiniteGuard(
+            cfg.train.nonfinite, cfg.train.nonfinite_patience, can_skip=launch.backend != "deepspeed"
+        )
+        self._stopping = False
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """However the run ends (returned, stopped, raised), nothing is watched any more."""
+        self.watchdog.close()
+
+    @classmethod
+    def start(cls, cfg, config_source: str, prog: str) -> Run:
+        """Collective: the stop handler first (a stop while loading exits cleanly), then the checked launch,
+        the Accelerator, the seed, output_dir claimed and prepared, resume found, trackers and metrics log."""
+        stop = StopRequest()
+        launch = distributed.detect_launch()
+        machine = launch_check.probe_machine()
+        notes = launch_check.check_launch(launch, cfg, config_source, machine, os.environ)
+        grad_accum = batches.grad_accum_steps(cfg.train, launch.world_size)
+        accelerator = distributed.setup(
+            launch,
+            cfg.train,
+            grad_accum,
+            log_with=cfg.log.trackers or None,
+            project_dir=cfg.output_dir,
+            step_scheduler_with_optimizer=False,  # one scheduler step per optimizer step, any world size
+        )
+        features = speed.resolve(cfg.model, cfg.train, accelerator.device)
+        summary = distributed.setup_summary(accelerator, launch, cfg.train, grad_accum)
+        for line in [summary, *notes, *features.notes]:
+            accelerator.print(line)
+        set_seed(cfg.seed)
+        run = cls(cfg, stop, launch, accelerator, grad_accum, features, prog)
+        run._lock = rundir.claim(accelerator, run.output_dir)  # held until the process ends
+        run.resume = Resume.find(run.output_dir, cfg, say=accelerator.print)
+        rundir.prepare_output_dir(accelerator, run.output_dir, cfg, fresh=run.resume.new_run)
+        if cfg.log.trackers:
+            accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg))
+        run.log = metrics.MetricsLog(
+            run.output_dir / "metrics.jsonl",
+            accelerator.is_main_process,
+            accelerator.log if cfg.log.trackers else None,
+        )
+        timeout_s = cfg.train.stall_timeout_minutes * 60
+        run.watchdog = Watchdog(
+            run.output_dir, accelerator.process_index, accelerator.num_processes, timeout_s, prog
+        ).start()
+        return run
+
+    def interruptible(self):
+        """Around loading: a stop request ends the run at once (nothing to save yet), exit 75."""
+        return self.stop.interruptible(f"step {self.resume.next_step}")
+
+    def load_model(self):
+        """The model to train, on this rank's device, announced; every forward pass counts as progress."""
+        cfg = self.cfg
+        model = models.load_model(cfg.model, cfg.lora, self.accelerator.local_process_index, self.features)
+        trainable, total = models.trainable_and_total(model)
+        self.accelerator.print(
+            f"model: {cfg.model.path} ({cfg.model.method}), {trainable:,} of {total:,} parameters trained"
+        )
+        self.meter = metrics.StepSpeed(
+            flops.ModelShape.of(model), self.accelerator.device, self.accelerator.num_processes
+        )
+        model.register_forward_pre_hook(lambda module, args: self.watchdog.touch())
+        return model
+
+    def optimizer(self, model):
+        """(optimizer, scheduler) for `model`, with what a checkpoint restores before `prepare` held."""
+        optimizer = optim.build_optimizer(
+            model, self.cfg.train, self.accelerator.num_processes, self.features.fused_adamw
+        )
+        scheduler = optim.build_scheduler(optimizer, self.cfg.train)
+        self.resume.before_prepare(model, optimizer, scheduler, self.accelerator)
+        return optimizer, scheduler
+
+    def begin(self, model, evaluator) -> int:
+        """Collective, after `prepare`: the checkpoint's state restored (returns its step), or a fresh
+        run's starting point measured (returns 0). A stop asked for by then ends the run here."""
+        start_step, self.tokens_seen = self.resume.after_prepare(self.accelerator, self.log, model)
+        if self.resume.checkpoint is None and not self.stop.agreed(self.accelerator):
+            self.watchdog.beat("the evaluation before step 1")
+            evaluator.report(0, "before")
+        if self.stop.agreed(self.accelerator):
+            raise self.stop.stopped_before(f"step {start_step + 1}")
+        return start_step
+
+    def steps(self, loader, sampler, start_step: int, desc: str = "train"):
+        """(step, micro-batches) for each optimizer step left, `grad_accum` micro-batches each."""
+        stream = batches.StepStream(
+            loader, sampler, self.grad_accum, start_step, self.accelerator.skip_first_batches
+        )
+        self.schedule = checkpoint.SaveSchedule(
+            self.cfg.train.save_every_steps, self.cfg.train.save_every_minutes, start_step
+        )
+        self.progress = tqdm(
+            initial=start_step,
+            total=self.cfg.train.max_steps,
+            disable=not self.accelerator.is_main_process,
+            desc=desc,
+        )
+        for step in range(start_step + 1, self.cfg.train.max_steps + 1):
+            self.watchdog.beat(f"step {step}")
+            self._started = time.perf_counter()
+            micro_batches = stream.next_step()
+            self._data_wait = time.perf_counter() - self._started
+            yield step, micro_batches
+            self.progress.update(1)
+        self.progress.close()
+
+    def global_counts(self, counts: list[int]) -> list[int]:
+        """Collective: this rank's per-step counts summed over every rank."""
+        device = self.accelerator.device
+        return self.accelerator.reduce(torch.tensor(counts, device=device), reduction="sum").tolist()
+
+    def update(self, model, optimizer, scheduler, step: int, loss: float) -> float:
+        """The optimizer update (clipping, the non-finite guard); returns the gradient norm."""
+        return apply_update(
+            self.accelerator,
+            model,
+            optimizer,
+            scheduler,
+            self.guard,
+            step,
+            loss,
+            self.cfg.train.max_grad_norm,
+        )
+
+    def log_step(self, step: int, scheduler, tokens: int, rows: int, per_second=None, **values) -> None:
+        """Count the step's tokens; on logging steps write `values` with the learning rate, speed and
+        throughput (`per_second`: {"pairs": n} logs pairs_per_s) to metrics.jsonl and the progress bar."""
+        self.tokens_seen += tokens
+        train = self.cfg.train
+        if not every(step, train.log_every_steps, train.max_steps):
+            return
+        elapsed = time.perf_counter() - self._started
+        measured = self.meter.measure(tokens, rows, elapsed, self._data_wait)
+        rates = {f"{name}_per_s": count / elapsed for name, count in (per_second or {}).items()}
+        lr = scheduler.get_last_lr()[0]
+        self.log.write(
+            step,
+            **values,
+            lr=lr,
+            **rates,
+            tokens_seen=self.tokens_seen,
+            skipped_steps=self.guard.skipped,
+            **measured,
+        )
+        self.progress.set_postfix(metrics.progress_fields(values["loss"], lr, measured))
+
+    def evaluating(self, step: int) -> bool:
+        """True when an evaluation is due after `step` (and it becomes what the watchdog reports)."""
+        due = every(step, self.cfg.train.eval_every_steps)
+        if due:
+            self.watchdog.beat(f"the evaluation at step {step}")
+        return due
+
+    def maybe_checkpoint(self, step: int, eval_result: dict) -> None:
+        """Collective: checkpoint when due or when the run must stop (never weights a non-finite update
+        reached), pruning old checkpoints as configured; ranks agree whether the run stops now."""
+        stopping, save_due = distributed.any_rank(
+            self.accelerator, self.stop.requested or bool(self.guard.failure), self.schedule.due(step)
+        )
+        self._stopping = stopping
+        if (save_due or stopping) and self.guard.weights_intact:
+            self._save(step, {"tokens_seen": self.tokens_seen, "eval_loss": eval_result.get("eval_loss")})
+            train = self.cfg.train
+            if self.accelerator.is_main_process and (train.keep_last or train.keep_best):
+                checkpoint.prune_checkpoints(self.output_dir, train.keep_last, train.keep_best)
+
+    def should_stop(self) -> bool:
+        """Whether the ranks agreed at the last checkpoint decision that the run ends now."""
+        return self._stopping
+
+    def stopped(self, step: int) -> int:
+        """The exit after `should_stop`: a failure raises UserError, a stop request returns exit code 75."""
+        self.progress.close()
+        if self.guard.failure:
+            raise UserError(self.guard.failure)
+        self.accelerator.print(
+            f"stopped by {self.stop.signal_name or 'another rank'} after step {step}; checkpoint saved, "
+            "launch again with train.resume=auto to continue"
+        )
+        return PREEMPTED_EXIT_CODE
+
+    def finish(self, model, tokenizer, evaluator) -> int:
+        """Collective: the last checkpoint (unless just written), the measured result, the exported model."""
+        max_steps = self.cfg.train.max_steps
+        if self.schedule.last_step < max_steps:
+            self._save(max_steps, {"tokens_seen": self.tokens_seen})
+        self.watchdog.beat("the evaluation after training")
+        evaluator.report(max_steps, "after")
+        self.watchdog.beat("the export")
+        export_final(self.accelerator, model, tokenizer, self.cfg, self.output_dir)
+        self.accelerator.end_training()
+        self._lock.release()
+        return 0
+
+    def _save(self, step: int, state: dict) -> None:
+        self.watchdog.beat(f"the checkpoint of step {step}")
+        checkpoint.save_checkpoint(self.accelerator, self.output_dir, step, state, self.cfg)
+        self.schedule.saved(step)
