@@ -81,7 +81,7 @@ def finish(recipe: str, code: int, message: str = "") -> int:
         (Path(exit_dir) / f"rank-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record))
     elif message and os.environ.get("RANK", "0") == "0":
         # Every rank meets the same mistakes (a config, a path, an agreed check): one line per launch.
-        _close_progress_bars()
+        close_progress_bars()
         print(f"{recipe}: error: {message}", file=sys.stderr)
     return code
 
@@ -89,11 +89,11 @@ def finish(recipe: str, code: int, message: str = "") -> int:
 def say_once(line: str) -> None:
     """A line every rank would print, printed by the first rank alone."""
     if os.environ.get("RANK", "0") == "0":
-        _close_progress_bars()
+        close_progress_bars()
         print(line, flush=True)
 
 
-def _close_progress_bars() -> None:
+def close_progress_bars() -> None:
     """A bar left open by the error ends its line first, so the message gets a line of its own."""
     bars = sys.modules.get("tqdm.std")
     if bars is not None:

@@ -84,6 +84,7 @@ class Watchdog:
             faulthandler.dump_traceback(stacks, all_threads=True)
         line, first_alive = self.summary()
         if first_alive == self.rank:
+            console.close_progress_bars()  # the training thread is blocked; the line gets a line of its own
             print(line, file=sys.stderr, flush=True)
         console.finish(self.prog, STALL_EXIT_CODE, "")
         os._exit(STALL_EXIT_CODE)

@@ -1,15 +1,20 @@
 """A run never hangs in silence: a stop during data preparation ends it at once with the preemption code,
-leaving no worker and no half-written cache behind."""
+leaving no worker and no half-written cache behind; a rank frozen (SIGSTOP) in a step or a checkpoint
+write ends the launch with one line, the stacks and the stall exit code, and the last checkpoint resumes."""
 
 import json
 import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
-from helpers import REPO, recipe_command
+import pytest
+from helpers import REPO, launch, recipe_command, run_recipe, step_losses
 
+from toolkit import checkpoint, console
 from toolkit.preemption import PREEMPTED_EXIT_CODE
+from toolkit.watchdog import STALL_EXIT_CODE
 
 CHATS = 20_000  # a few seconds of encoding on two workers here
 
@@ -63,3 +68,96 @@ def test_sigterm_while_encoding_exits_75_and_leaves_no_worker(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
     # The stop cut the encoding short: no cache entry, complete or half-written, was left.
     assert not list((tmp_path / "cache" / "ftkit").glob("*"))
+
+
+# A frozen rank: the stall watchdog on the other ends the launch within the configured time.
+STALL = ["train.stall_timeout_minutes=0.25", "train.max_steps=400", "train.lr_scheduler=constant"]
+
+
+def rank_pid(launcher: int, rank: int) -> int | None:
+    """The recipe process of `rank` among the launcher's descendants."""
+    todo = children(launcher)
+    while todo:
+        pid = todo.pop()
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"finetune_llm.py" in command:
+            return pid
+        todo += children(pid)
+    return None
+
+
+def start_two_ranks(out, exits, *overrides):
+    command, env = recipe_command(out, *STALL, *overrides, launch=launch("ddp"))
+    env[console.EXIT_DIR_ENV] = str(exits)
+    return subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def freeze_rank_one_when(run, ready, timeout: float = 300) -> int:
+    deadline = time.monotonic() + timeout
+    while not ready() or (pid := rank_pid(run.pid, 1)) is None:
+        assert run.poll() is None, run.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run never got there"
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def end_of_stalled_run(run, frozen: int, exits) -> tuple[str, int]:
+    """(stderr, the exit code rank 0 reported), once the launch has ended by itself."""
+    started = time.monotonic()
+    try:
+        _, stderr = run.communicate(timeout=120)  # 15 s of stall, then the launcher's 30 s grace
+    finally:
+        os.killpg(run.pid, signal.SIGKILL) if run.poll() is None else None
+        subprocess.run(["kill", "-CONT", str(frozen)], capture_output=True)
+    assert time.monotonic() - started < 120
+    return stderr, json.loads((exits / "rank-0.json").read_text())["code"]
+
+
+def stall_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("stalled:")]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.multiproc
+def test_a_rank_frozen_mid_step_ends_the_run_with_one_line_stacks_and_the_stall_code(tmp_path):
+    out, exits = tmp_path / "run", tmp_path / "exits"
+    exits.mkdir()
+    run = start_two_ranks(out, exits)
+    frozen = freeze_rank_one_when(run, lambda: len(step_losses(out)) >= 3)
+    stderr, code = end_of_stalled_run(run, frozen, exits)
+    assert code == STALL_EXIT_CODE
+    line = stall_line(stderr)
+    assert "no progress for 15 s" in line and "stopped answering: rank 1" in line, line
+    assert "waiting: rank 0 in step" in line and f"{out / 'stall'}" in line
+    stacks = (out / "stall" / "rank-0.txt").read_text()
+    assert "stalled while doing: step" in stacks and "Thread" in stacks and "finetune_llm.py" in stacks
+
+
+@pytest.mark.multiproc
+def test_a_rank_frozen_in_a_checkpoint_write_keeps_the_previous_checkpoint_and_resume_works(tmp_path):
+    out, exits = tmp_path / "run", tmp_path / "exits"
+    exits.mkdir()
+    run = start_two_ranks(out, exits, "train.save_every_steps=2")
+    saving = out / "checkpoints" / ".step-4.tmp"
+    frozen = freeze_rank_one_when(run, saving.exists)
+    stderr, code = end_of_stalled_run(run, frozen, exits)
+    assert code == STALL_EXIT_CODE
+    assert "waiting: rank 0 in the checkpoint of step 4" in stall_line(stderr)
+    assert checkpoint.latest_checkpoint(out).name == "step-2"
+    resumed = run_recipe(out, *STALL, "train.max_steps=3", launch=launch("ddp"))
+    assert f"resumed from {out / 'checkpoints' / 'step-2'}" in resumed.stdout
+    assert len(step_losses(out)) == 3
