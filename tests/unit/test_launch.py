@@ -2,6 +2,7 @@
 
 import json
 import re
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -187,6 +188,14 @@ def test_deepspeed_auto_fields_come_from_the_recipe(json_file, monkeypatch):
     assert [config[k] for k in DS_RECIPE_KEYS] == [16, 2, 4, 0.3]
     assert config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
     assert kwargs["kwargs_handlers"][0].backend == "gloo"
+
+
+@pytest.mark.parametrize("backend", ["ddp", "deepspeed"])
+def test_collectives_time_out_after_twice_the_stall_timeout(backend):
+    train = TrainConfig(stall_timeout_minutes=7.5)
+    kwargs = distributed.accelerator_kwargs(Launch(backend, 2, 2, on_cpu=True), train, grad_accum_steps=1)
+    (group,) = kwargs["kwargs_handlers"]
+    assert group.timeout == timedelta(minutes=15)
 
 
 def stub_accelerator(num_processes: int, distributed_type: DistributedType):
