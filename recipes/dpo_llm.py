@@ -11,17 +11,14 @@ recipes/finetune_llm.py; what differs is the data (pairs) and the loss (toolkit/
 from __future__ import annotations
 
 import argparse
-import sys
 
-from toolkit import console, distributed, loss
+from toolkit import data, loss
 from toolkit import model as models
-from toolkit.data import model_inputs, train_loader
-from toolkit.errors import run_main
 from toolkit.preference import config as pref
 from toolkit.preference import data as pairs
 from toolkit.preference import evaluate, reference
 from toolkit.preference import loss as pref_loss
-from toolkit.run import Run
+from toolkit.run import Run, exit_with
 
 
 def main(argv: list[str]) -> int:
@@ -46,7 +43,7 @@ def train(run: Run, cfg) -> int:
             eval_set = eval_set.add_column("pair_index", list(range(len(eval_set))))
         collate = pairs.PairCollator(tokenizer.pad_token_id)
         lengths = pairs.pair_lengths(train_set) if cfg.data.group_by_length else None
-        loader, sampler = train_loader(
+        loader, sampler = data.train_loader(
             train_set, cfg.data, cfg.train, tokenizer.pad_token_id, cfg.seed, False, collate, lengths
         )
         model = run.load_model()
@@ -83,7 +80,9 @@ def train(run: Run, cfg) -> int:
         for batch in micro_batches:
             ref_logps = ref.logps(batch)
             with accelerator.accumulate(model):
-                logps, counts = pref_loss.sequence_logps(model(**model_inputs(batch)).logits, batch["labels"])
+                logps, counts = pref_loss.sequence_logps(
+                    model(**data.model_inputs(batch)).logits, batch["labels"]
+                )
                 terms = pref_loss.pair_terms(cfg.dpo, logps, counts, ref_logps)
                 accelerator.backward(pref_loss.micro_objective(terms, pair_scale, token_scale))
                 sums.add(terms, logps, counts)
@@ -108,9 +107,4 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    console.quiet_third_party()
-    try:
-        exit_code = run_main(main, sys.argv[1:], "dpo_llm")
-    finally:
-        distributed.close()  # also after a preemption stop or an error, so the exit code gets out
-    sys.exit(exit_code)
+    exit_with(main, "dpo_llm")

@@ -10,16 +10,14 @@ The backend (single process, DDP, FSDP, ZeRO-1/2/3, offload) comes from the acce
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-from toolkit import console, data, distributed, evaluate, loss
+from toolkit import data, evaluate, loss
 from toolkit import model as models
 from toolkit.config import load_config
-from toolkit.errors import run_main
-from toolkit.run import Run
+from toolkit.run import Run, exit_with
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"
 
@@ -97,9 +95,4 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    console.quiet_third_party()
-    try:
-        exit_code = run_main(main, sys.argv[1:], "finetune_llm")
-    finally:
-        distributed.close()  # also after a preemption stop or an error, so the exit code gets out
-    sys.exit(exit_code)
+    exit_with(main, "finetune_llm")

@@ -6,6 +6,7 @@ loop's exits (checkpoint cadence, stop requests, failures, the finish)."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -13,10 +14,21 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from toolkit import batches, checkpoint, distributed, flops, launch_check, metrics, optim, rundir, speed
+from toolkit import (
+    batches,
+    checkpoint,
+    console,
+    distributed,
+    flops,
+    launch_check,
+    metrics,
+    optim,
+    rundir,
+    speed,
+)
 from toolkit import model as models
 from toolkit.config import flat_dict
-from toolkit.errors import UserError
+from toolkit.errors import UserError, run_main
 from toolkit.nonfinite import NonFiniteGuard
 from toolkit.preemption import PREEMPTED_EXIT_CODE, StopRequest
 from toolkit.resume import Resume
@@ -236,3 +248,14 @@ class Run:
         self.watchdog.beat(f"the checkpoint of step {step}")
         checkpoint.save_checkpoint(self.accelerator, self.output_dir, step, state, self.cfg)
         self.schedule.saved(step)
+
+
+def exit_with(main, prog: str):
+    """A recipe's entry point: known third-party noise quieted, `main(sys.argv[1:])` run (a UserError or a
+    stop becomes its line and exit code), the process group closed however it ends, so the code gets out."""
+    console.quiet_third_party()
+    try:
+        code = run_main(main, sys.argv[1:], prog)
+    finally:
+        distributed.close()
+    sys.exit(code)

@@ -9,7 +9,7 @@ from helpers import micro_llama
 from toolkit.loss import backward_scale
 from toolkit.preference.config import DpoConfig
 from toolkit.preference.data import PairCollator
-from toolkit.preference.loss import micro_objective, pair_stats, pair_terms, sequence_logps, step_metrics
+from toolkit.preference.loss import PairSums, micro_objective, pair_terms, sequence_logps
 
 LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
 # Prompt and completion lengths that differ wildly, so padding differs between micro-batch splits.
@@ -104,7 +104,9 @@ def test_step_metrics_are_per_pair_means():
     cfg = DpoConfig(loss="sigmoid", beta=1.0)
     logps = torch.tensor([-1.0, -2.0, -3.0, -1.0], dtype=torch.float64)
     terms = pair_terms(cfg, logps, torch.tensor([1, 1, 1, 1]), torch.full((4,), -2.0, dtype=torch.float64))
-    metrics = step_metrics(pair_stats(terms, logps).tolist(), pairs=2, chosen_tokens=2)
+    sums = PairSums()
+    sums.add(terms, logps, torch.tensor([1, 1, 1, 1]))
+    metrics = sums.metrics()
     assert metrics["rewards_chosen"] == pytest.approx(0.5) and metrics["rewards_rejected"] == pytest.approx(
         0.0
     )
@@ -112,6 +114,30 @@ def test_step_metrics_are_per_pair_means():
     assert metrics["logps_chosen"] == pytest.approx(-1.5) and metrics["loss"] == pytest.approx(
         terms.losses.mean().item()
     )
+
+
+def test_pair_sums_leave_out_padding_and_normalise_the_nll_per_chosen_token():
+    cfg = DpoConfig(loss="sigmoid", beta=1.0, sft_weight=1.0)
+    logps = torch.tensor([-1.0, -4.0, -9.0, -3.0, -1.0, -5.0], dtype=torch.float64)
+    counts = torch.tensor([2, 4, 100, 1, 1, 1])
+    terms = pair_terms(cfg, logps, counts, torch.full((6,), -2.0, dtype=torch.float64))
+    sums = PairSums()
+    sums.add(terms, logps, counts, keep=[True, True, False])  # the third pair is a padding copy
+    metrics = sums.metrics(prefix="eval_")
+    assert list(metrics) == [
+        "eval_loss",
+        "eval_rewards_chosen",
+        "eval_rewards_rejected",
+        "eval_reward_accuracy",
+        "eval_reward_margin",
+        "eval_logps_chosen",
+        "eval_logps_rejected",
+    ]
+    assert metrics["eval_loss"] == pytest.approx(terms.losses[:2].mean().item() + (1.0 + 4.0) / (2 + 4))
+    means = {name: metrics[f"eval_{name}"] for name in ("logps_chosen", "logps_rejected", "rewards_chosen")}
+    assert means == pytest.approx({"logps_chosen": -2.5, "logps_rejected": -2.0, "rewards_chosen": -0.5})
+    assert metrics["eval_rewards_rejected"] == 0 and metrics["eval_reward_margin"] == pytest.approx(-0.5)
+    assert metrics["eval_reward_accuracy"] == pytest.approx(0.5)
 
 
 def test_sft_weight_sets_the_chosen_nll_weight_and_orpo_keeps_its_own_unless_set():

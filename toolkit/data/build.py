@@ -16,7 +16,7 @@ from toolkit.data.cache import cache_key, encode_to_cache, tokenizer_fingerprint
 from toolkit.data.chat import ensure_chat_template
 from toolkit.data.encode import IGNORE, ChunkEncoder, check_encoder
 from toolkit.data.formats import detect_format
-from toolkit.data.mixture import hold_out, mix
+from toolkit.data.mixture import Split, split_sources
 from toolkit.data.packing import pack_dataset
 from toolkit.data.parallel import default_num_proc
 from toolkit.data.sources import read_source
@@ -92,15 +92,10 @@ def build_datasets(
         parts = [_prepare(name, cfg, tokenizer) for name in names]
         held = _prepare(cfg.eval, cfg, tokenizer) if cfg.eval else None
     rng = np.random.default_rng(seed)
-    fraction = 0.0 if held else cfg.eval_fraction
-    eval_rows, remaining = hold_out([len(p.dataset) for p in parts], fraction, rng)
-    train_rows = mix(remaining, cfg.weights, rng)
-    pool = datasets.concatenate_datasets([p.dataset for p in parts])
-    train = pool.select(train_rows, keep_in_memory=True)
-    eval_set = held.dataset if held else None
-    if len(eval_rows):
-        eval_set = pool.select(eval_rows, keep_in_memory=True)
-    stats = _stats(names, parts, held, eval_set, train_rows)
+    held_set = held.dataset if held else None
+    split = split_sources([p.dataset for p in parts], held_set, cfg.eval_fraction, cfg.weights, rng)
+    train, eval_set = split.train, split.eval
+    stats = _stats(names, parts, held, split)
     if cfg.packing:
         train, stats.packing_efficiency = pack_dataset(train, cfg.max_length, rng)
         stats.packed_rows = len(train)
@@ -163,20 +158,14 @@ def _format(source, cfg: DataConfig, tokenizer) -> str:
     return fmt
 
 
-def _stats(
-    names: list[str], parts: list[_Part], held: _Part | None, eval_set, train_rows: np.ndarray
-) -> DataStats:
-    origin = np.repeat(np.arange(len(parts)), [len(p.dataset) for p in parts])[train_rows]
-    per_source: dict[str, int] = {}
-    for i, name in enumerate(names):
-        per_source[name] = per_source.get(name, 0) + int((origin == i).sum())
+def _stats(names: list[str], parts: list[_Part], held: _Part | None, split: Split) -> DataStats:
     everything = parts + ([held] if held else [])
     return DataStats(
-        train_examples=per_source,
-        eval_examples=len(eval_set) if eval_set is not None else 0,
+        train_examples=split.per_name(names),
+        eval_examples=len(split.eval) if split.eval is not None else 0,
         truncated=sum(p.truncated for p in everything),
         dropped=sum(p.dropped for p in everything),
-        label_tokens=int(np.concatenate([p.trained for p in parts])[train_rows].sum()),
+        label_tokens=int(np.concatenate([p.trained for p in parts])[split.train_rows].sum()),
     )
 
 

@@ -1,5 +1,6 @@
 """Which rows go to eval and which (and how often) to training, as indices into the concatenation of all
-training sources. Every draw comes from one seeded generator, so the same seed gives the same split.
+training sources, and the datasets they select; SFT examples and preference pairs are split alike. Every
+draw comes from one seeded generator, so the same seed gives the same split.
 
 Mixture rule: the mixed training set has as many rows as the sources have together (after the eval
 hold-out); each source gets the share of that total its weight gives it (largest-remainder rounding).
@@ -9,9 +10,50 @@ sample; a larger one is randomly subsampled. The mixture is then shuffled.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import datasets
 import numpy as np
 
 from toolkit.errors import UserError
+
+
+@dataclass
+class Split:
+    train: datasets.Dataset
+    """The training rows, held out and mixed."""
+    eval: datasets.Dataset | None
+    """The given eval set, else the rows held out of the sources, else None."""
+    train_rows: np.ndarray
+    """Each training row's index into the sources one after another."""
+    per_source: list[int]
+    """Training rows each source contributes."""
+
+    def per_name(self, names: list[str]) -> dict[str, int]:
+        """Training rows by source name (a name given twice counts both)."""
+        counts: dict[str, int] = {}
+        for name, count in zip(names, self.per_source, strict=True):
+            counts[name] = counts.get(name, 0) + count
+        return counts
+
+
+def split_sources(
+    sources: list[datasets.Dataset],
+    held: datasets.Dataset | None,
+    eval_fraction: float,
+    weights: list[float] | None,
+    rng: np.random.Generator,
+) -> Split:
+    """Train and eval sets from encoded sources: `held` as the eval set when given, else `eval_fraction` of
+    the rows held out; the rest mixed by `weights`. Both draws come from `rng`, in that order."""
+    sizes = [len(source) for source in sources]
+    eval_rows, remaining = hold_out(sizes, 0.0 if held is not None else eval_fraction, rng)
+    train_rows = mix(remaining, weights, rng)
+    pool = datasets.concatenate_datasets(sources)
+    eval_set = pool.select(eval_rows, keep_in_memory=True) if len(eval_rows) else held
+    origin = np.repeat(np.arange(len(sources)), sizes)[train_rows]
+    per_source = np.bincount(origin, minlength=len(sources)).tolist()
+    return Split(pool.select(train_rows, keep_in_memory=True), eval_set, train_rows, per_source)
 
 
 def hold_out(

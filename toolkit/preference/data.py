@@ -16,7 +16,7 @@ import torch
 from toolkit.config import DataConfig
 from toolkit.data.cache import cache_key, encode_to_cache, tokenizer_fingerprint
 from toolkit.data.chat import ensure_chat_template, render
-from toolkit.data.mixture import hold_out, mix
+from toolkit.data.mixture import split_sources
 from toolkit.data.packing import row_lengths
 from toolkit.data.sources import read_source
 from toolkit.errors import UserError
@@ -110,35 +110,38 @@ def build_pairs(
     with main_process_first():
         parts = [_prepare(name, cfg, tokenizer, keep_prompt) for name in names]
         held = _prepare(cfg.eval, cfg, tokenizer, keep_prompt) if cfg.eval else None
+    held_set = held.dataset if held else None
     rng = np.random.default_rng(seed)
-    eval_rows, remaining = hold_out([len(p[0]) for p in parts], 0.0 if held else cfg.eval_fraction, rng)
-    train_rows = mix(remaining, cfg.weights, rng)
-    pool = datasets.concatenate_datasets([p[0] for p in parts])
-    train = pool.select(train_rows, keep_in_memory=True)
-    eval_set = held[0] if held else (pool.select(eval_rows, keep_in_memory=True) if len(eval_rows) else None)
-    origin = np.repeat(np.arange(len(parts)), [len(p[0]) for p in parts])[train_rows]
+    split = split_sources([p.dataset for p in parts], held_set, cfg.eval_fraction, cfg.weights, rng)
     every = parts + ([held] if held else [])
     stats = PairStats(
-        {name: int((origin == i).sum()) for i, name in enumerate(names)},
-        len(eval_set) if eval_set is not None else 0,
-        sum(p[1]["truncated"] for p in every),
-        sum(p[1]["dropped"] for p in every),
+        split.per_name(names),
+        len(split.eval) if split.eval is not None else 0,
+        sum(p.truncated for p in every),
+        sum(p.dropped for p in every),
     )
     if stats.truncated:
         logger.warning(
             "%d pairs were longer than data.max_length=%d and cut", stats.truncated, cfg.max_length
         )
-    return train, eval_set, stats
+    return split.train, split.eval, stats
 
 
-def _prepare(name: str, cfg: DataConfig, tokenizer, keep_prompt: int):
+@dataclass
+class _Part:
+    dataset: datasets.Dataset
+    truncated: int
+    dropped: int
+
+
+def _prepare(name: str, cfg: DataConfig, tokenizer, keep_prompt: int) -> _Part:
     source = read_source(name, cfg.split)
     first = source.first()
     if first is None:
         raise UserError(f"{name}: no records")
     layout = detect_layout(*first)
     key = cache_key("pairs", ENCODING_VERSION, source.identity, cfg.max_length, keep_prompt)
-    return encode_to_cache(
+    dataset, counts = encode_to_cache(
         cache_key(key, tokenizer_fingerprint(tokenizer)),
         source.read(CHUNK),
         PairEncoder(layout, tokenizer, cfg.max_length, keep_prompt),
@@ -146,6 +149,7 @@ def _prepare(name: str, cfg: DataConfig, tokenizer, keep_prompt: int):
         desc=f"encoding {name}",
         empty_error=lambda counts: f"{name}: no pair left after cutting to data.max_length={cfg.max_length}",
     )
+    return _Part(dataset, counts["truncated"], counts["dropped"])
 
 
 def pair_lengths(dataset) -> np.ndarray:

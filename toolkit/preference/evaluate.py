@@ -9,7 +9,7 @@ from toolkit.data import model_inputs
 from toolkit.generation import greedy_answer
 from toolkit.preference.config import DpoConfig
 from toolkit.preference.data import strided_batches
-from toolkit.preference.loss import nll_weight, pair_terms, sequence_logps, step_metrics
+from toolkit.preference.loss import PairSums, pair_terms, sequence_logps
 
 
 @torch.no_grad()
@@ -17,28 +17,15 @@ def evaluate_pairs(model, dataset, collate, accelerator, cfg: DpoConfig, referen
     """Collective: eval_* metrics over every pair of `dataset`; `reference(batch)` gives the reference
     log-probs of a stacked batch (None for reference-free losses)."""
     model.eval()
-    sums = torch.zeros(10, dtype=torch.float64, device=accelerator.device)
+    sums = PairSums(accelerator.device)
     for rows, real in strided_batches(
         dataset, accelerator.process_index, accelerator.num_processes, batch_size
     ):
         batch = {k: v.to(accelerator.device) for k, v in collate(rows).items()}
         logps, counts = sequence_logps(model(**model_inputs(batch)).logits, batch["labels"])
-        terms = pair_terms(cfg, logps, counts, reference(batch))
-        keep = torch.tensor(real, device=logps.device, dtype=torch.float64)
-        chosen, rejected = logps.double().chunk(2)
-        margin = (terms.chosen_rewards - terms.rejected_rewards).double()
-        per_pair = [
-            terms.losses.double(),
-            -nll_weight(cfg) * chosen,
-            terms.chosen_rewards.double(),
-            terms.rejected_rewards.double(),
-        ]
-        per_pair += [(margin > 0).double(), margin, chosen, rejected, torch.ones_like(chosen)]
-        per_pair += [counts.chunk(2)[0].double()]
-        sums += torch.stack([(value * keep).sum() for value in per_pair])
+        sums.add(pair_terms(cfg, logps, counts, reference(batch)), logps, counts, keep=real)
     model.train()
-    totals = accelerator.reduce(sums, reduction="sum").tolist()
-    return step_metrics(totals[:8], pairs=int(totals[8]), chosen_tokens=int(totals[9]), prefix="eval_")
+    return sums.reduce(accelerator).metrics(prefix="eval_")
 
 
 class PairEvaluator:

@@ -34,8 +34,13 @@ class PairTerms:
     """Per-pair preference loss (to be averaged over the pairs of the global batch)."""
     chosen_rewards: torch.Tensor
     rejected_rewards: torch.Tensor
-    nll_sum: torch.Tensor
-    """Summed NLL of the chosen completion tokens (ORPO's second term, or dpo.sft_weight's; else zero)."""
+    nll: torch.Tensor
+    """Per-pair weighted NLL of the chosen completion's tokens (ORPO's second term, or dpo.sft_weight's; else
+    zero), to be summed over the chosen tokens of the global batch."""
+
+    @property
+    def nll_sum(self) -> torch.Tensor:
+        return self.nll.sum()
 
 
 def pair_terms(
@@ -64,7 +69,7 @@ def pair_terms(
         else:
             log_odds = (mean_chosen - mean_rejected) - (_log1mexp(mean_chosen) - _log1mexp(mean_rejected))
             losses = -beta * F.logsigmoid(log_odds)
-    nll = -nll_weight(cfg) * chosen.sum()
+    nll = -nll_weight(cfg) * chosen
     return PairTerms(losses, rewards[0].detach(), rewards[1].detach(), nll)
 
 
@@ -87,25 +92,8 @@ def micro_objective(terms: PairTerms, pair_scale: float, token_scale: float) -> 
     return terms.losses.sum() * pair_scale + terms.nll_sum * token_scale
 
 
-def pair_stats(terms: PairTerms, logps: torch.Tensor) -> torch.Tensor:
-    """Sums over this micro-batch's pairs, in METRIC_NAMES order, for a step's metrics."""
-    chosen, rejected = logps.detach().chunk(2)
-    margin = terms.chosen_rewards - terms.rejected_rewards
-    return torch.stack(
-        [
-            terms.losses.detach().sum(),
-            terms.nll_sum.detach(),
-            terms.chosen_rewards.sum(),
-            terms.rejected_rewards.sum(),
-            (margin > 0).float().sum(),
-            margin.sum(),
-            chosen.sum(),
-            rejected.sum(),
-        ]
-    ).double()
-
-
-METRIC_NAMES = (
+# Per-pair means logged beside the loss, in the order metrics.jsonl has them.
+MEANS = (
     "rewards_chosen",
     "rewards_rejected",
     "reward_accuracy",
@@ -113,10 +101,47 @@ METRIC_NAMES = (
     "logps_chosen",
     "logps_rejected",
 )
+# Every sum kept, and the order they travel in the one reduction over ranks.
+SUMS = ("pair_loss", "chosen_nll", *MEANS, "pairs", "chosen_tokens")
 
 
-def step_metrics(sums: list[float], pairs: int, chosen_tokens: int, prefix: str = "") -> dict:
-    """The step's loss and per-pair means from `pair_stats` sums reduced over micro-batches and ranks."""
-    loss = sums[0] / max(pairs, 1) + sums[1] / max(chosen_tokens, 1)
-    means = {f"{prefix}{name}": value / max(pairs, 1) for name, value in zip(METRIC_NAMES, sums[2:])}
-    return {f"{prefix}loss": loss, **means}
+class PairSums:
+    """Named float64 sums over pairs (a step's, or the eval set's), kept on `device` until `reduce` adds
+    them over ranks; `metrics` turns them into the logged loss and per-pair means."""
+
+    def __init__(self, device=None):
+        self.sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in SUMS}
+
+    def add(self, terms: PairTerms, logps: torch.Tensor, counts: torch.Tensor, keep=None) -> None:
+        """Add a stacked micro-batch's pairs; `keep` (one flag per pair) leaves out padding copies."""
+        chosen, rejected = logps.detach().double().chunk(2)
+        margin = (terms.chosen_rewards - terms.rejected_rewards).double()
+        per_pair = {
+            "pair_loss": terms.losses.detach(),
+            "chosen_nll": terms.nll.detach(),
+            "rewards_chosen": terms.chosen_rewards,
+            "rewards_rejected": terms.rejected_rewards,
+            "reward_accuracy": margin > 0,
+            "reward_margin": margin,
+            "logps_chosen": chosen,
+            "logps_rejected": rejected,
+            "pairs": torch.ones_like(chosen),
+            "chosen_tokens": counts.chunk(2)[0],
+        }
+        weight = torch.ones_like(chosen) if keep is None else torch.as_tensor(keep).to(chosen)
+        for name in SUMS:
+            self.sums[name] += (per_pair[name].double() * weight).sum()
+
+    def reduce(self, accelerator) -> PairSums:
+        """Collective: the sums added over every rank in one reduction, in place; returns self."""
+        stacked = accelerator.reduce(torch.stack([self.sums[name] for name in SUMS]), reduction="sum")
+        self.sums = dict(zip(SUMS, stacked.unbind(), strict=True))
+        return self
+
+    def metrics(self, prefix: str = "") -> dict[str, float]:
+        """The loss, normalised as the step's objective is (pair losses per pair, NLL per chosen token),
+        and the per-pair means."""
+        sums = dict(zip(SUMS, torch.stack([self.sums[name] for name in SUMS]).tolist(), strict=True))
+        pairs = max(sums["pairs"], 1)
+        loss = sums["pair_loss"] / pairs + sums["chosen_nll"] / max(sums["chosen_tokens"], 1)
+        return {f"{prefix}loss": loss, **{f"{prefix}{name}": sums[name] / pairs for name in MEANS}}
