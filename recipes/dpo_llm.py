@@ -10,19 +10,17 @@ recipes/finetune_llm.py; what differs is the data (pairs) and the loss (toolkit/
 
 from __future__ import annotations
 
-import argparse
-
 from toolkit import data, loss
 from toolkit import model as models
 from toolkit.preference import config as pref
 from toolkit.preference import data as pairs
 from toolkit.preference import evaluate, reference
 from toolkit.preference import loss as pref_loss
-from toolkit.run import Run, exit_with
+from toolkit.run import Run, exit_with, recipe_args
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+    args = recipe_args(argv, __doc__, "recipes/configs/demo-dpo.yaml", "dpo.beta=0.2")
     cfg = pref.load_preference_config(args.config, args.overrides)
     with Run.start(cfg, args.config or str(pref.DEMO_DPO_CONFIG), "dpo_llm") as run:
         return train(run, cfg)
@@ -97,13 +95,6 @@ def train(run: Run, cfg) -> int:
 
     # Finish: final checkpoint, the measured result, the exported model.
     return run.finish(model, tokenizer, evaluator)
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="recipe config YAML (default: recipes/configs/demo-dpo.yaml)")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. dpo.beta=0.2")
-    return parser.parse_args(argv)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ The backend (single process, DDP, FSDP, ZeRO-1/2/3, offload) comes from the acce
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -17,13 +16,13 @@ import torch
 from toolkit import data, evaluate, loss
 from toolkit import model as models
 from toolkit.config import load_config
-from toolkit.run import Run, exit_with
+from toolkit.run import Run, exit_with, recipe_args
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+    args = recipe_args(argv, __doc__, "recipes/configs/demo.yaml", "train.max_steps=20")
     cfg = load_config(args.config or DEMO_CONFIG, args.overrides)
     # The backend is whatever `accelerate launch` was told: checked, never silently degraded to lone ranks.
     with Run.start(cfg, args.config or "recipes/configs/demo.yaml", "finetune_llm") as run:
@@ -85,13 +84,6 @@ def train(run: Run, cfg) -> int:
 
     # Finish: final checkpoint, the measured result, the exported model.
     return run.finish(model, tokenizer, evaluator)
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="recipe config YAML (default: recipes/configs/demo.yaml)")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=20")
-    return parser.parse_args(argv)
 
 
 if __name__ == "__main__":

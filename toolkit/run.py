@@ -5,6 +5,7 @@ loop's exits (checkpoint cadence, stop requests, failures, the finish)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -259,3 +260,11 @@ def exit_with(main, prog: str):
     finally:
         distributed.close()
     sys.exit(code)
+
+
+def recipe_args(argv: list[str], doc: str, default_config: str, example: str) -> argparse.Namespace:
+    """A recipe's command line: `--config` (else `default_config`) and dotted.key=value overrides."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--config", help=f"recipe config YAML (default: {default_config})")
+    parser.add_argument("overrides", nargs="*", help=f"dotted.key=value overrides, e.g. {example}")
+    return parser.parse_args(argv)
