@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -9,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from accelerate.utils.other import get_free_port as free_port
@@ -128,6 +130,24 @@ def start_recipe(output_dir: Path, *overrides: str, launch: list[str] | None = N
         text=True,
         start_new_session=True,
     )
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """A real tmpfs of `size` mounted at `path` (created here) for the block. Mounting needs root: anyone else
+    skips with the reason, and root's failed mount fails the test, so a disk-full test never passes unrun."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.fail(f"root could not mount a tmpfs at {path}: {mounted.stderr.strip() or 'mount failed'}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 def step_losses(output_dir: Path) -> list[float]:

@@ -12,7 +12,7 @@ def run_main(main, argv: list[str], prog: str) -> int:
     """Run a recipe's `main`; a UserError becomes one line (see console.finish) and exit code 2, a stop
     before the first step its line and the preemption exit code."""
     from toolkit import console
-    from toolkit.preemption import PREEMPTED_EXIT_CODE, Stopped
+    from toolkit.launch.preemption import PREEMPTED_EXIT_CODE, Stopped
 
     try:
         code, message = main(argv), ""

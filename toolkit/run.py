@@ -15,24 +15,15 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from toolkit import (
-    batches,
-    checkpoint,
-    console,
-    distributed,
-    flops,
-    launch_check,
-    metrics,
-    optim,
-    rundir,
-    speed,
-)
+from toolkit import batches, checkpoint, console, distributed, flops, metrics, optim, speed
 from toolkit import model as models
+from toolkit.checkpoint import rundir
+from toolkit.checkpoint.resume import Resume
 from toolkit.config import flat_dict
 from toolkit.errors import UserError, run_main
+from toolkit.launch import backend, checks, machine
+from toolkit.launch.preemption import PREEMPTED_EXIT_CODE, StopRequest
 from toolkit.nonfinite import NonFiniteGuard
-from toolkit.preemption import PREEMPTED_EXIT_CODE, StopRequest
-from toolkit.resume import Resume
 from toolkit.steps import apply_update, every, export_final
 from toolkit.watchdog import Watchdog
 
@@ -62,11 +53,10 @@ class Run:
         """Collective: the stop handler first (a stop while loading exits cleanly), then the checked launch,
         the Accelerator, the seed, output_dir claimed and prepared, resume found, trackers and metrics log."""
         stop = StopRequest()
-        launch = distributed.detect_launch()
-        machine = launch_check.probe_machine()
-        notes = launch_check.check_launch(launch, cfg, config_source, machine, os.environ)
+        launch = backend.detect_launch()
+        notes = checks.check_launch(launch, cfg, config_source, machine.probe_machine(), os.environ)
         grad_accum = batches.grad_accum_steps(cfg.train, launch.world_size)
-        accelerator = distributed.setup(
+        accelerator = backend.setup(
             launch,
             cfg.train,
             grad_accum,
@@ -75,7 +65,7 @@ class Run:
             step_scheduler_with_optimizer=False,  # one scheduler step per optimizer step, any world size
         )
         features = speed.resolve(cfg.model, cfg.train, accelerator.device)
-        summary = distributed.setup_summary(accelerator, launch, cfg.train, grad_accum)
+        summary = backend.setup_summary(accelerator, launch, cfg.train, grad_accum)
         for line in [summary, *notes, *features.notes]:
             accelerator.print(line)
         set_seed(cfg.seed)

@@ -39,7 +39,7 @@ def resolve(
 ) -> SpeedFeatures:
     """Match the config's speed requests against the device and the installed packages."""
     installed = installed or _installed
-    has_compiler = has_compiler or _has_compiler
+    has_compiler = has_compiler or can_compile
     cuda = device.type == "cuda"
     notes = []
 
@@ -87,8 +87,8 @@ def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-def _has_compiler() -> bool:
-    """Inductor builds kernels with a C++ compiler on CPU and with Triton on CUDA."""
+def can_compile() -> bool:
+    """Whether torch.compile can build kernels here: Inductor needs a C++ compiler on CPU, Triton on CUDA."""
     if torch.cuda.is_available():
         return _installed("triton")
     return any(shutil.which(name) for name in ("c++", "g++", "clang++"))

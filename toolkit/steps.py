@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toolkit import distributed, export
+from toolkit import distributed
+from toolkit.checkpoint import export
 from toolkit.nonfinite import NonFiniteGuard
 
 

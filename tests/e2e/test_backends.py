@@ -24,7 +24,7 @@ from helpers import (
 from safetensors.torch import load_file
 
 from toolkit.checkpoint import MARKER
-from toolkit.export import verify_export
+from toolkit.checkpoint.export import verify_export
 from toolkit.metrics import read_metrics
 
 pytestmark = pytest.mark.multiproc

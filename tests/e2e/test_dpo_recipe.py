@@ -13,7 +13,7 @@ from helpers import REPO, launch, run_launched
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from toolkit import portable
+from toolkit.checkpoint import portable
 from toolkit.commands import cli
 from toolkit.commands.generate import load_for_generation
 from toolkit.metrics import read_metrics

@@ -13,7 +13,7 @@ import pytest
 from helpers import REPO, launch, recipe_command, run_recipe, step_losses
 
 from toolkit import checkpoint, console
-from toolkit.preemption import PREEMPTED_EXIT_CODE
+from toolkit.launch.preemption import PREEMPTED_EXIT_CODE
 from toolkit.watchdog import STALL_EXIT_CODE
 
 CHATS = 20_000  # a few seconds of encoding on two workers here

@@ -10,9 +10,9 @@ import torch
 from helpers import free_port, launch, run_recipe, step_losses
 from safetensors.torch import load_file
 
+from toolkit.checkpoint.export import verify_export
 from toolkit.commands import cli
-from toolkit.export import verify_export
-from toolkit.launch_check import launch_from_yaml
+from toolkit.launch.checks import launch_from_yaml
 
 PEERS = Path(__file__).parent / "peer_configs"
 SETTINGS = ["train.max_steps=6", "train.save_every_steps=3"]

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from toolkit.checkpoint import MARKER
+from toolkit.checkpoint.export import verify_export
 from toolkit.commands.cli import main as ftkit
-from toolkit.export import verify_export
 from toolkit.metrics import read_metrics
 
 

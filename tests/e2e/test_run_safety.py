@@ -6,15 +6,15 @@ directory."""
 import os
 import signal
 import socket
-import subprocess
 import time
 
 import pytest
-from helpers import launch, run_recipe, start_recipe
+from helpers import launch, run_recipe, start_recipe, tmpfs
 
-from toolkit import checkpoint, rundir
+from toolkit import checkpoint
+from toolkit.checkpoint import rundir
 from toolkit.commands import cli
-from toolkit.preemption import PREEMPTED_EXIT_CODE
+from toolkit.launch.preemption import PREEMPTED_EXIT_CODE
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -90,14 +90,7 @@ def test_two_ranks_print_a_refusal_once(tmp_path):
 
 
 def test_a_full_disk_during_training_stops_with_one_line_and_the_previous_checkpoint(tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(disk)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip() or 'mount failed'}")
-    try:
+    with tmpfs(tmp_path / "disk", "30m") as disk:
         out = disk / "run"  # one checkpoint of the tiny LoRA run is about 12 MB: the third does not fit
         result = run_recipe(out, "train.max_steps=4", "train.save_every_steps=1", check=False)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
@@ -105,8 +98,6 @@ def test_a_full_disk_during_training_stops_with_one_line_and_the_previous_checkp
         assert "checkpoint not written" in line and "step-2 is still the newest valid checkpoint" in line
         assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1", "step-2"]
         assert checkpoint.latest_checkpoint(out).name == "step-2" and not (out / "final").exists()
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
 def test_export_into_the_run_is_refused_and_generate_works_from_any_directory(

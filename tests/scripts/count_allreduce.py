@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from train_tiny import build_model
 
-from toolkit import distributed
 from toolkit.config import TrainConfig
+from toolkit.launch import backend
 
 
 def main() -> None:
@@ -18,9 +18,9 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, required=True)
     parser.add_argument("--naive", action="store_true")
     args = parser.parse_args()
-    launch = distributed.detect_launch()
+    launch = backend.detect_launch()
     train = TrainConfig(global_batch_size=2 * args.grad_accum * launch.world_size, micro_batch_size=2)
-    accelerator = distributed.setup(launch, train, args.grad_accum)
+    accelerator = backend.setup(launch, train, args.grad_accum)
     model = build_model()
     optimizer = torch.optim.AdamW(model.parameters())
     model, optimizer = accelerator.prepare(model, optimizer)

@@ -17,8 +17,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from toolkit import distributed
 from toolkit.config import TrainConfig
+from toolkit.launch import backend
 
 # A launched script sees only its own folder; the shared test helpers are one up.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -79,8 +79,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    launch = distributed.detect_launch()
-    accelerator = distributed.setup(launch, TRAIN, grad_accum_steps=1)
+    launch = backend.detect_launch()
+    accelerator = backend.setup(launch, TRAIN, grad_accum_steps=1)
     tokens = torch.randint(
         0, 100, (TRAIN.micro_batch_size, SEQ_LEN), generator=torch.Generator().manual_seed(1)
     )
@@ -110,7 +110,7 @@ def main() -> None:
                     "lora_r": LORA_R,
                     "after_backward": [int(row[0]) for row in gathered],
                     "after_step": [int(row[1]) for row in gathered],
-                    "backend": distributed.backend_name(launch),
+                    "backend": backend.backend_name(launch),
                 }
             )
         )

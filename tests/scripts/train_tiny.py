@@ -1,7 +1,7 @@
 """Train a tiny random Llama for two optimizer steps under whatever backend `accelerate launch` asked for.
 
 Writes losses, gradient norms and the final full state dict to --out, so a test can compare each backend with
-one process. With --stock it builds a plain `Accelerator()` and records what `distributed.verify` says.
+one process. With --stock it builds a plain `Accelerator()` and records what `backend.verify` says.
 """
 
 import argparse
@@ -16,6 +16,7 @@ from transformers import LlamaForCausalLM
 from toolkit import batches, distributed
 from toolkit.config import TrainConfig
 from toolkit.errors import UserError
+from toolkit.launch import backend
 
 # A launched script sees only its own folder; the shared test helpers are one up.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -65,11 +66,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--stock", action="store_true", help="plain Accelerator(), as a script without ftkit")
     args = parser.parse_args()
-    launch = distributed.detect_launch()
+    launch = backend.detect_launch()
     if args.stock:
         accelerator = Accelerator()
         try:
-            distributed.verify(accelerator, launch)
+            backend.verify(accelerator, launch)
             error = None
         except UserError as exc:
             error = str(exc)
@@ -78,9 +79,9 @@ def main() -> None:
             (args.out / "result.json").write_text(json.dumps({"error": error}))
         return
     ga = batches.grad_accum_steps(TRAIN, launch.world_size)
-    accelerator = distributed.setup(launch, TRAIN, grad_accum_steps=ga)
+    accelerator = backend.setup(launch, TRAIN, grad_accum_steps=ga)
     result = train(accelerator)
-    result["describe"] = distributed.setup_summary(accelerator, launch, TRAIN, ga)
+    result["describe"] = backend.setup_summary(accelerator, launch, TRAIN, ga)
     if accelerator.is_main_process:
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(

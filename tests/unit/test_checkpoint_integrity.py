@@ -10,12 +10,13 @@ import torch
 import yaml
 from accelerate import Accelerator
 
-from toolkit import checkpoint, optim, safe_load
+from toolkit import checkpoint, optim
+from toolkit.checkpoint import safe_load
+from toolkit.checkpoint.resume import FIXED, FREE, config_changes
 from toolkit.commands import cli
 from toolkit.config import RecipeConfig, TrainConfig, load_config, to_dict
 from toolkit.errors import UserError
 from toolkit.metrics import read_metrics, truncate_after
-from toolkit.resume import FIXED, FREE, config_changes
 
 
 class Planted:

@@ -12,12 +12,12 @@ from accelerate.commands.config import load_config_from_file
 from accelerate.utils import DistributedType
 from helpers import DS_RECIPE_KEYS, REPO, write_yaml
 
-from toolkit import distributed, launch_check
 from toolkit.commands.cli import main as cli
 from toolkit.config import RecipeConfig, TrainConfig
-from toolkit.distributed import Launch
 from toolkit.errors import UserError
-from toolkit.launch_check import Machine
+from toolkit.launch import backend, checks
+from toolkit.launch.backend import Launch
+from toolkit.launch.machine import Machine
 
 ACCEL_CONFIGS = sorted((REPO / "accelerate_configs").rglob("*.yaml"))
 DS_CONFIGS = sorted((REPO / "ds_configs").rglob("*.json"))
@@ -53,8 +53,8 @@ def ds_yaml(tmp_path: Path, ds_json: dict, **extra) -> Path:
 
 
 def check(path: Path, cfg: RecipeConfig | None = None, machine: Machine = CPU, env: dict | None = None):
-    launch = launch_check.launch_from_yaml(path, machine.gpu_count)
-    return launch_check.check_launch(launch, cfg or recipe(), RECIPE, machine, {} if env is None else env)
+    launch = checks.launch_from_yaml(path, machine.gpu_count)
+    return checks.check_launch(launch, cfg or recipe(), RECIPE, machine, {} if env is None else env)
 
 
 # --- the shipped configs -------------------------------------------------------------------------------
@@ -68,10 +68,10 @@ def test_shipped_accelerate_configs_load_and_pass_the_checker(path, machine, mon
     monkeypatch.chdir(REPO)  # deepspeed_config_file is relative to where accelerate launch runs
     assert load_config_from_file(str(path)).mixed_precision is None, "precision belongs to the recipe config"
     raw = yaml.safe_load(path.read_text())
-    launch = launch_check.launch_from_yaml(path.relative_to(REPO), machine.gpu_count)
+    launch = checks.launch_from_yaml(path.relative_to(REPO), machine.gpu_count)
     assert (launch.backend, launch.zero_stage or launch.fsdp_version) == SHIPPED[path.stem]
     assert launch.world_size == raw.get("num_processes", 1) and launch.on_cpu == (machine.gpu_count == 0)
-    assert launch_check.check_launch(launch, recipe(), RECIPE, machine, {}) == []
+    assert checks.check_launch(launch, recipe(), RECIPE, machine, {}) == []
     if launch.backend == "deepspeed":
         assert (REPO / launch.ds_config_file).is_file()
 
@@ -114,12 +114,12 @@ def torchrun_env(world: int = 2, **extra) -> dict:
 
 
 def test_detect_launch_reads_what_accelerate_launch_sets():
-    assert distributed.detect_launch({}, gpu_count=0) == Launch("single", 1, 1, on_cpu=True)
-    ddp = distributed.detect_launch(torchrun_env(4, LOCAL_WORLD_SIZE="2"), gpu_count=2)
+    assert backend.detect_launch({}, gpu_count=0) == Launch("single", 1, 1, on_cpu=True)
+    ddp = backend.detect_launch(torchrun_env(4, LOCAL_WORLD_SIZE="2"), gpu_count=2)
     assert (ddp.backend, ddp.world_size, ddp.procs_per_node, ddp.on_cpu) == ("ddp", 4, 2, False)
-    fsdp = distributed.detect_launch(torchrun_env(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2"), gpu_count=0)
+    fsdp = backend.detect_launch(torchrun_env(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2"), gpu_count=0)
     assert (fsdp.backend, fsdp.fsdp_version) == ("fsdp", 2)
-    native = distributed.detect_launch(
+    native = backend.detect_launch(
         torchrun_env(
             ACCELERATE_USE_DEEPSPEED="true",
             ACCELERATE_DEEPSPEED_ZERO_STAGE="3",
@@ -138,22 +138,19 @@ def test_detect_launch_reads_the_deepspeed_json(monkeypatch):
         ACCELERATE_DEEPSPEED_CONFIG_FILE="ds_configs/zero3.json",
         ACCELERATE_CONFIG_DS_FIELDS="deepspeed_config_file,zero3_init_flag",
     )
-    launch = distributed.detect_launch(env, gpu_count=0)
+    launch = backend.detect_launch(env, gpu_count=0)
     assert (launch.zero_stage, launch.ds_settings, launch.launcher_precision) == (3, {}, "")
     env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = "ds_configs/nope.json"
     with pytest.raises(UserError, match="DeepSpeed config ds_configs/nope.json .* not found"):
-        distributed.detect_launch(env, gpu_count=0)
+        backend.detect_launch(env, gpu_count=0)
 
 
 def test_detect_launch_sees_precision_given_to_the_launcher():
-    assert (
-        distributed.detect_launch(torchrun_env(ACCELERATE_MIXED_PRECISION="bf16")).launcher_precision
-        == "bf16"
-    )
+    assert backend.detect_launch(torchrun_env(ACCELERATE_MIXED_PRECISION="bf16")).launcher_precision == "bf16"
     refused = torchrun_env(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_CONFIG_DS_FIELDS="mixed_precision")
-    assert distributed.detect_launch(refused, gpu_count=0).launcher_precision == "no"
+    assert backend.detect_launch(refused, gpu_count=0).launcher_precision == "no"
     with pytest.raises(UserError, match="Megatron-LM"):
-        distributed.detect_launch({"ACCELERATE_USE_MEGATRON_LM": "true"})
+        backend.detect_launch({"ACCELERATE_USE_MEGATRON_LM": "true"})
 
 
 # --- what the Accelerator is given, and what is accepted afterwards --------------------------------------
@@ -162,14 +159,14 @@ def test_detect_launch_sees_precision_given_to_the_launcher():
 def test_accelerator_kwargs_run_gpu_backends_on_gloo_without_a_gpu(monkeypatch):
     monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # the FSDP plugin writes it; restored after
     train = TrainConfig(mixed_precision="bf16")
-    ddp = distributed.accelerator_kwargs(Launch("ddp", 2, 2, on_cpu=True), train, grad_accum_steps=4)
+    ddp = backend.accelerator_kwargs(Launch("ddp", 2, 2, on_cpu=True), train, grad_accum_steps=4)
     assert ddp["cpu"] is True and ddp["mixed_precision"] == "bf16"
     plugin = ddp["gradient_accumulation_plugin"]
     assert (plugin.num_steps, plugin.sync_with_dataloader) == (4, False)
-    assert "cpu" not in distributed.accelerator_kwargs(Launch("ddp", 2, 2, on_cpu=False), train, 4)
-    fsdp = distributed.accelerator_kwargs(Launch("fsdp", 2, 2, on_cpu=True, fsdp_version=2), train, 4)
+    assert "cpu" not in backend.accelerator_kwargs(Launch("ddp", 2, 2, on_cpu=False), train, 4)
+    fsdp = backend.accelerator_kwargs(Launch("fsdp", 2, 2, on_cpu=True, fsdp_version=2), train, 4)
     assert fsdp["cpu"] is True and fsdp["fsdp_plugin"].sync_module_states is not True
-    fsdp1 = distributed.accelerator_kwargs(Launch("fsdp", 2, 2, on_cpu=True, fsdp_version=1), train, 4)
+    fsdp1 = backend.accelerator_kwargs(Launch("fsdp", 2, 2, on_cpu=True, fsdp_version=1), train, 4)
     assert fsdp1["cpu"] is True and fsdp1["fsdp_plugin"].sync_module_states is False
 
 
@@ -183,17 +180,17 @@ def test_deepspeed_auto_fields_come_from_the_recipe(json_file, monkeypatch):
         monkeypatch.delenv("ACCELERATE_DEEPSPEED_ZERO_STAGE")
         monkeypatch.delenv("ACCELERATE_GRADIENT_CLIPPING")
     train = TrainConfig(global_batch_size=16, micro_batch_size=2, max_grad_norm=0.3)
-    kwargs = distributed.accelerator_kwargs(Launch("deepspeed", 2, 2, on_cpu=True), train, grad_accum_steps=4)
+    kwargs = backend.accelerator_kwargs(Launch("deepspeed", 2, 2, on_cpu=True), train, grad_accum_steps=4)
     config = kwargs["deepspeed_plugin"].deepspeed_config
     assert [config[k] for k in DS_RECIPE_KEYS] == [16, 2, 4, 0.3]
     assert config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
     assert kwargs["kwargs_handlers"][0].backend == "gloo"
 
 
-@pytest.mark.parametrize("backend", ["ddp", "deepspeed"])
-def test_collectives_time_out_after_twice_the_stall_timeout(backend):
+@pytest.mark.parametrize("name", ["ddp", "deepspeed"])
+def test_collectives_time_out_after_twice_the_stall_timeout(name):
     train = TrainConfig(stall_timeout_minutes=7.5)
-    kwargs = distributed.accelerator_kwargs(Launch(backend, 2, 2, on_cpu=True), train, grad_accum_steps=1)
+    kwargs = backend.accelerator_kwargs(Launch(name, 2, 2, on_cpu=True), train, grad_accum_steps=1)
     (group,) = kwargs["kwargs_handlers"]
     assert group.timeout == timedelta(minutes=15)
 
@@ -207,23 +204,23 @@ def test_verify_refuses_processes_that_train_alone():
     with pytest.raises(
         UserError, match="2 processes were launched .* joined 1 \\(NO\\): each process would train"
     ):
-        distributed.verify(stub_accelerator(1, DistributedType.NO), launch)
+        backend.verify(stub_accelerator(1, DistributedType.NO), launch)
     with pytest.raises(UserError, match="asked for fsdp but accelerate set up MULTI_CPU"):
-        distributed.verify(stub_accelerator(2, DistributedType.MULTI_CPU), Launch("fsdp", 2, 2, on_cpu=True))
-    distributed.verify(stub_accelerator(2, DistributedType.MULTI_CPU), launch)
-    distributed.verify(stub_accelerator(2, DistributedType.MULTI_GPU), launch)
-    distributed.verify(stub_accelerator(1, DistributedType.NO), Launch("single", 1, 1, on_cpu=False))
+        backend.verify(stub_accelerator(2, DistributedType.MULTI_CPU), Launch("fsdp", 2, 2, on_cpu=True))
+    backend.verify(stub_accelerator(2, DistributedType.MULTI_CPU), launch)
+    backend.verify(stub_accelerator(2, DistributedType.MULTI_GPU), launch)
+    backend.verify(stub_accelerator(1, DistributedType.NO), Launch("single", 1, 1, on_cpu=False))
 
 
 def test_setup_returns_a_checked_accelerator_with_the_callers_options(tmp_path):
     single = Launch("single", 1, 1, on_cpu=True)
-    accelerator = distributed.setup(single, TrainConfig(), 4, project_dir=str(tmp_path))
+    accelerator = backend.setup(single, TrainConfig(), 4, project_dir=str(tmp_path))
     assert (accelerator.distributed_type, accelerator.gradient_accumulation_steps) == (DistributedType.NO, 4)
     assert accelerator.project_dir == str(tmp_path)
     with pytest.raises(UserError, match="2 processes were launched .* joined 1 \\(NO\\)"):
-        distributed.setup(Launch("ddp", 2, 2, on_cpu=True), TrainConfig(), 4)
+        backend.setup(Launch("ddp", 2, 2, on_cpu=True), TrainConfig(), 4)
     with pytest.raises(TypeError, match="mixed_precision"):
-        distributed.setup(single, TrainConfig(), 4, mixed_precision="bf16")
+        backend.setup(single, TrainConfig(), 4, mixed_precision="bf16")
 
 
 # --- the launch checker ----------------------------------------------------------------------------------
@@ -348,9 +345,9 @@ def test_accelerate_native_deepspeed_and_fsdp1_yaml_work_on_gpus(tmp_path):
             "zero3_init_flag": True,
         },
     }
-    launch = launch_check.launch_from_yaml(write_yaml(tmp_path, native), gpu_count=2)
-    assert (launch.zero_stage, distributed.backend_name(launch)) == (3, "deepspeed ZeRO-3 + offload")
-    assert launch_check.check_launch(launch, recipe(), RECIPE, TWO_A100, {}) == []
+    launch = checks.launch_from_yaml(write_yaml(tmp_path, native), gpu_count=2)
+    assert (launch.zero_stage, backend.backend_name(launch)) == (3, "deepspeed ZeRO-3 + offload")
+    assert checks.check_launch(launch, recipe(), RECIPE, TWO_A100, {}) == []
     fsdp1 = {
         "distributed_type": "FSDP",
         "num_processes": 2,
@@ -368,7 +365,7 @@ def test_native_settings_beside_a_json_and_precision_beside_a_json_are_refused(t
 
 def test_deepspeed_not_installed_is_refused(monkeypatch):
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(distributed, "deepspeed_installed", lambda: False)
+    monkeypatch.setattr(backend, "deepspeed_installed", lambda: False)
     with pytest.raises(
         UserError, match="asks for DeepSpeed, which is not installed: pip install 'ftkit\\[deepspeed\\]'"
     ):

@@ -4,8 +4,7 @@ import json
 
 import pytest
 
-from toolkit import portable
-from toolkit.checkpoint import MARKER
+from toolkit.checkpoint import MARKER, portable
 from toolkit.commands import cli
 from toolkit.errors import UserError
 

@@ -10,9 +10,10 @@ import sys
 import pytest
 import torch
 from accelerate import Accelerator
-from helpers import REPO
+from helpers import REPO, tmpfs
 
-from toolkit import checkpoint, export, rundir
+from toolkit import checkpoint
+from toolkit.checkpoint import export, rundir
 from toolkit.commands import cli
 from toolkit.config import RecipeConfig
 from toolkit.errors import UserError, run_main
@@ -171,7 +172,7 @@ def test_a_second_writer_is_refused_naming_host_and_pid(recipe, capsys, tmp_path
 def test_kill_9_leaves_no_stale_lock(tmp_path):
     out = tmp_path / "run"
     code = (
-        "import time; from pathlib import Path; from toolkit import rundir; "
+        "import time; from pathlib import Path; from toolkit.checkpoint import rundir; "
         f"lock = rundir.hold_lock(Path({str(out)!r})); print('held', flush=True); time.sleep(300)"
     )
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
@@ -300,14 +301,9 @@ def test_export_out_that_would_replace_what_it_must_not(tmp_path, capsys, case):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A real tmpfs of 3 MiB mounted for the test (root only); skipped with the reason elsewhere."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip() or 'mount failed'}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=True)
+    """A real tmpfs of 3 MiB mounted for the test (root only: skipped with the reason for anyone else)."""
+    with tmpfs(tmp_path / "disk", "3m") as disk:
+        yield disk
 
 
 def fill(disk, leave_bytes: int) -> None:

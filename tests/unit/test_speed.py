@@ -56,7 +56,10 @@ def test_liger_compile_and_fused_adamw_fall_back_with_a_note():
 
 @pytest.mark.parametrize("key", ["model.gradient_checkpointing", "train.fused_adamw"])
 def test_switches_take_true_false_or_auto(key):
-    assert load_config(None, [f"{key}=false"])
+    section, name = key.split(".")
+    for text, value in (("true", True), ("false", False), ("auto", "auto")):
+        got = getattr(getattr(load_config(None, [f"{key}={text}"]), section), name)
+        assert (got, type(got)) == (value, type(value)), text
     with pytest.raises(UserError, match=f"{key}: 'sometimes' is not one of true, false, auto"):
         load_config(None, [f"{key}=sometimes"])
 

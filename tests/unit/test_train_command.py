@@ -11,11 +11,11 @@ from toolkit.commands import cli, relay, train
 from toolkit.commands.doctor import Finding
 from toolkit.config import load_config
 from toolkit.errors import UserError
-from toolkit.launch_check import Machine
+from toolkit.launch.machine import Machine
 
-CPU_BOX = train.Hardware(gpu_count=0, ram_gib=24.0)
-TWO_4090 = train.Hardware(gpu_count=2, gpu_mem_gib=24.0, ram_gib=64.0)
-ONE_H100 = train.Hardware(gpu_count=1, gpu_mem_gib=80.0, ram_gib=128.0)
+CPU_BOX = Machine(gpu_count=0, ram_gib=24.0)
+TWO_4090 = Machine(gpu_count=2, gpu_mem_gib=24.0, ram_gib=64.0)
+ONE_H100 = Machine(gpu_count=1, gpu_mem_gib=80.0, ram_gib=128.0)
 
 
 def args(*argv: str) -> argparse.Namespace:
@@ -90,7 +90,7 @@ def test_auto_keeps_what_the_user_fixed_on_the_command_line():
 
 
 def test_auto_says_what_would_fit_when_nothing_does():
-    small = train.Hardware(gpu_count=1, gpu_mem_gib=4.0, ram_gib=16.0)
+    small = Machine(gpu_count=1, gpu_mem_gib=4.0, ram_gib=16.0)
     with pytest.raises(UserError, match=r"^auto: nothing fits 1 x 4 GiB per GPU and 16 GiB RAM; .* needs \d"):
         build("--config", "recipes/configs/qwen2.5-1.5b-full.yaml", hardware=small)
 

@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     doctor = commands.add_parser("doctor", help="check this machine: versions, GPUs, P2P, NCCL, RAM, disk")
     doctor.add_argument("--output-dir", default="runs", help="where runs go (free disk is checked there)")
     doctor.add_argument("--json", action="store_true")
+    doctor.add_argument(
+        "--no-allreduce", action="store_true", help="skip the short all-reduce on every GPU pair"
+    )
 
     check = commands.add_parser("check-config", help="check an accelerate YAML against a recipe config")
     check.add_argument("accelerate_config", metavar="ACCEL_YAML", help="e.g. accelerate_configs/zero3.yaml")
@@ -143,7 +146,8 @@ def _run(args) -> int:
     if args.command == "doctor":
         from toolkit.commands import doctor
 
-        probes = doctor.gather_probes(Path(args.output_dir))
+        timeout_s = None if args.no_allreduce else doctor.ALLREDUCE_TIMEOUT_S
+        probes = doctor.gather_probes(Path(args.output_dir), allreduce_timeout_s=timeout_s)
         findings = doctor.diagnose(probes)
         report = doctor.to_json(findings, probes) if args.json else None
         print(json.dumps(report, indent=2) if args.json else doctor.render_text(findings, probes))
@@ -151,7 +155,7 @@ def _run(args) -> int:
     if args.command == "check-config":
         import os
 
-        from toolkit.launch_check import check_config_cli
+        from toolkit.launch.checks import check_config_cli
 
         # A copy: what the check would set for NCCL only applies inside a launched process.
         print(check_config_cli(args.accelerate_config, args.config, args.num_processes, dict(os.environ)))
@@ -179,7 +183,7 @@ def _run(args) -> int:
         from dataclasses import asdict
 
         from toolkit.commands import bench_scaling
-        from toolkit.distributed import count_gpus
+        from toolkit.launch.machine import count_gpus
 
         points = bench_scaling.run_scaling(
             args.config_file,

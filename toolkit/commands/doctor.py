@@ -1,4 +1,5 @@
-"""`ftkit doctor`: is this machine ready to train? Versions, GPUs, P2P and NCCL settings, CPU, RAM, disk.
+"""`ftkit doctor`: is this machine ready to train? Versions, GPUs, P2P, NCCL settings and a pairwise
+all-reduce, CPU, RAM, disk.
 
 `gather_probes` is the only function that looks at the machine; `diagnose` turns its `Probes` into findings,
 so a test can describe any machine (two RTX 4090s without P2P, mismatched GPUs, little RAM) as plain data.
@@ -17,9 +18,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from toolkit.commands.allreduce_check import PairResult, check_pairs
 from toolkit.config import read_yaml_mapping
 from toolkit.errors import UserError
-from toolkit.hardware import GEFORCE_40, GIB
+from toolkit.launch.machine import GEFORCE_40, GIB, ram_bytes
 
 PACKAGES = (
     "torch",
@@ -39,6 +41,8 @@ OPTIONAL = {
 MIN_CORES_PER_GPU, GOOD_CORES_PER_GPU = 2, 4
 MIN_RAM_PER_GPU = 16 * GIB
 MIN_DISK, GOOD_DISK = 5 * GIB, 50 * GIB
+ALLREDUCE_TIMEOUT_S = 30
+"""Per GPU pair: a healthy pair finishes in seconds, a broken P2P path makes NCCL hang forever."""
 DRY_RUN = "accelerate launch --config_file accelerate_configs/<x>.yaml recipes/finetune_llm.py"
 
 
@@ -79,6 +83,8 @@ class Probes:
     """Op name -> can be built (or is prebuilt) here; empty without DeepSpeed."""
     build_tools: dict[str, str | None] = field(default_factory=dict)
     """ninja and a C++ compiler, which DeepSpeed needs to build ops just in time."""
+    allreduce: list[PairResult] | None = None
+    """A short NCCL all-reduce on every GPU pair (None: not run)."""
 
 
 @dataclass(frozen=True)
@@ -90,9 +96,12 @@ class Finding:
     fix: str = ""
 
 
-def gather_probes(output_dir: Path, deepspeed_ops: bool = True) -> Probes:
+def gather_probes(
+    output_dir: Path, deepspeed_ops: bool = True, allreduce_timeout_s: float | None = None
+) -> Probes:
     """Look at this machine (a few seconds; no network, nothing heavy is built). Without `deepspeed_ops`
-    the seconds-long op probe is skipped: it only ever warns, so `ftkit train`'s fail-level check skips it."""
+    the seconds-long op probe is skipped: it only ever warns, so `ftkit train`'s fail-level check skips it.
+    With `allreduce_timeout_s`, every GPU pair all-reduces once under that timeout (seconds per pair)."""
     import torch
 
     requirements = _requirements()
@@ -117,13 +126,16 @@ def gather_probes(output_dir: Path, deepspeed_ops: bool = True) -> Probes:
         topology=_run(["nvidia-smi", "topo", "-m"]) if len(gpus) > 1 else None,
         nccl_env={k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
         cpu_cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
-        ram_bytes=_ram_bytes(),
+        ram_bytes=ram_bytes(),
         output_dir=str(output_dir),
         disk_free_bytes=_disk_free(output_dir),
         accelerate_config_path=str(config_path),
         accelerate_config=_read_yaml(config_path),
         deepspeed_ops=_deepspeed_ops() if packages["deepspeed"] and deepspeed_ops else {},
         build_tools={"ninja": shutil.which("ninja"), "c++": shutil.which("c++") or shutil.which("g++")},
+        allreduce=check_pairs(len(gpus), allreduce_timeout_s)
+        if allreduce_timeout_s and len(gpus) > 1
+        else None,
     )
 
 
@@ -196,19 +208,6 @@ def _run(command: list[str], first_line: bool = False) -> str | None:
     return out.splitlines()[0].strip() if first_line else out
 
 
-def _ram_bytes() -> int:
-    """Physical RAM, or the container's cgroup limit when that is lower."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(limit_file).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            total = min(total, int(text))
-    return total
-
-
 def _disk_free(path: Path) -> int:
     existing = Path(path).resolve()
     while not existing.exists():
@@ -257,6 +256,7 @@ def diagnose(p: Probes) -> list[Finding]:
         *_gpu_findings(p),
         _p2p(p),
         _nccl_env(p),
+        _allreduce(p),
         _cpu(p),
         _ram(p),
         _disk(p),
@@ -423,6 +423,59 @@ def _nccl_env(p: Probes) -> Finding:
             "unset NCCL_P2P_DISABLE for faster all-reduce",
         )
     return Finding("nccl env", "ok", f"NCCL variables: {shown}")
+
+
+def _allreduce(p: Probes) -> Finding | None:
+    if not p.allreduce or len(p.gpus) < 2:
+        return None
+    broken = [r for r in p.allreduce if r.status != "ok" and r.without_p2p != "ok"]
+    fixed = [r for r in p.allreduce if r.status != "ok" and r.without_p2p == "ok"]
+    if broken:
+        first = broken[0].devices
+        return Finding(
+            "allreduce",
+            "fail",
+            f"NCCL all-reduce on GPUs {_outcomes(broken)}",
+            "see where NCCL stops: NCCL_DEBUG=INFO python -m toolkit.commands.allreduce_check "
+            f"--devices {first[0]},{first[1]}",
+        )
+    if fixed:
+        return _allreduce_needs_p2p_off(p, fixed)
+    slowest = max(p.allreduce, key=lambda r: r.seconds)
+    return Finding(
+        "allreduce",
+        "ok",
+        f"NCCL all-reduce passed on every GPU pair ({len(p.allreduce)}), sums checked; slowest "
+        f"{_pair(slowest)} in {slowest.seconds:.1f} s with start-up",
+    )
+
+
+def _allreduce_needs_p2p_off(p: Probes, fixed: list[PairResult]) -> Finding:
+    message = f"NCCL all-reduce on GPUs {_outcomes(fixed)}: their P2P path is broken"
+    # The rule of launch.checks._disable_nccl_p2p, which every ftkit recipe process runs before NCCL starts.
+    geforce_40 = any(GEFORCE_40.search(g.name) for g in p.gpus)
+    if geforce_40 and not any(ok for i, j, ok in p.p2p if (i, j) == (0, 1)):
+        return Finding(
+            "allreduce",
+            "warn",
+            message,
+            "ftkit's recipes set NCCL_P2P_DISABLE=1 themselves on these RTX 40xx GPUs; "
+            "for other programs: export NCCL_P2P_DISABLE=1",
+        )
+    return Finding("allreduce", "fail", message, "export NCCL_P2P_DISABLE=1")
+
+
+def _outcomes(results: list[PairResult]) -> str:
+    """E.g. `0-1 hung (no result within 30 s), ok with NCCL_P2P_DISABLE=1`."""
+    return "; ".join(
+        f"{_pair(r)} {r.status} ({r.reason})"
+        + (f", {r.without_p2p} with NCCL_P2P_DISABLE=1" if r.without_p2p else "")
+        for r in results
+    )
+
+
+def _pair(result: PairResult) -> str:
+    return f"{result.devices[0]}-{result.devices[1]}"
 
 
 def _cpu(p: Probes) -> Finding:

@@ -10,12 +10,12 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from toolkit import data, export, portable
+from toolkit import data
 from toolkit import model as models
-from toolkit.checkpoint import CONFIG, MARKER, damage, read_marker
+from toolkit.checkpoint import CONFIG, MARKER, damage, export, portable, read_marker
+from toolkit.checkpoint.rundir import MARKER as RUN_MARKER
 from toolkit.config import RecipeConfig, load_config, read_yaml_mapping
 from toolkit.errors import UserError
-from toolkit.rundir import MARKER as RUN_MARKER
 
 EXPORT_MARKER = ".ftkit-export"
 """Left in every export, so that a later export may replace it (and nothing else)."""

@@ -7,8 +7,8 @@ from pathlib import Path
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from toolkit.checkpoint.export import ADAPTER_CONFIG, adapted_base
 from toolkit.errors import UserError
-from toolkit.export import ADAPTER_CONFIG, adapted_base
 from toolkit.generation import chat_prompt_ids, greedy_answer
 from toolkit.model import remote_code_refusal, with_pad_token
 

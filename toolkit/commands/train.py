@@ -19,24 +19,12 @@ from pathlib import Path
 
 from toolkit.config import RecipeConfig, load_config
 from toolkit.errors import UserError
+from toolkit.launch.machine import Machine, probe_machine
 
 REPO = Path(__file__).resolve().parent.parent.parent
 RECIPES = {"sft": "recipes/finetune_llm.py", "dpo": "recipes/dpo_llm.py"}
 CPU_PROCESSES = 2  # without GPUs: a dry run of the same command on gloo CPU processes
 DEFAULT_PORT = 29500
-GIB = 1 << 30
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """What the process count and `--backend auto` need to know about this machine."""
-
-    gpu_count: int = 0
-    """GPUs visible here."""
-    gpu_mem_gib: float = 0.0
-    """Memory of the smallest visible GPU, GiB."""
-    ram_gib: float = 0.0
-    """CPU RAM, GiB."""
 
 
 @dataclass(frozen=True)
@@ -112,17 +100,6 @@ def backend_names(repo: Path = REPO) -> list[str]:
     return sorted(p.stem for p in (repo / "accelerate_configs").glob("*.yaml") if "multinode" not in p.stem)
 
 
-def probe_hardware() -> Hardware:
-    import torch
-
-    from toolkit.commands.doctor import _ram_bytes
-    from toolkit.distributed import count_gpus
-
-    gpus = count_gpus()
-    mem = [torch.cuda.get_device_properties(i).total_memory for i in range(gpus)] if gpus else []
-    return Hardware(gpus, min(mem) / GIB if mem else 0.0, _ram_bytes() / GIB)
-
-
 def slurm_hostnames(nodelist: str) -> list[str]:
     done = subprocess.run(
         ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=False
@@ -159,7 +136,7 @@ def shown(path: Path) -> str:
 
 
 def plan_launch(
-    args, overrides: list[str], cfg: RecipeConfig, hardware: Hardware, nodes: Nodes, recipe: Path
+    args, overrides: list[str], cfg: RecipeConfig, hardware: Machine, nodes: Nodes, recipe: Path
 ) -> LaunchPlan:
     """The `accelerate launch` command for this machine: backend, process count, machines, recipe."""
     from toolkit.commands.auto_backend import choose
@@ -210,7 +187,7 @@ def _deepspeed_json_args(config_file: Path) -> list[str]:
 
 def preflight(plan: LaunchPlan, cfg: RecipeConfig, config_source: str, findings, machine, env) -> None:
     """The fail-level checks of `ftkit doctor` (`findings`) and `ftkit check-config`, as one UserError."""
-    from toolkit.launch_check import check_launch, launch_from_yaml
+    from toolkit.launch.checks import check_launch, launch_from_yaml
 
     failed = [f for f in findings if f.status == "fail"]
     if failed:
@@ -226,16 +203,16 @@ def preflight(plan: LaunchPlan, cfg: RecipeConfig, config_source: str, findings,
 def train_cli(args) -> int:
     """Build, print, check and run the launch; the exit code is the worker's own."""
     from toolkit.commands import doctor, relay
-    from toolkit.launch_check import probe_machine
 
     name, overrides = split_items(args.items)
     recipe = recipe_path(name)
     cfg = recipe_config(name, args.config, overrides)
     nodes = resolve_nodes(args, os.environ)
-    plan = plan_launch(args, overrides, cfg, probe_hardware(), nodes, recipe)
+    machine = probe_machine()
+    plan = plan_launch(args, overrides, cfg, machine, nodes, recipe)
     if plan.reason:
         print(plan.reason)
     print(plan.display(), flush=True)
     findings = doctor.diagnose(doctor.gather_probes(Path(cfg.output_dir), deepspeed_ops=False))
-    preflight(plan, cfg, args.config or "the demo config", findings, probe_machine(), os.environ)
+    preflight(plan, cfg, args.config or "the demo config", findings, machine, os.environ)
     return relay.run(plan.argv, os.environ, recipe.stem, verbose=args.verbose)

@@ -14,7 +14,7 @@ from toolkit import flops
 from toolkit.config import Method, flat_dict, load_config
 from toolkit.errors import UserError
 from toolkit.fields import NonNegativeFloat, PositiveFloat, PositiveInt, Probability, field_errors
-from toolkit.hardware import GIB
+from toolkit.launch.machine import GIB
 from toolkit.metrics import read_metrics
 from toolkit.plan import GradCkpt, PlanDtype, PlanPrecision, architectures, memory
 from toolkit.plan.counts import ModelCounts, count_parameters, load_model_config

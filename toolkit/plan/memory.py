@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from toolkit.hardware import GIB
+from toolkit.launch.machine import GIB
 
 BACKENDS = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload")
 DEEPSPEED = ("zero1", "zero2", "zero3", "zero3_offload")

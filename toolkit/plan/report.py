@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from toolkit.hardware import GIB
+from toolkit.launch.machine import GIB
 from toolkit.plan.estimate import Plan
 from toolkit.plan.memory import MemoryEstimate
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import yaml
 from accelerate.utils.other import load as accelerate_load
 
-from toolkit import checkpoint, metrics, optim, portable, rundir
+from toolkit import checkpoint, metrics, optim
+from toolkit.checkpoint import portable, rundir
 from toolkit.config import dotted, to_dict
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError

@@ -11,10 +11,10 @@ from pathlib import Path
 from accelerate.utils import DistributedType
 from safetensors import SafetensorError, safe_open
 
+from toolkit.checkpoint.rundir import CONFIG
 from toolkit.config import RecipeConfig, save_config
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
-from toolkit.rundir import CONFIG
 
 MARKER = "ftkit_checkpoint.json"
 

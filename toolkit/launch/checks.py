@@ -1,62 +1,24 @@
 """Check a launch (an accelerate YAML, or the environment accelerate launch set) against the recipe config.
 
 `ftkit check-config` runs these checks on a YAML before anything starts; the recipe runs them at launch on
-`distributed.detect_launch()`. Conflicts raise `UserError`; what needs no action comes back as notes.
+`backend.detect_launch()`. Conflicts raise `UserError`; what needs no action comes back as notes.
 """
 
 from __future__ import annotations
 
 from collections.abc import MutableMapping
-from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from toolkit.batches import grad_accum_steps
 from toolkit.config import RecipeConfig, TrainConfig, dotted, read_yaml_mapping
-from toolkit.distributed import (
-    DS_SETTINGS_ENV,
-    Launch,
-    backend_name,
-    count_gpus,
-    deepspeed_launch,
-    refuse_unsupported,
-)
 from toolkit.errors import UserError
-from toolkit.hardware import GEFORCE_40
+from toolkit.launch.backend import DS_SETTINGS_ENV, Launch, backend_name, deepspeed_launch, refuse_unsupported
+from toolkit.launch.machine import GEFORCE_40, Machine, probe_machine
 
 # What each accelerate distributed_type starts, in ftkit's words. Others are refused: MULTI_CPU starts one
 # process, and the rest are other hardware or Megatron-LM.
 BACKEND_OF_TYPE = {"NO": "single", "MULTI_GPU": "ddp", "FSDP": "fsdp", "DEEPSPEED": "deepspeed"}
 NCCL_P2P_VARS = ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE")
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What the GPU-dependent checks need to know about this machine (tests pass made-up ones)."""
-
-    gpu_count: int = 0
-    """GPUs visible to this process."""
-    gpu_names: tuple[str, ...] = ()
-    """CUDA device names."""
-    bf16: bool = True
-    """Every visible GPU computes in bf16."""
-    p2p: bool = True
-    """GPUs reach each other peer-to-peer."""
-
-
-def probe_machine() -> Machine:
-    """Query the visible GPUs: count, names, bf16 support, peer-to-peer access."""
-    gpu_count = count_gpus()
-    if not torch.cuda.is_available():
-        return Machine(gpu_count=gpu_count)
-    count = torch.cuda.device_count()
-    return Machine(
-        gpu_count=gpu_count,
-        gpu_names=tuple(torch.cuda.get_device_name(i) for i in range(count)),
-        bf16=all(torch.cuda.get_device_capability(i) >= (8, 0) for i in range(count)),
-        p2p=count < 2 or torch.cuda.can_device_access_peer(0, 1),
-    )
 
 
 def launch_from_yaml(path: Path, gpu_count: int, num_processes: int | None = None) -> Launch:

@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from toolkit import safe_load
-from toolkit.checkpoint import read_marker
+from toolkit.checkpoint import read_marker, safe_load
 from toolkit.errors import UserError
 from toolkit.nonfinite import nonfinite_names, refuse_nonfinite
 

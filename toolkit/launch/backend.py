@@ -1,0 +1,284 @@
+"""The distributed backend a launch asked for, and making accelerate deliver exactly that, GPU or not.
+
+toolkit/run.py asks for the Accelerator in one call; this module builds it and checks the result:
+
+    launch = backend.detect_launch()
+    notes = checks.check_launch(launch, cfg, config_path, machine.probe_machine(), os.environ)
+    ga = batches.grad_accum_steps(cfg.train, launch.world_size)
+    accelerator = backend.setup(launch, cfg.train, ga, project_dir=..., ...)
+    log(backend.setup_summary(accelerator, launch, cfg.train, ga)), then each of `notes`
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs
+
+from toolkit.config import TrainConfig
+from toolkit.errors import UserError
+from toolkit.launch.machine import count_gpus
+
+# Accelerate-native DeepSpeed settings: env variable `accelerate launch` sets -> the YAML key it came from.
+DS_SETTINGS_ENV = {
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE": "zero_stage",
+    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "gradient_accumulation_steps",
+    "ACCELERATE_GRADIENT_CLIPPING": "gradient_clipping",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "offload_optimizer_device",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "offload_param_device",
+    "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "zero3_save_16bit_model",
+}
+ENV_SOURCE = "the accelerate launch environment"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher asked for, read from the environment `accelerate launch` sets or from its YAML."""
+
+    backend: str
+    """single | ddp | fsdp | deepspeed."""
+    world_size: int
+    """Processes on all machines together."""
+    procs_per_node: int
+    """Processes on this machine."""
+    on_cpu: bool
+    """No GPU here: the backend runs on gloo CPU processes (a dry run of the same command)."""
+    source: str = ENV_SOURCE
+    """Where the request came from, for messages (an accelerate YAML, or the launch environment)."""
+    fsdp_version: int = 0
+    """1 or 2 with FSDP, else 0."""
+    zero_stage: int = 0
+    """ZeRO stage with DeepSpeed, else 0."""
+    ds_config_file: str = ""
+    """DeepSpeed JSON the YAML points to ("" for accelerate-native DeepSpeed settings)."""
+    ds_config: dict = field(default_factory=dict)
+    """That JSON's content."""
+    ds_settings: dict = field(default_factory=dict)
+    """Accelerate-native DeepSpeed settings given to the launcher (YAML deepspeed_config keys), as strings."""
+    launcher_precision: str = ""
+    """mixed_precision given to the launcher; "" when unset (a launched process cannot tell unset from no)."""
+
+
+def detect_launch(env: Mapping[str, str] | None = None, gpu_count: int | None = None) -> Launch:
+    """Read what `accelerate launch` asked for from its environment (a plain `python` run is `single`)."""
+    env = os.environ if env is None else env
+    gpu_count = count_gpus() if gpu_count is None else gpu_count
+    if _flag(env, "ACCELERATE_USE_MEGATRON_LM"):
+        raise UserError(
+            "Megatron-LM launches are not supported: use ddp, fsdp or a zero*.yaml accelerate config"
+        )
+    world = int(env.get("WORLD_SIZE", "1"))
+    precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    # The launcher passes "no" when nothing was given; DeepSpeed launches also list the YAML keys passed on.
+    explicit = precision != "no" or "mixed_precision" in env.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")
+    common = dict(
+        world_size=world,
+        procs_per_node=int(env.get("LOCAL_WORLD_SIZE", str(world))),
+        on_cpu=gpu_count == 0,
+        launcher_precision=precision if explicit else "",
+        source=ENV_SOURCE,
+    )
+    if _flag(env, "ACCELERATE_USE_DEEPSPEED"):
+        settings = {key: env[var] for var, key in DS_SETTINGS_ENV.items() if var in env}
+        return deepspeed_launch(env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", ""), settings, **common)
+    if _flag(env, "ACCELERATE_USE_FSDP"):
+        return Launch("fsdp", fsdp_version=int(env.get("FSDP_VERSION", "1")), **common)
+    return Launch("ddp" if world > 1 else "single", **common)
+
+
+def deepspeed_launch(config_file: str, settings: dict, **common) -> Launch:
+    """A DeepSpeed Launch from its JSON (if any) and accelerate-native settings (stage 2 unless given)."""
+    ds_config = read_ds_config(config_file, common["source"]) if config_file else {}
+    stage = ds_config.get("zero_optimization", {}).get("stage", settings.get("zero_stage", 2))
+    return Launch(
+        "deepspeed",
+        zero_stage=int(stage),
+        ds_config_file=config_file,
+        ds_config=ds_config,
+        ds_settings=settings,
+        **common,
+    )
+
+
+def read_ds_config(path: str, source: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"DeepSpeed config {path} (deepspeed_config_file in {source}) not found")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
+def setup(launch: Launch, train: TrainConfig, grad_accum_steps: int, **options) -> Accelerator:
+    """The Accelerator for the launched backend, checked to have joined every process into it.
+
+    `options` are further `Accelerator` arguments (trackers, project_dir, ...); the backend, precision and
+    accumulation come from `launch` and `train` only (passing one of those again is a TypeError).
+    """
+    accelerator = Accelerator(**accelerator_kwargs(launch, train, grad_accum_steps), **options)
+    _finish_setup(accelerator, launch)
+    return accelerator
+
+
+def accelerator_kwargs(launch: Launch, train: TrainConfig, grad_accum_steps: int) -> dict:
+    """Keyword arguments for `Accelerator(...)` giving the launched backend, on GPUs or gloo CPU processes.
+
+    Precision always comes from the recipe: the Accelerator's argument overrides a YAML's mixed_precision.
+    The recipe's loss is token-weighted across micro-batches, so accumulation never follows the dataloader.
+    """
+    refuse_unsupported(launch)
+    kwargs = {
+        "mixed_precision": train.mixed_precision,
+        "gradient_accumulation_plugin": GradientAccumulationPlugin(
+            num_steps=grad_accum_steps, sync_with_dataloader=False
+        ),
+    }
+    if launch.on_cpu and launch.backend in ("ddp", "fsdp"):
+        # Without cpu=True, accelerate finds no GPU and gives each launched process a world of its own.
+        kwargs["cpu"] = True
+    if launch.on_cpu and launch.backend == "fsdp":
+        kwargs["fsdp_plugin"] = _cpu_fsdp_plugin(launch.fsdp_version)
+    # A stalled rank fails the collective after this long instead of hanging the job forever; the watchdog
+    # (toolkit/watchdog.py) reports first, and the main process may prepare data meanwhile.
+    group = {"timeout": timedelta(minutes=2 * train.stall_timeout_minutes)}
+    if launch.backend == "deepspeed":
+        kwargs["deepspeed_plugin"] = deepspeed_plugin(train, grad_accum_steps)
+        if launch.on_cpu:
+            # DeepSpeed's CPU accelerator would otherwise ask for oneCCL.
+            group["backend"] = "gloo"
+    kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(**group)]
+    return kwargs
+
+
+def refuse_unsupported(launch: Launch) -> None:
+    """Raise for launches this machine cannot run, before accelerate fails with a less direct message."""
+    if launch.backend == "deepspeed" and not deepspeed_installed():
+        raise UserError(
+            f"{launch.source} asks for DeepSpeed, which is not installed: pip install 'ftkit[deepspeed]'"
+        )
+
+
+def deepspeed_installed() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def deepspeed_plugin(train: TrainConfig, grad_accum_steps: int):
+    """The launched DeepSpeed settings, each "auto" batch, accumulation and clipping field from the recipe.
+
+    Accelerate alone would fill `gradient_clipping: auto` with 1.0 whatever the recipe says, and leave
+    ZeRO-3 unable to gather a full state dict; the Accelerator fills precision from its mixed_precision.
+    """
+    from accelerate.utils import DeepSpeedPlugin
+
+    plugin = DeepSpeedPlugin(
+        gradient_accumulation_steps=grad_accum_steps,
+        gradient_clipping=train.max_grad_norm,
+        zero3_save_16bit_model=True,
+    )
+    config = plugin.deepspeed_config
+    for key, value in (
+        ("train_micro_batch_size_per_gpu", train.micro_batch_size),
+        ("train_batch_size", train.global_batch_size),
+    ):
+        if config.get(key, "auto") == "auto":
+            config[key] = value
+    zero = config["zero_optimization"]
+    if zero.get("stage3_gather_16bit_weights_on_model_save", "auto") == "auto":
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return plugin
+
+
+def _cpu_fsdp_plugin(version: int):
+    """FSDP settings from the launch, minus the two that need a GPU to move meta weights onto (FSDP2 has
+    no sync_module_states, and accelerate warns when it is given)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    sync = {"sync_module_states": False} if version == 1 else {}
+    return FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=False, **sync)
+
+
+def _finish_setup(accelerator, launch: Launch) -> None:
+    """Switch on FSDP where accelerate skipped it for lack of a GPU, then `verify` the result."""
+    if (
+        launch.on_cpu
+        and launch.backend == "fsdp"
+        and accelerator.distributed_type == DistributedType.MULTI_CPU
+    ):
+        state = accelerator.state
+        plugin = _cpu_fsdp_plugin(launch.fsdp_version)
+        if state.mixed_precision != "no":
+            plugin.set_mixed_precision(state.mixed_precision)
+        state.fsdp_plugin = plugin
+        state.distributed_type = DistributedType.FSDP
+        # Every later AcceleratorState() copies PartialState's fields over its own.
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        if launch.fsdp_version == 1:
+            # FSDP1 computes on `cpu` and refuses accelerate's `cpu:0` as a different device.
+            state.device = PartialState._shared_state["device"] = torch.device("cpu")
+    verify(accelerator, launch)
+
+
+# The accelerate type each backend must end up as; ddp is any MULTI_<device> type.
+DISTRIBUTED_TYPE = {
+    "single": DistributedType.NO,
+    "fsdp": DistributedType.FSDP,
+    "deepspeed": DistributedType.DEEPSPEED,
+}
+
+
+def verify(accelerator, launch: Launch) -> None:
+    """Refuse to train unless accelerate joined every launched process into the backend that was asked for."""
+    got = accelerator.distributed_type
+    if accelerator.num_processes != launch.world_size:
+        raise UserError(
+            f"{launch.world_size} processes were launched ({launch.backend}, WORLD_SIZE) but accelerate "
+            f"joined {accelerator.num_processes} ({got.value}): each process would train alone"
+        )
+    if launch.backend == "ddp":
+        matches = got.value.startswith("MULTI_")
+    else:
+        matches = got == DISTRIBUTED_TYPE[launch.backend]
+    if not matches:
+        raise UserError(f"{launch.source} asked for {launch.backend} but accelerate set up {got.value}")
+
+
+def setup_summary(accelerator, launch: Launch, train: TrainConfig, grad_accum_steps: int) -> str:
+    """One line: backend, world size, processes per node, device, precision, how the global batch is made."""
+    ga = grad_accum_steps
+    world = accelerator.num_processes
+    comm = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
+    return (
+        f"backend {backend_name(launch)} ({comm}) | world {world} | {launch.procs_per_node} per node | "
+        f"device {accelerator.device.type} | precision {accelerator.mixed_precision} | "
+        f"global batch {train.micro_batch_size * ga * world} = "
+        f"micro {train.micro_batch_size} x GA {ga} x world {world}"
+    )
+
+
+def backend_name(launch: Launch) -> str:
+    if launch.backend == "deepspeed":
+        return f"deepspeed ZeRO-{launch.zero_stage}" + (" + offload" if _offloads(launch) else "")
+    if launch.backend == "fsdp":
+        return f"fsdp{launch.fsdp_version}"
+    return launch.backend
+
+
+def _offloads(launch: Launch) -> bool:
+    zero = launch.ds_config.get("zero_optimization", {})
+    devices = [zero.get(key, {}).get("device") for key in ("offload_optimizer", "offload_param")]
+    devices += [launch.ds_settings.get(key) for key in ("offload_optimizer_device", "offload_param_device")]
+    return any(str(device).lower() not in ("none", "") for device in devices if device is not None)
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    return env.get(name, "false").lower() in ("1", "true", "yes")
