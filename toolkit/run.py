@@ -19,12 +19,12 @@ from toolkit import batches, checkpoint, console, distributed, flops, metrics, o
 from toolkit import model as models
 from toolkit.checkpoint import rundir
 from toolkit.checkpoint.resume import Resume
-from toolkit.config import flat_dict
 from toolkit.errors import UserError, run_main
 from toolkit.launch import backend, checks, machine
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE, StopRequest
 from toolkit.nonfinite import NonFiniteGuard
 from toolkit.steps import apply_update, every, export_final
+from toolkit.typed_yaml import flat_dict
 from toolkit.watchdog import Watchdog
 
 

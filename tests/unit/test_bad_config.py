@@ -7,7 +7,7 @@ import typing
 import pytest
 from helpers import REPO
 
-from toolkit import config, fields
+from toolkit import config, fields, typed_yaml
 from toolkit.commands import cli
 from toolkit.errors import run_main
 from toolkit.plan import estimate
@@ -67,7 +67,7 @@ def test_out_of_range_value_is_one_line_and_nothing_is_written(recipe, tmp_path,
 def test_every_default_passes_its_own_declaration(tmp_path):
     """Each key written out at its default value goes through the same check as a user's value."""
     path = tmp_path / "defaults.yaml"
-    config.save_config(config.RecipeConfig(), path)
+    typed_yaml.save_config(config.RecipeConfig(), path)
     assert config.load_config(path) == config.RecipeConfig()
 
 
@@ -91,7 +91,7 @@ def test_cli_choices_and_docs_come_from_the_declarations(capsys):
     with pytest.raises(SystemExit):
         cli.main(["plan", "--model", "x", "--method", "prefix"])
     assert "choose from 'full', 'lora', 'qlora'" in capsys.readouterr().err
-    docs = config.field_docs()
+    docs = typed_yaml.field_docs(config.RecipeConfig)
     assert docs["model.method"].endswith("Allowed: one of full, lora, qlora.")
     assert docs["train.min_lr_ratio"].endswith("Allowed: in [0, 1].")
     assert docs["train.adam_betas"].endswith("Allowed: 2 values, each in [0, 1).")

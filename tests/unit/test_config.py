@@ -5,8 +5,9 @@ from helpers import REPO
 
 import toolkit
 from toolkit.batches import grad_accum_steps
-from toolkit.config import DEMO_CONFIG, RecipeConfig, field_docs, flat_dict, load_config
+from toolkit.config import DEMO_CONFIG, RecipeConfig, load_config
 from toolkit.errors import UserError
+from toolkit.typed_yaml import field_docs, flat_dict
 
 # Preference-tuning configs have a section of their own; tests/unit/test_preference_config.py loads them.
 SHIPPED = sorted(p for p in (REPO / "recipes" / "configs").rglob("*.yaml") if "dpo" not in p.name)
@@ -101,5 +102,5 @@ def test_accumulation_is_derived_from_world_size():
 
 
 def test_every_key_is_documented():
-    docs = field_docs()
+    docs = field_docs(RecipeConfig)
     assert [key for key in flat_dict(RecipeConfig()) if not docs.get(key)] == []

@@ -3,7 +3,6 @@ from pathlib import Path
 import pytest
 
 from toolkit.batches import grad_accum_steps
-from toolkit.config import field_docs
 from toolkit.errors import UserError
 from toolkit.preference.config import (
     PreferenceConfig,
@@ -11,6 +10,7 @@ from toolkit.preference.config import (
     precomputes_reference,
     prompt_budget,
 )
+from toolkit.typed_yaml import field_docs
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_DPO = sorted((REPO / "recipes" / "configs").rglob("*dpo*.yaml"))

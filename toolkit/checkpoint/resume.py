@@ -16,10 +16,10 @@ from accelerate.utils.other import load as accelerate_load
 
 from toolkit import checkpoint, metrics, optim
 from toolkit.checkpoint import portable, rundir
-from toolkit.config import dotted, to_dict
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
 from toolkit.nonfinite import nonfinite_names, refuse_nonfinite
+from toolkit.typed_yaml import dotted, to_dict
 
 FIXED = (
     "seed",

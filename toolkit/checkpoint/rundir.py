@@ -12,9 +12,10 @@ import socket
 from pathlib import Path
 from typing import IO
 
-from toolkit.config import RecipeConfig, save_config
+from toolkit.config import RecipeConfig
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
+from toolkit.typed_yaml import save_config
 from toolkit.watchdog import STALL_DIR
 
 MARKER = ".ftkit-run"

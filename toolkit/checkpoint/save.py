@@ -12,9 +12,10 @@ from accelerate.utils import DistributedType
 from safetensors import SafetensorError, safe_open
 
 from toolkit.checkpoint.rundir import CONFIG
-from toolkit.config import RecipeConfig, save_config
+from toolkit.config import RecipeConfig
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
+from toolkit.typed_yaml import save_config
 
 MARKER = "ftkit_checkpoint.json"
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.commands.allreduce_check import PairResult, check_pairs
-from toolkit.config import read_yaml_mapping
 from toolkit.errors import UserError
 from toolkit.launch.machine import GEFORCE_40, GIB, ram_bytes
+from toolkit.typed_yaml import read_yaml_mapping
 
 PACKAGES = (
     "torch",

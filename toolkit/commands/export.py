@@ -14,8 +14,9 @@ from toolkit import data
 from toolkit import model as models
 from toolkit.checkpoint import CONFIG, MARKER, damage, export, portable, read_marker
 from toolkit.checkpoint.rundir import MARKER as RUN_MARKER
-from toolkit.config import RecipeConfig, load_config, read_yaml_mapping
+from toolkit.config import RecipeConfig, load_config
 from toolkit.errors import UserError
+from toolkit.typed_yaml import read_yaml_mapping
 
 EXPORT_MARKER = ".ftkit-export"
 """Left in every export, so that a later export may replace it (and nothing else)."""

@@ -10,10 +10,11 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 from toolkit.batches import grad_accum_steps
-from toolkit.config import RecipeConfig, TrainConfig, dotted, read_yaml_mapping
+from toolkit.config import RecipeConfig, TrainConfig
 from toolkit.errors import UserError
 from toolkit.launch.backend import DS_SETTINGS_ENV, Launch, backend_name, deepspeed_launch, refuse_unsupported
 from toolkit.launch.machine import GEFORCE_40, Machine, probe_machine
+from toolkit.typed_yaml import dotted, read_yaml_mapping
 
 # What each accelerate distributed_type starts, in ftkit's words. Others are refused: MULTI_CPU starts one
 # process, and the rest are other hardware or Megatron-LM.

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from toolkit import flops
-from toolkit.config import Method, flat_dict, load_config
+from toolkit.config import Method, load_config
 from toolkit.errors import UserError
 from toolkit.fields import NonNegativeFloat, PositiveFloat, PositiveInt, Probability, field_errors
 from toolkit.launch.machine import GIB
@@ -19,6 +19,7 @@ from toolkit.metrics import read_metrics
 from toolkit.plan import GradCkpt, PlanDtype, PlanPrecision, architectures, memory
 from toolkit.plan.counts import ModelCounts, count_parameters, load_model_config
 from toolkit.plan.memory import MemoryEstimate, Precision
+from toolkit.typed_yaml import flat_dict
 
 RECIPES = {"sft": "finetune_llm.py", "dpo": "dpo_llm.py"}
 # The printed command runs from a checkout's root, so its recipe configs are looked up from there too.
