@@ -1,7 +1,7 @@
 """Speed features in a real run: unavailable ones fall back with a note, compile keeps the math."""
 
 import pytest
-from helpers import recipe_command, run_launched, run_recipe, step_losses
+from helpers import run_recipe, step_losses
 
 from toolkit.speed import can_compile
 
@@ -24,10 +24,8 @@ def test_compiled_model_trains_like_eager(tmp_path):
         pytest.skip("torch.compile cannot build kernels here (no C++ compiler, or no Triton on CUDA)")
     settings = ["data.packing=true", "train.max_steps=3", "eval.max_batches=1"]
     run_recipe(tmp_path / "eager", *settings)
-    command, env = recipe_command(tmp_path / "compiled", *settings, "model.compile=true")
-    kernels = tmp_path / "inductor"
-    compiled = run_launched(command, {**env, "TORCHINDUCTOR_CACHE_DIR": str(kernels)})
-    assert compiled.returncode == 0, compiled.stderr[-6000:]
+    # Inductor's own kernel cache is shared with earlier runs (a cold one costs minutes on two cores); the
+    # recipe's only way to run uncompiled is the fallback that prints this note.
+    compiled = run_recipe(tmp_path / "compiled", *settings, "model.compile=true")
     assert "running uncompiled" not in compiled.stdout + compiled.stderr
-    assert any(path.is_file() for path in kernels.rglob("*")), "the compiled run built no kernels"
     assert step_losses(tmp_path / "compiled") == pytest.approx(step_losses(tmp_path / "eager"), rel=1e-4)
