@@ -119,12 +119,15 @@ def run_launched(
             shutil.rmtree(backup)
 
 
-def start_recipe(output_dir: Path, *overrides: str, launch: list[str] | None = None) -> subprocess.Popen:
-    command, env = recipe_command(output_dir, *overrides, launch=launch)
+def start_recipe(
+    output_dir: Path, *overrides: str, launch: list[str] | None = None, env: dict | None = None
+) -> subprocess.Popen:
+    """The recipe started in a session of its own (`env`: variables added to the usual ones)."""
+    command, base_env = recipe_command(output_dir, *overrides, launch=launch)
     return subprocess.Popen(
         command,
         cwd=REPO,
-        env=env,
+        env={**base_env, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, launch, recipe_command, run_recipe, step_losses
+from helpers import REPO, launch, recipe_command, run_recipe, start_recipe, step_losses
 
 from toolkit import checkpoint, console
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE
@@ -91,17 +91,7 @@ def rank_pid(launcher: int, rank: int) -> int | None:
 
 
 def start_two_ranks(out, exits, *overrides):
-    command, env = recipe_command(out, *STALL, *overrides, launch=launch("ddp"))
-    env[console.EXIT_DIR_ENV] = str(exits)
-    return subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    return start_recipe(out, *STALL, *overrides, launch=launch("ddp"), env={console.EXIT_DIR_ENV: str(exits)})
 
 
 def freeze_rank_one_when(run, ready, timeout: float = 300) -> int:
