@@ -57,13 +57,13 @@ class StopRequest:
         self._interrupt = before
         try:
             if self.requested:
-                raise self.stopped_before(self._interrupt)
+                raise self.stopped_before(before)
             yield
         except Stopped:
             raise
         except (Exception, KeyboardInterrupt) as exc:
-            if self.requested:
-                raise self.stopped_before(self._interrupt) from exc
+            if self.requested:  # the handler's Stopped may come back wrapped by the library it went through
+                raise self.stopped_before(before) from exc
             raise
         finally:
             self._interrupt = ""
