@@ -83,19 +83,38 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(final / name)
 
 
-@pytest.fixture(scope="module", params=["lora", "full", "lora-packed"])
-def single(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"single-{request.param}") / "run"
-    if request.param == "lora":
-        assert_clean_console(run_ftkit_train(out, "single", *settings(request.param), processes=1))
-    else:
-        run_recipe(out, *settings(request.param), launch=launch("single", 1))
-    return request.param, out
+# Every config trains LoRA; full fine-tuning where parameters are sharded or gathered differently from DDP
+# (ZeRO-1/2 shard only optimizer states, as tests/e2e/test_backend_math.py proves for full fine-tuning);
+# packed rows on one torch and one DeepSpeed backend, since packing changes the batch, not the backend.
+CONFIGS = {
+    "lora": list(BACKENDS),
+    "full": ["ddp", "fsdp", "zero3", "zero3_offload"],
+    "lora-packed": ["ddp", "zero3"],
+}
+CASES = [(variant, config) for variant, configs in CONFIGS.items() for config in configs]
 
 
-@pytest.mark.parametrize("config", list(BACKENDS))
-def test_backend_trains_saves_exports_like_one_process(config, single, tmp_path):
-    variant, reference = single
+@pytest.fixture(scope="module")
+def singles(tmp_path_factory):
+    """variant -> output_dir of its one-process run, trained once for the module when first asked for."""
+    done = {}
+
+    def get(variant: str) -> Path:
+        if variant not in done:
+            out = tmp_path_factory.mktemp(f"single-{variant}") / "run"
+            if variant == "lora":
+                assert_clean_console(run_ftkit_train(out, "single", *settings(variant), processes=1))
+            else:
+                run_recipe(out, *settings(variant), launch=launch("single", 1))
+            done[variant] = out
+        return done[variant]
+
+    return get
+
+
+@pytest.mark.parametrize("variant, config", CASES, ids=[f"{v}-{c}" for v, c in CASES])
+def test_backend_trains_saves_exports_like_one_process(variant, config, singles, tmp_path):
+    reference = singles(variant)
     out = tmp_path / "run"
     if variant == "lora":
         result = run_ftkit_train(out, config, *settings(variant))
@@ -145,22 +164,18 @@ def test_split_of_the_global_batch_does_not_change_the_loss(micro, one_process_m
     assert step_losses(out) == pytest.approx(one_process_micro_4, rel=1e-5)
 
 
-@pytest.mark.parametrize("config", ["ddp", "zero2"])
-def test_two_machines_on_loopback_match_one_process(config, single, tmp_path):
-    """Two `accelerate launch` invocations, one process each, joined over 127.0.0.1."""
-    variant, reference = single
-    if variant != "lora":
-        pytest.skip("one variant is enough to prove the rendezvous")
+def test_two_machines_on_loopback_match_one_process(singles, tmp_path):
+    """Two `accelerate launch` invocations, one process each, joined over 127.0.0.1 (DeepSpeed's multi-machine
+    start is tests/e2e/test_backend_math.py's multinode_zero3)."""
+    config, variant = "ddp", "lora"
+    reference = singles(variant)
     out, port = tmp_path / "run", str(free_port())
-    # DeepSpeed's default multi-machine launcher is pdsh over ssh; torchrun on each machine is "standard".
-    extra = ["--deepspeed_multinode_launcher", "standard"] if config.startswith("zero") else []
     machines = [
         start_recipe(
             out,
             *settings(variant),
             launch=[
                 *launch(config)[:2],
-                *extra,
                 "--num_processes",
                 "2",
                 "--num_machines",
