@@ -8,9 +8,9 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model, prepare_model_for_kbit_training
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from toolkit import speed
+from toolkit import quant, speed
 from toolkit.config import LoraConfig, ModelConfig, check_local_path
 from toolkit.errors import UserError
 from toolkit.speed import SpeedFeatures
@@ -52,8 +52,10 @@ def load_model(
     attention = features.attention if features else cfg.attn_implementation
     kwargs = {"dtype": DTYPES[cfg.dtype], "attn_implementation": attention}
     if cfg.method == "qlora":
-        kwargs.update(_qlora_kwargs(local_rank))
+        kwargs.update(_qlora_kwargs(cfg, local_rank))
     model = _from_pretrained(AutoModelForCausalLM, cfg, "model", key, **kwargs)
+    if cfg.method == "qlora":
+        quant.keep_training_layout(model)
     if cfg.adapter:
         model = merge_start_adapter(model, cfg.adapter)
     if features and features.liger:
@@ -123,22 +125,23 @@ def local_path(path: str) -> str:
     return str(local.resolve()) if local.is_dir() else path
 
 
-def _qlora_kwargs(local_rank: int) -> dict:
-    if not torch.cuda.is_available():
-        raise UserError("model.method: qlora needs a CUDA GPU (bitsandbytes 4-bit); use lora on this machine")
+def _qlora_kwargs(cfg: ModelConfig, local_rank: int) -> dict:
     try:
-        from transformers import BitsAndBytesConfig
-    except ImportError as exc:
-        raise UserError("model.method: qlora needs bitsandbytes: pip install 'ftkit[qlora]'") from exc
-    quant = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16,
-        bnb_4bit_quant_storage=torch.bfloat16,
-    )
-    # One full copy per process, on its own GPU, so DDP can replicate the quantized base.
-    return {"quantization_config": quant, "device_map": {"": local_rank}}
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise UserError("model.method: qlora needs bitsandbytes: pip install 'ftkit[qlora]'") from None
+    problem = quant.width_problem(quant.layer_widths(_from_pretrained(AutoConfig, cfg, "config")))
+    if problem:
+        raise UserError(f"model.path: {cfg.path}: {problem}, which QLoRA needs")
+    # One full copy per process, on its own device; FSDP2 and ZeRO-3 shard it after loading.
+    device = local_rank if torch.cuda.is_available() else "cpu"
+    return {"quantization_config": quant.quant_config(quant_storage(cfg)), "device_map": {"": device}}
+
+
+def quant_storage(cfg: ModelConfig) -> torch.dtype:
+    """The dtype QLoRA packs 4-bit weights into: float32 unless set (prepare_model_for_kbit_training holds
+    every other parameter in float32, and a sharded backend needs one dtype)."""
+    return quant.STORAGE_DTYPES["float32" if cfg.quant_storage == "auto" else cfg.quant_storage]
 
 
 def remote_code_refusal(exc: ValueError) -> str:

@@ -1,0 +1,99 @@
+"""QLoRA's 4-bit base: the bitsandbytes settings ftkit chooses, and the mistakes that would otherwise train
+silently on wrong weights, refused before step 1 with one line each (pure functions, tested alone)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+BLOCK = 64
+"""Weights per NF4 quantization block (one absmax each): bitsandbytes' default and the plan's assumption."""
+CPU_TILE = 32
+"""Output rows bitsandbytes' CPU 4-bit kernel packs together (its eval path's block_n)."""
+
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def quant_config(storage: torch.dtype):
+    """NF4 with double quantization, computing in bf16, packed into `storage` (the dtype the rest of the
+    model's parameters are held in, so a sharded backend sees one parameter dtype)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_quant_storage=storage,
+    )
+
+
+def layer_widths(model_config) -> dict[str, int]:
+    """The widths a decoder's quantized linear layers take in and put out, by the config key that sets them
+    (Llama-shaped configs: attention projections, MLP)."""
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    return {
+        "hidden_size": model_config.hidden_size,
+        "intermediate_size": model_config.intermediate_size,
+        "num_attention_heads x head_dim": heads * head_dim,
+        "num_key_value_heads x head_dim": kv_heads * head_dim,
+    }
+
+
+def width_problem(widths: Mapping[str, int]) -> str | None:
+    """Why a 4-bit base with these widths fails, or None.
+
+    bitsandbytes' CPU kernel reshapes each layer's absmax to (out, in / BLOCK) and packs CPU_TILE output
+    rows at a time: an input width BLOCK does not divide, or an output width CPU_TILE does not, raises a
+    shape error at the first evaluation. It is refused on every machine, so a run checked on one behaves
+    the same on another (real models meet it)."""
+    inputs = ("hidden_size", "intermediate_size", "num_attention_heads x head_dim")
+    for name, width in widths.items():
+        if name in inputs and width % BLOCK:
+            return f"{name} {width} is not a multiple of the 4-bit block size {BLOCK}"
+        if width % CPU_TILE:
+            return f"{name} {width} is not a multiple of {CPU_TILE} (bitsandbytes' 4-bit row tile)"
+    return None
+
+
+def storage_problem(storage: str, param_dtype: str, backend: str) -> str | None:
+    """Why packing 4-bit weights into `storage` breaks under `backend` whose parameters are `param_dtype`,
+    or None. FSDP and ZeRO-3 gather and shard a layer's parameters as one dtype: 4-bit weights in another
+    are cast on the way, which turns their packed bits into different numbers (loss 0, NaN gradient norms,
+    or a base of noise) without an error."""
+    if backend in ("fsdp2", "zero3") and storage != param_dtype:
+        return (
+            f"model.quant_storage {storage} != the {param_dtype} parameters {backend} shards: "
+            f"set model.quant_storage: auto (or {param_dtype})"
+        )
+    return None
+
+
+def fsdp1_problem(fsdp_config: Mapping[str, object]) -> str:
+    """Why FSDP1 cannot shard a 4-bit base under these fsdp_config settings (always a reason: the ones that
+    break it are named first, and even without them FSDP1 QLoRA is not proven here, FSDP2 is)."""
+    if str(fsdp_config.get("fsdp_use_orig_params", "true")).lower() == "false":
+        return (
+            "fsdp_use_orig_params false flattens the 4-bit weights into one buffer and drops their "
+            "quantization state"
+        )
+    if str(fsdp_config.get("fsdp_cpu_ram_efficient_loading", "false")).lower() == "true":
+        return (
+            "fsdp_cpu_ram_efficient_loading true sends rank 0's packed weights to ranks whose layers never "
+            "received the quantization state"
+        )
+    return "FSDP1 QLoRA is not proven here"
+
+
+def keep_training_layout(model) -> None:
+    """Switch off bitsandbytes' CPU eval-mode repacking on every 4-bit layer: once an evaluation has
+    repacked a weight, later training steps run a kernel without a backward and the gradients reaching
+    earlier layers are silently wrong. Evaluation then dequantizes as training does."""
+    from bitsandbytes.nn import Linear4bit
+
+    for module in model.modules():
+        if isinstance(module, Linear4bit):
+            module.support_avx512bf16_for_cpu = False
