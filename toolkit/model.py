@@ -135,7 +135,12 @@ def _qlora_kwargs(cfg: ModelConfig, local_rank: int) -> dict:
         raise UserError(f"model.path: {cfg.path}: {problem}, which QLoRA needs")
     # One full copy per process, on its own device; FSDP2 and ZeRO-3 shard it after loading.
     device = local_rank if torch.cuda.is_available() else "cpu"
-    return {"quantization_config": quant.quant_config(quant_storage(cfg)), "device_map": {"": device}}
+    kwargs = {"quantization_config": quant.quant_config(quant_storage(cfg))}
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        kwargs["device_map"] = {"": device}
+    return kwargs
 
 
 def quant_storage(cfg: ModelConfig) -> torch.dtype:

@@ -97,3 +97,14 @@ def keep_training_layout(model) -> None:
     for module in model.modules():
         if isinstance(module, Linear4bit):
             module.support_avx512bf16_for_cpu = False
+
+
+def packed_names(model) -> set[str]:
+    """Names of the parameters holding packed 4-bit weights: their storage dtype's values are bit patterns,
+    not numbers, so a finiteness check must leave them out (none where bitsandbytes is not installed)."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:
+        return set()
+
+    return {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Linear4bit)}

@@ -91,7 +91,7 @@ def check_launch(
         )
     zero3 = launch.backend == "deepspeed" and launch.zero_stage == 3
     fsdp1 = launch.backend == "fsdp" and launch.fsdp_version == 1
-    if cfg.model.method == "qlora" and (zero3 or fsdp1):
+    if cfg.model.method == "qlora" and fsdp1:
         raise UserError(
             f"model.method qlora in {recipe_source} cannot be sharded by {backend_name(launch)} "
             f"({launch.source}): use accelerate_configs/ddp.yaml or zero2.yaml, or fsdp.yaml (FSDP2)"
