@@ -108,3 +108,9 @@ def packed_names(model) -> set[str]:
         return set()
 
     return {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Linear4bit)}
+
+
+def packed_keys(weights: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple]) -> set[str]:
+    """The keys of saved `weights` holding packed 4-bit weights: their saved shape (two weights a byte, in
+    one column) differs from the unquantized model's `shapes`."""
+    return {k for k, v in weights.items() if k in shapes and tuple(v.shape) != tuple(shapes[k])}
