@@ -130,23 +130,19 @@ def _qlora_kwargs(cfg: ModelConfig, local_rank: int) -> dict:
         import bitsandbytes  # noqa: F401
     except ImportError:
         raise UserError("model.method: qlora needs bitsandbytes: pip install 'ftkit[qlora]'") from None
-    problem = quant.width_problem(quant.layer_widths(_from_pretrained(AutoConfig, cfg, "config")))
+    problem = quant.width_problem(quant.layer_widths(_from_pretrained(AutoConfig, cfg, "config").to_dict()))
     if problem:
         raise UserError(f"model.path: {cfg.path}: {problem}, which QLoRA needs")
     # One full copy per process, on its own device; FSDP2 and ZeRO-3 shard it after loading.
     device = local_rank if torch.cuda.is_available() else "cpu"
-    kwargs = {"quantization_config": quant.quant_config(quant_storage(cfg))}
+    kwargs = {
+        "quantization_config": quant.quant_config(quant.STORAGE_DTYPES[quant.storage_name(cfg.quant_storage)])
+    }
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     if not is_deepspeed_zero3_enabled():
         kwargs["device_map"] = {"": device}
     return kwargs
-
-
-def quant_storage(cfg: ModelConfig) -> torch.dtype:
-    """The dtype QLoRA packs 4-bit weights into: float32 unless set (prepare_model_for_kbit_training holds
-    every other parameter in float32, and a sharded backend needs one dtype)."""
-    return quant.STORAGE_DTYPES["float32" if cfg.quant_storage == "auto" else cfg.quant_storage]
 
 
 def remote_code_refusal(exc: ValueError) -> str:

@@ -13,6 +13,13 @@ CPU_TILE = 32
 """Output rows bitsandbytes' CPU 4-bit kernel packs together (its eval path's block_n)."""
 
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PARAM_DTYPE = "float32"
+"""The dtype QLoRA holds every parameter but the 4-bit weights in (prepare_model_for_kbit_training's)."""
+
+
+def storage_name(setting: str) -> str:
+    """model.quant_storage resolved: auto packs into PARAM_DTYPE, so sharded backends see one dtype."""
+    return PARAM_DTYPE if setting == "auto" else setting
 
 
 def quant_config(storage: torch.dtype):
@@ -29,15 +36,15 @@ def quant_config(storage: torch.dtype):
     )
 
 
-def layer_widths(model_config) -> dict[str, int]:
-    """The widths a decoder's quantized linear layers take in and put out, by the config key that sets them
-    (Llama-shaped configs: attention projections, MLP)."""
-    heads = model_config.num_attention_heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+def layer_widths(model_config: Mapping) -> dict[str, int]:
+    """The widths a decoder's quantized linear layers take in and put out, by the config.json key that sets
+    them (Llama-shaped configs: attention projections, MLP)."""
+    heads = model_config["num_attention_heads"]
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // heads
+    kv_heads = model_config.get("num_key_value_heads") or heads
     return {
-        "hidden_size": model_config.hidden_size,
-        "intermediate_size": model_config.intermediate_size,
+        "hidden_size": model_config["hidden_size"],
+        "intermediate_size": model_config["intermediate_size"],
         "num_attention_heads x head_dim": heads * head_dim,
         "num_key_value_heads x head_dim": kv_heads * head_dim,
     }

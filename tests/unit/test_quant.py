@@ -1,0 +1,99 @@
+"""QLoRA's 4-bit base on this CPU: the widths bitsandbytes' kernel takes, the storage dtype sharding needs,
+and evaluation between training steps leaving the gradients as they were."""
+
+import json
+
+import pytest
+import torch
+
+from toolkit import quant
+from toolkit.config import LoraConfig, ModelConfig
+from toolkit.errors import UserError
+from toolkit.model import load_model
+
+ASSETS = quant.__file__.rsplit("/", 1)[0] + "/assets"
+Q64, TINY = f"{ASSETS}/tiny-llama-q64", f"{ASSETS}/tiny-llama"
+LLAMA3_70B = {  # its config.json's widths
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+}
+
+
+def widths(path):
+    with open(f"{path}/config.json") as file:
+        return quant.layer_widths(json.load(file))
+
+
+def test_the_qlora_model_meets_the_kernel_and_the_demo_model_fails_on_its_hidden_size():
+    assert quant.width_problem(widths(Q64)) is None
+    assert quant.width_problem(quant.layer_widths(LLAMA3_70B)) is None
+    assert quant.width_problem(widths(TINY)) == "hidden_size 160 is not a multiple of the 4-bit block size 64"
+
+
+@pytest.mark.parametrize(
+    ("changed", "problem"),
+    [
+        ({"intermediate_size": 96}, "intermediate_size 96 is not a multiple of the 4-bit block size 64"),
+        ({"num_key_value_heads": 1, "head_dim": 48}, "num_attention_heads x head_dim 96 is not a multiple"),
+        (
+            {"num_key_value_heads": 1, "head_dim": 80, "num_attention_heads": 4},
+            "num_key_value_heads x head_dim 80",
+        ),
+    ],
+)
+def test_each_width_is_named_when_the_kernel_cannot_take_it(changed, problem):
+    config = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, **changed}
+    assert quant.width_problem(quant.layer_widths(config)).startswith(problem)
+
+
+def test_storage_must_match_the_parameters_only_where_they_are_sharded():
+    assert quant.storage_problem("float32", "float32", "fsdp2") is None
+    assert "!= the float32 parameters fsdp2 shards" in quant.storage_problem("bfloat16", "float32", "fsdp2")
+    assert "zero3" in quant.storage_problem("float16", "float32", "zero3")
+    assert quant.storage_problem("bfloat16", "float32", "ddp") is None
+    assert quant.storage_name("auto") == quant.PARAM_DTYPE == "float32"
+
+
+def test_fsdp1_names_the_setting_that_breaks_4bit_weights_first():
+    assert quant.fsdp1_problem({"fsdp_use_orig_params": "false"}).startswith("fsdp_use_orig_params false")
+    loading = {"fsdp_cpu_ram_efficient_loading": "true", "fsdp_use_orig_params": "true"}
+    assert quant.fsdp1_problem(loading).startswith("fsdp_cpu_ram_efficient_loading true")
+    assert quant.fsdp1_problem({}) == "FSDP1 QLoRA is not proven here"
+
+
+def test_loading_qlora_on_the_demo_model_is_refused_in_one_line():
+    with pytest.raises(UserError, match=r"^model.path: .*tiny-llama: hidden_size 160 is not a multiple"):
+        load_model(ModelConfig(path=TINY, method="qlora"), LoraConfig())
+
+
+def adapter_gradients(model, ids):
+    model.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+
+
+def test_an_evaluation_between_training_steps_leaves_the_gradients_unchanged():
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(path=Q64, method="qlora"), LoraConfig(r=4))
+    for name, p in model.named_parameters():  # a trained adapter, so gradients reach every layer
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    ids = torch.randint(0, 2000, (2, 12))
+    model.train()
+    before = adapter_gradients(model, ids)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids)
+    model.train()
+    torch.testing.assert_close(adapter_gradients(model, ids), before, rtol=0, atol=0)
+
+
+def test_packed_weights_are_told_apart_by_shape_and_by_module():
+    model = load_model(ModelConfig(path=Q64, method="qlora"), LoraConfig(r=4))
+    packed = quant.packed_names(model)
+    assert len(packed) == 14  # 7 linear layers in each of 2 blocks; the tied output head stays as it is
+    unquantized = load_model(ModelConfig(path=Q64, method="lora"), LoraConfig(r=4))
+    shapes = {name: tuple(p.shape) for name, p in unquantized.named_parameters()}
+    assert quant.packed_keys(dict(model.named_parameters()), shapes) == packed
