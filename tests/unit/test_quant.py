@@ -2,6 +2,7 @@
 and evaluation between training steps leaving the gradients as they were."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from toolkit import quant
 from toolkit.config import LoraConfig, ModelConfig
 from toolkit.errors import UserError
 from toolkit.model import load_model
+from toolkit.plan.estimate import PlanRequest, make_plan
 
 ASSETS = quant.__file__.rsplit("/", 1)[0] + "/assets"
 Q64, TINY = f"{ASSETS}/tiny-llama-q64", f"{ASSETS}/tiny-llama"
@@ -97,3 +99,21 @@ def test_packed_weights_are_told_apart_by_shape_and_by_module():
     unquantized = load_model(ModelConfig(path=Q64, method="lora"), LoraConfig(r=4))
     shapes = {name: tuple(p.shape) for name, p in unquantized.named_parameters()}
     assert quant.packed_keys(dict(model.named_parameters()), shapes) == packed
+
+
+def test_the_70b_qlora_config_passes_the_launch_checks_on_two_4090s_and_the_plan_fits_it():
+    from toolkit.config import load_config
+    from toolkit.launch.checks import check_launch, launch_from_yaml
+    from toolkit.launch.machine import Machine
+    from toolkit.plan import architectures
+
+    repo = Path(ASSETS).parent.parent
+    cfg = load_config(repo / "recipes" / "configs" / "llama3-70b-qlora.yaml")
+    assert cfg.model.method == "qlora" and cfg.model.gradient_checkpointing is True
+    assert quant.width_problem(quant.layer_widths(architectures.lookup(cfg.model.path))) is None
+    box = Machine(gpu_count=2, gpu_names=("NVIDIA GeForce RTX 4090",) * 2, gpu_mem_gib=24, p2p=False)
+    launch = launch_from_yaml(repo / "accelerate_configs" / "zero3_offload.yaml", box.gpu_count)
+    check_launch(launch, cfg, "llama3-70b-qlora.yaml", box, {})
+    plan = make_plan(PlanRequest(model=cfg.model.path, gpus=2, gpu_mem=24.0, method="qlora"))
+    assert plan.choice.backend == "zero3_offload" and plan.choice.checkpointing
+    assert "--config recipes/configs/llama3-70b-qlora.yaml" in plan.command
