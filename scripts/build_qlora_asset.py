@@ -29,7 +29,8 @@ MODEL_SHAPE = dict(
 )
 
 
-def main() -> None:
+def build(target: Path = TARGET) -> None:
+    """Write the model, its generation config and the embedded tokenizer to `target`."""
     source = LlamaConfig.from_pretrained(SOURCE)
     config = LlamaConfig(
         vocab_size=source.vocab_size,
@@ -40,13 +41,13 @@ def main() -> None:
     )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
-    TARGET.mkdir(exist_ok=True)
-    model.save_pretrained(TARGET)
-    GenerationConfig.from_pretrained(SOURCE).save_pretrained(TARGET)
+    target.mkdir(exist_ok=True)
+    model.save_pretrained(target)
+    GenerationConfig.from_pretrained(SOURCE).save_pretrained(target)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(SOURCE / name, TARGET / name)
-    print(f"wrote {TARGET} ({(TARGET / 'model.safetensors').stat().st_size / 1024:.0f} KB of weights)")
+        shutil.copyfile(SOURCE / name, target / name)
 
 
 if __name__ == "__main__":
-    main()
+    build()
+    print(f"wrote {TARGET} ({(TARGET / 'model.safetensors').stat().st_size / 1024:.0f} KB of weights)")

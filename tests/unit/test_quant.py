@@ -117,3 +117,37 @@ def test_the_70b_qlora_config_passes_the_launch_checks_on_two_4090s_and_the_plan
     plan = make_plan(PlanRequest(model=cfg.model.path, gpus=2, gpu_mem=24.0, method="qlora"))
     assert plan.choice.backend == "zero3_offload" and plan.choice.checkpointing
     assert "--config recipes/configs/llama3-70b-qlora.yaml" in plan.command
+
+
+def test_the_qlora_model_is_small_and_its_script_rebuilds_it_exactly(tmp_path):
+    import importlib.util
+
+    from safetensors.torch import load_file
+
+    script = Path(ASSETS).parent.parent / "scripts" / "build_qlora_asset.py"
+    spec = importlib.util.spec_from_file_location("build_qlora_asset", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.build(tmp_path / "rebuilt")
+    shipped = load_file(f"{Q64}/model.safetensors")
+    assert (Path(Q64) / "model.safetensors").stat().st_size < 512 * 1024
+    rebuilt = load_file(tmp_path / "rebuilt" / "model.safetensors")
+    assert rebuilt.keys() == shipped.keys()
+    for name, tensor in shipped.items():
+        torch.testing.assert_close(rebuilt[name], tensor, rtol=0, atol=0, msg=name)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "rebuilt" / name).read_text() == (Path(Q64) / name).read_text(), name
+
+
+def test_check_config_refuses_a_storage_dtype_fsdp2_would_corrupt_in_one_line(tmp_path, capsys):
+    from toolkit.commands.cli import main as cli
+
+    repo = Path(ASSETS).parent.parent
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model:\n  path: {Q64}\n  method: qlora\n  quant_storage: bfloat16\n")
+    assert cli(["check-config", str(repo / "accelerate_configs" / "fsdp.yaml"), "--config", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"ftkit check-config: error: {recipe}: model.quant_storage bfloat16 != the float32 parameters fsdp2 "
+        "shards: set model.quant_storage: auto (or float32)"
+    ]
