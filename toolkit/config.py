@@ -61,8 +61,8 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Allow modelling code shipped with the checkpoint to run."""
     quant_storage: QuantStorage = "auto"
-    """QLoRA: the dtype 4-bit weights are packed into (auto: float32, the dtype QLoRA holds every other
-    parameter in, which FSDP2 and ZeRO-3 need them to share)."""
+    """QLoRA: the dtype 4-bit weights are packed into (auto: the dtype FSDP2 or DeepSpeed cast parameters to
+    under mixed precision, so the cast leaves them intact; float32 elsewhere)."""
     adapter: str | None = None
     """LoRA adapter directory (e.g. an SFT run's final/) merged into the base before training starts."""
 

@@ -42,17 +42,19 @@ def load_model(
     local_rank: int = 0,
     features: SpeedFeatures | None = None,
     key: str = "model.path",
+    quant_cast: str | None = None,
 ):
     """The trainable model: everything trainable for `full`, only the adapter for `lora`/`qlora`.
 
     `features` (from `speed.resolve`) chooses the attention kernel, Liger kernels and compilation; `key`
-    is the config key that errors about `cfg.path` name.
+    is the config key that errors about `cfg.path` name; `quant_cast` (QLoRA) is the dtype the backend
+    casts parameters to (`quant.cast_dtype`), which auto storage packs 4-bit weights into.
     """
     check_local_path(cfg.path, key)
     attention = features.attention if features else cfg.attn_implementation
     kwargs = {"dtype": DTYPES[cfg.dtype], "attn_implementation": attention}
     if cfg.method == "qlora":
-        kwargs.update(_qlora_kwargs(cfg, local_rank))
+        kwargs.update(_qlora_kwargs(cfg, local_rank, quant.storage_name(cfg.quant_storage, quant_cast)))
     model = _from_pretrained(AutoModelForCausalLM, cfg, "model", key, **kwargs)
     if cfg.method == "qlora":
         quant.keep_training_layout(model)
@@ -125,7 +127,7 @@ def local_path(path: str) -> str:
     return str(local.resolve()) if local.is_dir() else path
 
 
-def _qlora_kwargs(cfg: ModelConfig, local_rank: int) -> dict:
+def _qlora_kwargs(cfg: ModelConfig, local_rank: int, storage: str) -> dict:
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
@@ -135,9 +137,7 @@ def _qlora_kwargs(cfg: ModelConfig, local_rank: int) -> dict:
         raise UserError(f"model.path: {cfg.path}: {problem}, which QLoRA needs")
     # One full copy per process, on its own device; FSDP2 and ZeRO-3 shard it after loading.
     device = local_rank if torch.cuda.is_available() else "cpu"
-    kwargs = {
-        "quantization_config": quant.quant_config(quant.STORAGE_DTYPES[quant.storage_name(cfg.quant_storage)])
-    }
+    kwargs = {"quantization_config": quant.quant_config(quant.STORAGE_DTYPES[storage])}
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     if not is_deepspeed_zero3_enabled():

@@ -13,13 +13,20 @@ CPU_TILE = 32
 """Output rows bitsandbytes' CPU 4-bit kernel packs together (its eval path's block_n)."""
 
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PARAM_DTYPE = "float32"
-"""The dtype QLoRA holds every parameter but the 4-bit weights in (prepare_model_for_kbit_training's)."""
+MIXED_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
-def storage_name(setting: str) -> str:
-    """model.quant_storage resolved: auto packs into PARAM_DTYPE, so sharded backends see one dtype."""
-    return PARAM_DTYPE if setting == "auto" else setting
+def cast_dtype(backend: str, fsdp_version: int, mixed_precision: str) -> str | None:
+    """The dtype a backend casts every parameter to, 4-bit weights included, or None where it casts none:
+    FSDP2 and DeepSpeed under mixed precision. DDP's autocast casts activations, never parameters."""
+    casts = backend == "deepspeed" or (backend == "fsdp" and fsdp_version == 2)
+    return MIXED_DTYPES.get(mixed_precision) if casts else None
+
+
+def storage_name(setting: str, cast: str | None) -> str:
+    """model.quant_storage resolved: auto packs 4-bit weights into the dtype the backend casts parameters to
+    (`cast`, from cast_dtype), so the cast leaves their bits alone; float32 where nothing casts."""
+    return (cast or "float32") if setting == "auto" else setting
 
 
 def quant_config(storage: torch.dtype):
@@ -66,15 +73,14 @@ def width_problem(widths: Mapping[str, int]) -> str | None:
     return None
 
 
-def storage_problem(storage: str, param_dtype: str, backend: str) -> str | None:
-    """Why packing 4-bit weights into `storage` breaks under `backend` whose parameters are `param_dtype`,
-    or None. FSDP and ZeRO-3 gather and shard a layer's parameters as one dtype: 4-bit weights in another
-    are cast on the way, which turns their packed bits into different numbers (loss 0, NaN gradient norms,
-    or a base of noise) without an error."""
-    if backend in ("fsdp2", "zero3") and storage != param_dtype:
+def storage_problem(storage: str, cast: str | None, backend: str) -> str | None:
+    """Why packing 4-bit weights into `storage` breaks under `backend` (a name for messages) that casts every
+    parameter to `cast`, or None. The cast reaches packed weights too: their bits become other numbers or,
+    where the width changes, a shape error mid-run."""
+    if cast is not None and storage != cast:
         return (
-            f"model.quant_storage {storage} != the {param_dtype} parameters {backend} shards: "
-            f"set model.quant_storage: auto (or {param_dtype})"
+            f"model.quant_storage {storage} != {cast}, the dtype {backend} casts every parameter to: "
+            f"set model.quant_storage: auto (or {cast})"
         )
     return None
 

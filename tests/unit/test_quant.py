@@ -50,12 +50,18 @@ def test_each_width_is_named_when_the_kernel_cannot_take_it(changed, problem):
     assert quant.width_problem(quant.layer_widths(config)).startswith(problem)
 
 
-def test_storage_must_match_the_parameters_only_where_they_are_sharded():
-    assert quant.storage_problem("float32", "float32", "fsdp2") is None
-    assert "!= the float32 parameters fsdp2 shards" in quant.storage_problem("bfloat16", "float32", "fsdp2")
-    assert "zero3" in quant.storage_problem("float16", "float32", "zero3")
-    assert quant.storage_problem("bfloat16", "float32", "ddp") is None
-    assert quant.storage_name("auto") == quant.PARAM_DTYPE == "float32"
+def test_storage_must_be_the_dtype_the_backend_casts_parameters_to():
+    assert quant.cast_dtype("fsdp", 2, "bf16") == quant.cast_dtype("deepspeed", 0, "bf16") == "bfloat16"
+    assert quant.cast_dtype("fsdp", 2, "no") is None  # FSDP2 without mixed precision keeps float32
+    assert quant.cast_dtype("ddp", 0, "bf16") is None  # autocast casts activations, not parameters
+    assert quant.storage_name("auto", "bfloat16") == "bfloat16"
+    assert quant.storage_name("auto", None) == "float32"
+    assert quant.storage_problem("bfloat16", "bfloat16", "fsdp2") is None
+    assert quant.storage_problem("float32", None, "ddp") is None
+    assert quant.storage_problem("float32", "bfloat16", "fsdp2") == (
+        "model.quant_storage float32 != bfloat16, the dtype fsdp2 casts every parameter to: "
+        "set model.quant_storage: auto (or bfloat16)"
+    )
 
 
 def test_fsdp1_names_the_setting_that_breaks_4bit_weights_first():
@@ -144,10 +150,12 @@ def test_check_config_refuses_a_storage_dtype_fsdp2_would_corrupt_in_one_line(tm
 
     repo = Path(ASSETS).parent.parent
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"model:\n  path: {Q64}\n  method: qlora\n  quant_storage: bfloat16\n")
+    recipe.write_text(
+        f"model:\n  path: {Q64}\n  method: qlora\n  quant_storage: float32\ntrain:\n  mixed_precision: bf16\n"
+    )
     assert cli(["check-config", str(repo / "accelerate_configs" / "fsdp.yaml"), "--config", str(recipe)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        f"ftkit check-config: error: {recipe}: model.quant_storage bfloat16 != the float32 parameters fsdp2 "
-        "shards: set model.quant_storage: auto (or float32)"
+        f"ftkit check-config: error: {recipe}: model.quant_storage float32 != bfloat16, the dtype fsdp2 "
+        "casts every parameter to: set model.quant_storage: auto (or bfloat16)"
     ]

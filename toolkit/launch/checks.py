@@ -100,11 +100,11 @@ def check_launch(
             f"GPU(s) are visible: pass --num_processes {machine.gpu_count} (or fewer)"
         )
     if cfg.model.method == "qlora":
-        _check_qlora(launch, cfg.model, recipe_source)
+        _check_qlora(launch, cfg.model, cfg.train.mixed_precision, recipe_source)
     return _disable_nccl_p2p(machine, env)
 
 
-def _check_qlora(launch: Launch, model: ModelConfig, recipe_source: str) -> None:
+def _check_qlora(launch: Launch, model: ModelConfig, mixed_precision: str, recipe_source: str) -> None:
     """The 4-bit mistakes that train on without an error, refused before anything loads."""
     name = backend_name(launch)
     if name == "fsdp1":
@@ -112,8 +112,8 @@ def _check_qlora(launch: Launch, model: ModelConfig, recipe_source: str) -> None
             f"model.method qlora in {recipe_source} under FSDP1 ({launch.source}): "
             f"{quant.fsdp1_problem(launch.fsdp_settings)}; use accelerate_configs/fsdp.yaml (FSDP2)"
         )
-    sharded = "zero3" if launch.backend == "deepspeed" and launch.zero_stage == 3 else name
-    problem = quant.storage_problem(quant.storage_name(model.quant_storage), quant.PARAM_DTYPE, sharded)
+    cast = quant.cast_dtype(launch.backend, launch.fsdp_version, mixed_precision)
+    problem = quant.storage_problem(quant.storage_name(model.quant_storage, cast), cast, name)
     if problem:
         raise UserError(f"{recipe_source}: {problem}")
     config_file = Path(model.path).expanduser() / "config.json"
