@@ -9,6 +9,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model, prepare_model_for_kbit_training
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from toolkit import quant, speed
 from toolkit.config import LoraConfig, ModelConfig, check_local_path
@@ -135,13 +136,11 @@ def _qlora_kwargs(cfg: ModelConfig, local_rank: int, storage: str) -> dict:
     problem = quant.width_problem(quant.layer_widths(_from_pretrained(AutoConfig, cfg, "config").to_dict()))
     if problem:
         raise UserError(f"model.path: {cfg.path}: {problem}, which QLoRA needs")
-    # One full copy per process, on its own device; FSDP2 and ZeRO-3 shard it after loading.
-    device = local_rank if torch.cuda.is_available() else "cpu"
     kwargs = {"quantization_config": quant.quant_config(quant.STORAGE_DTYPES[storage])}
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
+    # One full copy per process on its own device, which FSDP2 shards after loading; under ZeRO-3
+    # transformers refuses a device map and partitions the model as it builds it.
     if not is_deepspeed_zero3_enabled():
-        kwargs["device_map"] = {"": device}
+        kwargs["device_map"] = {"": local_rank if torch.cuda.is_available() else "cpu"}
     return kwargs
 
 
