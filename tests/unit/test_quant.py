@@ -159,3 +159,16 @@ def test_check_config_refuses_a_storage_dtype_fsdp2_would_corrupt_in_one_line(tm
         f"ftkit check-config: error: {recipe}: model.quant_storage float32 != bfloat16, the dtype fsdp2 "
         "casts every parameter to: set model.quant_storage: auto (or bfloat16)"
     ]
+
+
+def test_the_plan_names_the_loading_peak_of_a_sharded_qlora_run():
+    from toolkit.plan.memory import QLORA_BYTES_PER_PARAM
+    from toolkit.plan.report import render_text
+
+    plan = make_plan(PlanRequest(model="meta-llama/Meta-Llama-3-70B", gpus=2, gpu_mem=24.0, method="qlora"))
+    c = plan.counts
+    load = (c.quantizable * QLORA_BYTES_PER_PARAM + 2 * (c.frozen - c.quantizable)) / 2**30
+    assert 36 < load < 38  # 68.7B weights at 4.13 bits, 2.1B embedding and head weights at 16
+    assert f"whole 4-bit base ({load:.1f} GiB; does not fit in 24 GiB)" in render_text(plan)
+    lora = make_plan(PlanRequest(model="meta-llama/Meta-Llama-3-8B", gpus=2, gpu_mem=24.0, method="lora"))
+    assert "4-bit base" not in render_text(lora)
