@@ -53,7 +53,8 @@ def export_checkpoint(
     dtype = DTYPE_NAMES[dtype] if dtype else cfg.export.dtype
     skeleton = model_skeleton(cfg)
     shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
-    weights = portable.read_weights(checkpoint_dir, lambda saved: quant.packed_keys(saved, shapes))
+    packed = (lambda saved: quant.packed_keys(saved, shapes)) if cfg.model.method == "qlora" else None
+    weights = portable.read_weights(checkpoint_dir, packed)
     cast_weights(weights, skeleton, dtype)
     tokenizer = models.load_tokenizer(cfg.model)
     data.ensure_chat_template(tokenizer)  # as the recipe did before training, so prompts render the same
