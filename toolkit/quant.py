@@ -30,8 +30,8 @@ def storage_name(setting: str, cast: str | None) -> str:
 
 
 def quant_config(storage: torch.dtype):
-    """NF4 with double quantization, computing in bf16, packed into `storage` (the dtype the rest of the
-    model's parameters are held in, so a sharded backend sees one parameter dtype)."""
+    """NF4 with double quantization, computing in bf16, packed into `storage` (storage_name's choice, so a
+    backend's parameter cast leaves the packed bits intact)."""
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
