@@ -29,6 +29,7 @@ DEMO_CONFIG = Path(__file__).resolve().parent / "assets" / "demo.yaml"
 # The words a key accepts, declared once: the config check, the command line and the docs read them here.
 Method = Literal["full", "lora", "qlora"]
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]
+QuantStorage = Literal["auto", "float32", "bfloat16", "float16"]
 Attention = Literal["sdpa", "eager", "flash_attention_2"]
 Switch = bool | Literal["auto"]
 DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "text", "prompt_completion"]
@@ -45,7 +46,7 @@ class ModelConfig:
     path: str = "toolkit/assets/tiny-llama"
     """Local directory or hub id of the base model (anything `from_pretrained` accepts)."""
     method: Method = "lora"
-    """How to fine-tune (qlora: LoRA over a 4-bit base via bitsandbytes, CUDA only)."""
+    """How to fine-tune (qlora: LoRA over a 4-bit NF4 base via bitsandbytes, on GPU or CPU)."""
     dtype: Dtype = "float32"
     """Dtype the weights are loaded in (auto: as the model's config says)."""
     attn_implementation: Attention = "sdpa"
@@ -59,6 +60,9 @@ class ModelConfig:
     """torch.compile the model's forward pass (in place: checkpoint and export names are unchanged)."""
     trust_remote_code: bool = False
     """Allow modelling code shipped with the checkpoint to run."""
+    quant_storage: QuantStorage = "auto"
+    """QLoRA: the dtype 4-bit weights are packed into (auto: the dtype FSDP2 or DeepSpeed cast parameters to
+    under mixed precision, so the cast leaves them intact; float32 elsewhere)."""
     adapter: str | None = None
     """LoRA adapter directory (e.g. an SFT run's final/) merged into the base before training starts."""
 

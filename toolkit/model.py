@@ -8,9 +8,10 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model, prepare_model_for_kbit_training
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations import is_deepspeed_zero3_enabled
 
-from toolkit import speed
+from toolkit import quant, speed
 from toolkit.config import LoraConfig, ModelConfig, check_local_path
 from toolkit.errors import UserError
 from toolkit.speed import SpeedFeatures
@@ -42,18 +43,22 @@ def load_model(
     local_rank: int = 0,
     features: SpeedFeatures | None = None,
     key: str = "model.path",
+    quant_cast: str | None = None,
 ):
     """The trainable model: everything trainable for `full`, only the adapter for `lora`/`qlora`.
 
     `features` (from `speed.resolve`) chooses the attention kernel, Liger kernels and compilation; `key`
-    is the config key that errors about `cfg.path` name.
+    is the config key that errors about `cfg.path` name; `quant_cast` (QLoRA) is the dtype the backend
+    casts parameters to (`quant.cast_dtype`), which auto storage packs 4-bit weights into.
     """
     check_local_path(cfg.path, key)
     attention = features.attention if features else cfg.attn_implementation
     kwargs = {"dtype": DTYPES[cfg.dtype], "attn_implementation": attention}
     if cfg.method == "qlora":
-        kwargs.update(_qlora_kwargs(local_rank))
+        kwargs.update(_qlora_kwargs(cfg, local_rank, quant.storage_name(cfg.quant_storage, quant_cast)))
     model = _from_pretrained(AutoModelForCausalLM, cfg, "model", key, **kwargs)
+    if cfg.method == "qlora":
+        quant.keep_training_layout(model)
     if cfg.adapter:
         model = merge_start_adapter(model, cfg.adapter)
     if features and features.liger:
@@ -123,22 +128,20 @@ def local_path(path: str) -> str:
     return str(local.resolve()) if local.is_dir() else path
 
 
-def _qlora_kwargs(local_rank: int) -> dict:
-    if not torch.cuda.is_available():
-        raise UserError("model.method: qlora needs a CUDA GPU (bitsandbytes 4-bit); use lora on this machine")
+def _qlora_kwargs(cfg: ModelConfig, local_rank: int, storage: str) -> dict:
     try:
-        from transformers import BitsAndBytesConfig
-    except ImportError as exc:
-        raise UserError("model.method: qlora needs bitsandbytes: pip install 'ftkit[qlora]'") from exc
-    quant = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16,
-        bnb_4bit_quant_storage=torch.bfloat16,
-    )
-    # One full copy per process, on its own GPU, so DDP can replicate the quantized base.
-    return {"quantization_config": quant, "device_map": {"": local_rank}}
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise UserError("model.method: qlora needs bitsandbytes: pip install 'ftkit[qlora]'") from None
+    problem = quant.width_problem(quant.layer_widths(_from_pretrained(AutoConfig, cfg, "config").to_dict()))
+    if problem:
+        raise UserError(f"model.path: {cfg.path}: {problem}, which QLoRA needs")
+    kwargs = {"quantization_config": quant.quant_config(quant.STORAGE_DTYPES[storage])}
+    # One full copy per process on its own device, which FSDP2 shards after loading; under ZeRO-3
+    # transformers refuses a device map and partitions the model as it builds it.
+    if not is_deepspeed_zero3_enabled():
+        kwargs["device_map"] = {"": local_rank if torch.cuda.is_available() else "cpu"}
+    return kwargs
 
 
 def remote_code_refusal(exc: ValueError) -> str:

@@ -15,7 +15,7 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from toolkit import batches, checkpoint, console, distributed, flops, metrics, optim, speed
+from toolkit import batches, checkpoint, console, distributed, flops, metrics, optim, quant, speed
 from toolkit import model as models
 from toolkit.checkpoint import rundir
 from toolkit.checkpoint.resume import Resume
@@ -93,7 +93,10 @@ class Run:
     def load_model(self):
         """The model to train, on this rank's device, announced; every forward pass counts as progress."""
         cfg = self.cfg
-        model = models.load_model(cfg.model, cfg.lora, self.accelerator.local_process_index, self.features)
+        cast = quant.cast_dtype(self.launch.backend, self.launch.fsdp_version, cfg.train.mixed_precision)
+        model = models.load_model(
+            cfg.model, cfg.lora, self.accelerator.local_process_index, self.features, quant_cast=cast
+        )
         trainable, total = models.trainable_and_total(model)
         self.accelerator.print(
             f"model: {cfg.model.path} ({cfg.model.method}), {trainable:,} of {total:,} parameters trained"

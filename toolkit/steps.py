@@ -36,7 +36,8 @@ def export_final(accelerator, model, tokenizer, cfg, output_dir: Path) -> Path:
     if cfg.model.adapter and cfg.model.method != "full" and accelerator.is_main_process:
         export.keep_start_adapter(final_dir, cfg.model.adapter)
     if cfg.export.merge and cfg.model.method != "full" and accelerator.is_main_process:
-        export.merge_adapter(final_dir, final_dir / "merged", cfg.export.dtype)
+        qlora = cfg.model.method == "qlora"
+        export.merge_adapter(final_dir, final_dir / "merged", cfg.export.dtype, dequantized=qlora)
     accelerator.wait_for_everyone()
     accelerator.print(
         f"saved: {final_dir.resolve()}  (try: ftkit generate --model {final_dir} --prompt '...')"

@@ -27,7 +27,10 @@ CASES = {
         "model.path: ./no/such/model does not exist",
     ),
     "missing data": (lambda tmp: ["data.train=no/such/file.jsonl"], "no/such/file.jsonl"),
-    "qlora on cpu": (lambda tmp: ["model.method=qlora"], "model.method: qlora needs a CUDA GPU"),
+    "qlora on a width the 4-bit kernel cannot take": (
+        lambda tmp: ["model.method=qlora"],
+        "hidden_size 160 is not a multiple of the 4-bit block size 64, which QLoRA needs",
+    ),
     "zero lr": (lambda tmp: ["train.learning_rate=0"], "train.learning_rate: must be positive"),
 }
 

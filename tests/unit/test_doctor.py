@@ -162,3 +162,19 @@ def test_real_run_on_this_machine(capsys, tmp_path):
     assert {"versions", "gpus", "cpu", "ram", "disk", "accelerate"} <= set(checks)
     if not report["probes"]["gpus"]:
         assert "CPU dry run" in checks["gpus"]["message"]
+
+
+def test_bitsandbytes_backend_is_reported_and_a_gpu_without_its_library_warns():
+    cpu = finding(machine(bnb_backend="CPU, native library loaded, AVX512-BF16 yes"), "bitsandbytes")
+    assert (
+        cpu.status == "ok"
+        and cpu.message == "bitsandbytes 4-bit backend: CPU, native library loaded, AVX512-BF16 yes"
+    )
+    broken = finding(machine(bnb_backend="CUDA, native library missing"), "bitsandbytes")
+    assert broken.status == "warn" and "pip install 'ftkit[qlora]'" in broken.fix
+
+
+def test_this_machines_bitsandbytes_backend_is_probed():
+    from toolkit.commands.doctor import _bnb_backend
+
+    assert _bnb_backend().startswith(("CPU, native library", "CUDA, native library"))

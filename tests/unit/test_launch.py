@@ -16,7 +16,7 @@ from toolkit.commands.cli import main as cli
 from toolkit.config import RecipeConfig, TrainConfig
 from toolkit.errors import UserError
 from toolkit.launch import backend, checks
-from toolkit.launch.backend import Launch
+from toolkit.launch.backend import Launch, detect_launch
 from toolkit.launch.machine import Machine
 
 ACCEL_CONFIGS = sorted((REPO / "accelerate_configs").rglob("*.yaml"))
@@ -382,19 +382,52 @@ def test_gpu_probes(tmp_path):
     assert check(ddp, recipe(mixed_precision="fp16"), v100) == []
 
 
-@pytest.mark.parametrize("config", ["zero3.yaml", "zero3_offload.yaml", "multinode_zero3.yaml"])
-def test_qlora_is_refused_where_its_weights_would_be_sharded(config, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "config", ["zero2.yaml", "zero3.yaml", "zero3_offload.yaml", "multinode_zero3.yaml", "fsdp.yaml"]
+)
+def test_qlora_storage_must_survive_the_cast_of_fsdp2_and_deepspeed_under_bf16(config, monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg = recipe(mixed_precision="bf16")
+    cfg.model.method, cfg.model.path = "qlora", "toolkit/assets/tiny-llama-q64"
+    four = Machine(gpu_count=4, gpu_names=("NVIDIA A100",) * 4)
+    assert check(Path("accelerate_configs") / config, cfg, four) == []
+    cfg.model.quant_storage = "float32"
+    with pytest.raises(UserError, match=r"model.quant_storage float32 != bfloat16, the dtype .* casts every"):
+        check(Path("accelerate_configs") / config, cfg, four)
+    # DDP's autocast never casts parameters: any storage dtype is right there.
+    assert check(REPO / "accelerate_configs/ddp.yaml", cfg, TWO_A100) == []
+
+
+@pytest.mark.parametrize(
+    ("settings", "reason"),
+    [
+        ({"fsdp_use_orig_params": False}, "fsdp_use_orig_params false flattens the 4-bit weights"),
+        ({"fsdp_cpu_ram_efficient_loading": True}, "fsdp_cpu_ram_efficient_loading true sends rank 0's"),
+        ({}, "FSDP1 QLoRA is not proven here"),
+    ],
+)
+def test_qlora_under_fsdp1_is_refused_naming_the_setting(settings, reason, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     cfg = recipe()
-    cfg.model.method = "qlora"
-    with pytest.raises(
-        UserError, match="model.method qlora .* use accelerate_configs/ddp.yaml or zero2.yaml"
-    ):
-        check(Path("accelerate_configs") / config, cfg, Machine(gpu_count=4, gpu_names=("NVIDIA A100",) * 4))
-    fsdp1 = write_yaml(tmp_path, {"distributed_type": "FSDP", "num_processes": 2})
-    with pytest.raises(UserError, match="cannot be sharded by fsdp1"):
+    cfg.model.method, cfg.model.path = "qlora", "toolkit/assets/tiny-llama-q64"
+    fsdp1 = write_yaml(tmp_path, {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": settings})
+    with pytest.raises(UserError, match=f"qlora in recipe.yaml under FSDP1 .*: {re.escape(reason)}"):
         check(fsdp1, cfg, TWO_A100)
-    assert check(REPO / "accelerate_configs/zero2.yaml", cfg, TWO_A100) == []
+
+
+def test_qlora_on_a_model_whose_widths_the_4bit_kernel_cannot_take_is_refused_naming_the_width(monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg = recipe()
+    cfg.model.method, cfg.model.path = "qlora", "toolkit/assets/tiny-llama"
+    with pytest.raises(UserError, match="hidden_size 160 is not a multiple of the 4-bit block size 64"):
+        check(REPO / "accelerate_configs/single.yaml", cfg, TWO_A100)
+    cfg.model.method = "lora"
+    assert check(REPO / "accelerate_configs/single.yaml", cfg, TWO_A100) == []
+
+
+def test_fsdp_settings_come_from_the_launch_environment_as_from_the_yaml():
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_USE_ORIG_PARAMS": "False"}
+    assert detect_launch(env, gpu_count=0).fsdp_settings == {"fsdp_use_orig_params": "false"}
 
 
 def test_rtx_40xx_without_p2p_gets_nccl_p2p_and_ib_disabled_once():

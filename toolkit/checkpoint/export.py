@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from toolkit import quant
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
 from toolkit.model import DTYPES
@@ -128,14 +129,27 @@ def adapted_base(adapter_dir: Path, trust_remote_code: bool = False, **kwargs):
     return base
 
 
-def merge_adapter(adapter_dir: Path, out_dir: Path, dtype: str, trust_remote_code: bool = False) -> None:
-    """Fold a LoRA adapter into its base model and save a standalone model (one copy of the base, CPU)."""
+def merge_adapter(
+    adapter_dir: Path, out_dir: Path, dtype: str, trust_remote_code: bool = False, dequantized: bool = False
+) -> None:
+    """Fold a LoRA adapter into its base model and save a standalone model (one copy of the base, CPU).
+    `dequantized` (QLoRA): the base is the 4-bit one the adapter was trained on, dequantized, so the merged
+    model computes what training saw; written in `dtype` (auto: float32)."""
     from peft import PeftModel
 
+    torch_dtype = DTYPES[dtype] if dtype != "auto" else "auto"
     with outside_zero3():
-        base = adapted_base(
-            adapter_dir, trust_remote_code, dtype=DTYPES[dtype] if dtype != "auto" else "auto"
-        )
+        if dequantized:
+            torch_dtype = torch.float32 if dtype == "auto" else torch_dtype
+            base = adapted_base(
+                adapter_dir,
+                trust_remote_code,
+                dtype=torch_dtype,
+                quantization_config=quant.quant_config(torch.uint8),
+                device_map={"": "cpu"},
+            ).dequantize(dtype=torch_dtype)
+        else:
+            base = adapted_base(adapter_dir, trust_remote_code, dtype=torch_dtype)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(str(out_dir))
     AutoTokenizer.from_pretrained(str(adapter_dir)).save_pretrained(str(out_dir))

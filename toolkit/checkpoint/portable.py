@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from toolkit import quant
 from toolkit.checkpoint import read_marker, safe_load
 from toolkit.errors import UserError
 from toolkit.nonfinite import nonfinite_names, refuse_nonfinite
@@ -43,8 +44,9 @@ def checkpoint_layout(path: Path) -> str:
     )
 
 
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The full model state (names as in the unwrapped model's state_dict), on CPU, in one copy."""
+def read_weights(path: Path, packed=None) -> dict[str, torch.Tensor]:
+    """The full model state (names as in the unwrapped model's state_dict), on CPU, in one copy. `packed`
+    (weights -> names) names 4-bit packed weights, whose bit patterns the finiteness check leaves alone."""
     read_marker(path)
     check_pickles(path)
     layout = checkpoint_layout(path)
@@ -52,7 +54,8 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         weights = load_file(path / REPLICATED_MODEL)
     else:
         weights = _read_dcp(path / DCP_MODEL, "model.") if layout == "dcp" else _read_zero(path)
-    refuse_nonfinite(path, nonfinite_names(weights.items()))
+    skipped = packed(weights) if packed else set()
+    refuse_nonfinite(path, nonfinite_names((k, v) for k, v in weights.items() if k not in skipped))
     return weights
 
 
@@ -103,7 +106,7 @@ def restore_portable(path: Path, model, optimizer, scheduler, current: dict) -> 
     the one line to print: what was carried over, or a warning that the optimizer moments restart.
     """
     marker = read_marker(path)
-    load_weights(model, read_weights(path))
+    load_weights(model, read_weights(path, lambda weights: quant.packed_names(model)))
     restore_schedule(scheduler, optimizer, torch.load(path / SCHEDULER, weights_only=True))
     source = f"a {describe(marker)} checkpoint"
     moments = read_optimizer_moments(path) if _replicated(current["backend"]) else None

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from accelerate.utils.other import load as accelerate_load
 
-from toolkit import checkpoint, metrics, optim
+from toolkit import checkpoint, metrics, optim, quant
 from toolkit.checkpoint import portable, rundir
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
@@ -94,9 +94,12 @@ class Resume:
         step = self.marker["step"]
         if self._exact:
             _warn_random_states(self.checkpoint, accelerator)
-            accelerator.load_state(str(self.checkpoint))
+            packed = quant.packed_names(model)
+            accelerator.load_state(str(self.checkpoint), **_load_kwargs(accelerator, packed))
             checkpoint.reload_fsdp1_optimizer(self.checkpoint, prepared_model, optimizer)
-            bad = nonfinite_names((name, _local(p)) for name, p in model.named_parameters())
+            bad = nonfinite_names(
+                (name, _local(p)) for name, p in model.named_parameters() if name not in packed
+            )
             if any_rank(accelerator, bool(bad))[0]:
                 refuse_nonfinite(self.checkpoint, bad or ["(on another rank)"])
         optim.continue_schedule(optimizer, scheduler, built)
@@ -193,6 +196,12 @@ def _warn_random_states(path: Path, accelerator) -> None:
             "data order and dropout continue from fresh ones",
             flush=True,
         )
+
+
+def _load_kwargs(accelerator, packed: set[str]) -> dict:
+    """DeepSpeed loads module state strictly, and a 4-bit base's saved quantization state (absmax, maps)
+    has no parameter to go to: those keys are expected there. The weights are then checked as usual."""
+    return {"load_module_strict": False} if packed and accelerator.distributed_type == "DEEPSPEED" else {}
 
 
 def _local(param):

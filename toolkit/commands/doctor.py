@@ -84,6 +84,9 @@ class Probes:
     build_tools: dict[str, str | None] = field(default_factory=dict)
     """ninja and a C++ compiler, which DeepSpeed needs to build ops just in time."""
     allreduce: list[PairResult] | None = None
+    bnb_backend: str | None = None
+    """The device bitsandbytes runs 4-bit layers on (CUDA, ROCm, XPU, CPU) and its native library's state;
+    None without bitsandbytes."""
     """A short NCCL all-reduce on every GPU pair (None: not run)."""
 
 
@@ -133,6 +136,7 @@ def gather_probes(
         accelerate_config=_read_yaml(config_path),
         deepspeed_ops=_deepspeed_ops() if packages["deepspeed"] and deepspeed_ops else {},
         build_tools={"ninja": shutil.which("ninja"), "c++": shutil.which("c++") or shutil.which("g++")},
+        bnb_backend=_bnb_backend() if packages["bitsandbytes"] else None,
         allreduce=check_pairs(len(gpus), allreduce_timeout_s)
         if allreduce_timeout_s and len(gpus) > 1
         else None,
@@ -262,6 +266,7 @@ def diagnose(p: Probes) -> list[Finding]:
         _disk(p),
         _accelerate_default(p),
         _deepspeed(p),
+        _bitsandbytes(p),
     ]
     return [f for f in findings if f is not None]
 
@@ -301,13 +306,31 @@ def _requirements_met(p: Probes) -> list[Finding]:
 
 
 def _optional_packages(p: Probes) -> list[Finding]:
-    # bitsandbytes (QLoRA) only matters where there is a GPU to quantize on.
-    wanted = [name for name in OPTIONAL if name != "bitsandbytes" or p.gpus]
     return [
         Finding(name, "warn", f"{name} is not installed", OPTIONAL[name])
-        for name in wanted
+        for name in OPTIONAL
         if p.packages.get(name) is None
     ]
+
+
+def _bnb_backend() -> str:
+    """What bitsandbytes' import decided: the device its 4-bit layers run on, and whether its compiled
+    library loaded (without it, CPU 4-bit falls back to slower torch code)."""
+    from bitsandbytes import cextension, functional
+
+    native = not isinstance(cextension.lib, cextension.ErrorHandlerMockBNBNativeLibrary)
+    backend = f"{cextension.BNB_BACKEND}, native library {'loaded' if native else 'missing'}"
+    if cextension.BNB_BACKEND == "CPU":
+        backend += f", AVX512-BF16 {'yes' if functional.has_avx512bf16() else 'no'}"
+    return backend
+
+
+def _bitsandbytes(p: Probes) -> Finding | None:
+    if p.bnb_backend is None:
+        return None
+    status = "warn" if "missing" in p.bnb_backend and not p.bnb_backend.startswith("CPU") else "ok"
+    fix = "" if status == "ok" else "reinstall bitsandbytes for this torch build: pip install 'ftkit[qlora]'"
+    return Finding("bitsandbytes", status, f"bitsandbytes 4-bit backend: {p.bnb_backend}", fix)
 
 
 def _cuda_stack(p: Probes) -> Finding | None:

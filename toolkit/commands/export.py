@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from toolkit import data
+from toolkit import data, quant
 from toolkit import model as models
 from toolkit.checkpoint import CONFIG, MARKER, damage, export, portable, read_marker
 from toolkit.checkpoint.rundir import MARKER as RUN_MARKER
@@ -52,7 +52,9 @@ def export_checkpoint(
         raise UserError(f"--merge-lora: {checkpoint_dir} is a full fine-tune; there is no adapter to merge")
     dtype = DTYPE_NAMES[dtype] if dtype else cfg.export.dtype
     skeleton = model_skeleton(cfg)
-    weights = portable.read_weights(checkpoint_dir)
+    shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+    packed = (lambda saved: quant.packed_keys(saved, shapes)) if cfg.model.method == "qlora" else None
+    weights = portable.read_weights(checkpoint_dir, packed)
     cast_weights(weights, skeleton, dtype)
     tokenizer = models.load_tokenizer(cfg.model)
     data.ensure_chat_template(tokenizer)  # as the recipe did before training, so prompts render the same
@@ -82,7 +84,8 @@ def _write(
         if cfg.model.adapter and cfg.model.method != "full":
             export.keep_start_adapter(tmp, cfg.model.adapter)
         if merge_lora:
-            export.merge_adapter(tmp, merged, dtype, trust_remote_code)
+            qlora = cfg.model.method == "qlora"
+            export.merge_adapter(tmp, merged, dtype, trust_remote_code, dequantized=qlora)
             shutil.rmtree(tmp)
             merged.rename(tmp)
         count = export.verify_export(tmp, trust_remote_code)

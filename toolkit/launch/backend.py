@@ -38,6 +38,11 @@ DS_SETTINGS_ENV = {
     "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "zero3_save_16bit_model",
 }
 ENV_SOURCE = "the accelerate launch environment"
+# FSDP settings that break a 4-bit base under FSDP1: env variable `accelerate launch` sets -> YAML key.
+FSDP_SETTINGS_ENV = {
+    "FSDP_USE_ORIG_PARAMS": "fsdp_use_orig_params",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "fsdp_cpu_ram_efficient_loading",
+}
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,8 @@ class Launch:
     """Accelerate-native DeepSpeed settings given to the launcher (YAML deepspeed_config keys), as strings."""
     launcher_precision: str = ""
     """mixed_precision given to the launcher; "" when unset (a launched process cannot tell unset from no)."""
+    fsdp_settings: dict = field(default_factory=dict)
+    """fsdp_config keys that decide whether FSDP1 can hold 4-bit weights (FSDP_SETTINGS_ENV), as strings."""
 
 
 def detect_launch(env: Mapping[str, str] | None = None, gpu_count: int | None = None) -> Launch:
@@ -91,7 +98,9 @@ def detect_launch(env: Mapping[str, str] | None = None, gpu_count: int | None = 
         settings = {key: env[var] for var, key in DS_SETTINGS_ENV.items() if var in env}
         return deepspeed_launch(env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", ""), settings, **common)
     if _flag(env, "ACCELERATE_USE_FSDP"):
-        return Launch("fsdp", fsdp_version=int(env.get("FSDP_VERSION", "1")), **common)
+        settings = {key: env[var].lower() for var, key in FSDP_SETTINGS_ENV.items() if var in env}
+        version = int(env.get("FSDP_VERSION", "1"))
+        return Launch("fsdp", fsdp_version=version, fsdp_settings=settings, **common)
     return Launch("ddp" if world > 1 else "single", **common)
 
 

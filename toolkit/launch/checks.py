@@ -6,13 +6,22 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import MutableMapping
 from pathlib import Path
 
+from toolkit import quant
 from toolkit.batches import grad_accum_steps
-from toolkit.config import RecipeConfig, TrainConfig
+from toolkit.config import ModelConfig, RecipeConfig, TrainConfig
 from toolkit.errors import UserError
-from toolkit.launch.backend import DS_SETTINGS_ENV, Launch, backend_name, deepspeed_launch, refuse_unsupported
+from toolkit.launch.backend import (
+    DS_SETTINGS_ENV,
+    FSDP_SETTINGS_ENV,
+    Launch,
+    backend_name,
+    deepspeed_launch,
+    refuse_unsupported,
+)
 from toolkit.launch.machine import GEFORCE_40, Machine, probe_machine
 from toolkit.typed_yaml import dotted, read_yaml_mapping
 
@@ -50,9 +59,10 @@ def launch_from_yaml(path: Path, gpu_count: int, num_processes: int | None = Non
         settings = {key: str(section[key]).lower() for key in DS_SETTINGS_ENV.values() if key in section}
         return deepspeed_launch(section.get("deepspeed_config_file", ""), settings, **common)
     if backend == "fsdp":
-        return Launch(
-            "fsdp", fsdp_version=int((raw.get("fsdp_config") or {}).get("fsdp_version", 1)), **common
-        )
+        section = raw.get("fsdp_config") or {}
+        settings = {key: str(section[key]).lower() for key in FSDP_SETTINGS_ENV.values() if key in section}
+        version = int(section.get("fsdp_version", 1))
+        return Launch("fsdp", fsdp_version=version, fsdp_settings=settings, **common)
     return Launch(backend, **common)
 
 
@@ -89,14 +99,28 @@ def check_launch(
             f"{launch.source} starts {launch.procs_per_node} processes per machine but {machine.gpu_count} "
             f"GPU(s) are visible: pass --num_processes {machine.gpu_count} (or fewer)"
         )
-    zero3 = launch.backend == "deepspeed" and launch.zero_stage == 3
-    fsdp1 = launch.backend == "fsdp" and launch.fsdp_version == 1
-    if cfg.model.method == "qlora" and (zero3 or fsdp1):
-        raise UserError(
-            f"model.method qlora in {recipe_source} cannot be sharded by {backend_name(launch)} "
-            f"({launch.source}): use accelerate_configs/ddp.yaml or zero2.yaml, or fsdp.yaml (FSDP2)"
-        )
+    if cfg.model.method == "qlora":
+        _check_qlora(launch, cfg.model, cfg.train.mixed_precision, recipe_source)
     return _disable_nccl_p2p(machine, env)
+
+
+def _check_qlora(launch: Launch, model: ModelConfig, mixed_precision: str, recipe_source: str) -> None:
+    """The 4-bit mistakes that train on without an error, refused before anything loads."""
+    name = backend_name(launch)
+    if name == "fsdp1":
+        raise UserError(
+            f"model.method qlora in {recipe_source} under FSDP1 ({launch.source}): "
+            f"{quant.fsdp1_problem(launch.fsdp_settings)}; use accelerate_configs/fsdp.yaml (FSDP2)"
+        )
+    cast = quant.cast_dtype(launch.backend, launch.fsdp_version, mixed_precision)
+    problem = quant.storage_problem(quant.storage_name(model.quant_storage, cast), cast, name)
+    if problem:
+        raise UserError(f"{recipe_source}: {problem}")
+    config_file = Path(model.path).expanduser() / "config.json"
+    if config_file.is_file():  # a hub id is checked once its config is downloaded, as the model loads
+        problem = quant.width_problem(quant.layer_widths(json.loads(config_file.read_text())))
+        if problem:
+            raise UserError(f"model.path {model.path} in {recipe_source}: {problem}, which QLoRA needs")
 
 
 def _check_precision(launch: Launch, train: TrainConfig, recipe_source: str, machine: Machine) -> None:

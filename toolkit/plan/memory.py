@@ -225,6 +225,12 @@ def cpu_ram_bytes(counts, backend: str, n_gpus: int, states: ModelStateBytes, pr
     return procs * PROCESS_RAM + max(loading, offloaded)
 
 
+def qlora_load_bytes(counts) -> int:
+    """One whole 4-bit base with its unquantized parameters in bf16: what each process holds while loading
+    before a sharded backend splits it (ftkit loads a full copy per process)."""
+    return math.ceil(counts.quantizable * QLORA_BYTES_PER_PARAM) + 2 * (counts.frozen - counts.quantizable)
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """One backend at one micro-batch size, with or without gradient checkpointing."""

@@ -6,7 +6,7 @@ import dataclasses
 
 from toolkit.launch.machine import GIB
 from toolkit.plan.estimate import Plan
-from toolkit.plan.memory import MemoryEstimate
+from toolkit.plan.memory import MemoryEstimate, qlora_load_bytes
 
 COLUMNS = ("weights", "lora", "grads", "optimizer", "activations", "overhead", "total")
 HEADINGS = ("weights", "lora", "grads", "optim", "activ", "other", "total")
@@ -14,7 +14,7 @@ HEADINGS = ("weights", "lora", "grads", "optim", "activ", "other", "total")
 
 def render_text(plan: Plan) -> str:
     """The plan as the terminal shows it: model, setup, per-GPU memory by backend, recommendation, cost."""
-    lines = [*_header(plan), "", *_table(plan), "", *_recommendation(plan)]
+    lines = [*_header(plan), "", *_table(plan), "", *_recommendation(plan), *_qlora_loading(plan)]
     if plan.cost is not None:
         lines += ["", *_cost(plan)]
     lines += [
@@ -77,6 +77,19 @@ def _recommendation(plan: Plan) -> list[str]:
     if plan.command:
         lines.append(f"  {plan.command}")
     return lines
+
+
+def _qlora_loading(plan: Plan) -> list[str]:
+    """The peak the table leaves out: ftkit loads a whole 4-bit base per process before FSDP2 or ZeRO-3
+    shard it, so a sharded QLoRA run also needs that much on each GPU (FSDP2) while loading."""
+    if plan.counts.method != "qlora":
+        return []
+    load = qlora_load_bytes(plan.counts) / GIB
+    fits = "fits" if load <= plan.request.gpu_mem else "does not fit"
+    return [
+        f"note: loading, each process first holds the whole 4-bit base ({load:.1f} GiB; {fits} in "
+        f"{plan.request.gpu_mem:g} GiB) before fsdp/zero3 shard it; not in the table above"
+    ]
 
 
 def _cost(plan: Plan) -> list[str]:

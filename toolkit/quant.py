@@ -1,0 +1,129 @@
+"""QLoRA's 4-bit base: the bitsandbytes settings ftkit chooses, and the mistakes that would otherwise train
+silently on wrong weights, refused before step 1 with one line each (pure functions, tested alone)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+BLOCK = 64
+"""Weights per NF4 quantization block (one absmax each): bitsandbytes' default and the plan's assumption."""
+CPU_TILE = 32
+"""Output rows bitsandbytes' CPU 4-bit kernel packs together (its eval path's block_n)."""
+
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MIXED_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def cast_dtype(backend: str, fsdp_version: int, mixed_precision: str) -> str | None:
+    """The dtype a backend casts every parameter to, 4-bit weights included, or None where it casts none:
+    FSDP2 and DeepSpeed under mixed precision. DDP's autocast casts activations, never parameters."""
+    casts = backend == "deepspeed" or (backend == "fsdp" and fsdp_version == 2)
+    return MIXED_DTYPES.get(mixed_precision) if casts else None
+
+
+def storage_name(setting: str, cast: str | None) -> str:
+    """model.quant_storage resolved: auto packs 4-bit weights into the dtype the backend casts parameters to
+    (`cast`, from cast_dtype), so the cast leaves their bits alone; float32 where nothing casts."""
+    return (cast or "float32") if setting == "auto" else setting
+
+
+def quant_config(storage: torch.dtype):
+    """NF4 with double quantization, computing in bf16, packed into `storage` (storage_name's choice, so a
+    backend's parameter cast leaves the packed bits intact)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_quant_storage=storage,
+    )
+
+
+def layer_widths(model_config: Mapping) -> dict[str, int]:
+    """The widths a decoder's quantized linear layers take in and put out, by the config.json key that sets
+    them (Llama-shaped configs: attention projections, MLP)."""
+    heads = model_config["num_attention_heads"]
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // heads
+    kv_heads = model_config.get("num_key_value_heads") or heads
+    return {
+        "hidden_size": model_config["hidden_size"],
+        "intermediate_size": model_config["intermediate_size"],
+        "num_attention_heads x head_dim": heads * head_dim,
+        "num_key_value_heads x head_dim": kv_heads * head_dim,
+    }
+
+
+def width_problem(widths: Mapping[str, int]) -> str | None:
+    """Why a 4-bit base with these widths fails, or None.
+
+    bitsandbytes' CPU kernel reshapes each layer's absmax to (out, in / BLOCK) and packs CPU_TILE output
+    rows at a time: an input width BLOCK does not divide, or an output width CPU_TILE does not, raises a
+    shape error at the first evaluation. It is refused on every machine, so a run checked on one behaves
+    the same on another (real models meet it)."""
+    inputs = ("hidden_size", "intermediate_size", "num_attention_heads x head_dim")
+    for name, width in widths.items():
+        if name in inputs and width % BLOCK:
+            return f"{name} {width} is not a multiple of the 4-bit block size {BLOCK}"
+        if width % CPU_TILE:
+            return f"{name} {width} is not a multiple of {CPU_TILE} (bitsandbytes' 4-bit row tile)"
+    return None
+
+
+def storage_problem(storage: str, cast: str | None, backend: str) -> str | None:
+    """Why packing 4-bit weights into `storage` breaks under `backend` (a name for messages) that casts every
+    parameter to `cast`, or None. The cast reaches packed weights too: their bits become other numbers or,
+    where the width changes, a shape error mid-run."""
+    if cast is not None and storage != cast:
+        return (
+            f"model.quant_storage {storage} != {cast}, the dtype {backend} casts every parameter to: "
+            f"set model.quant_storage: auto (or {cast})"
+        )
+    return None
+
+
+def fsdp1_problem(fsdp_config: Mapping[str, object]) -> str:
+    """Why FSDP1 cannot shard a 4-bit base under these fsdp_config settings (always a reason: the ones that
+    break it are named first, and even without them FSDP1 QLoRA is not proven here, FSDP2 is)."""
+    if str(fsdp_config.get("fsdp_use_orig_params", "true")).lower() == "false":
+        return (
+            "fsdp_use_orig_params false flattens the 4-bit weights into one buffer and drops their "
+            "quantization state"
+        )
+    if str(fsdp_config.get("fsdp_cpu_ram_efficient_loading", "false")).lower() == "true":
+        return (
+            "fsdp_cpu_ram_efficient_loading true sends rank 0's packed weights to ranks whose layers never "
+            "received the quantization state"
+        )
+    return "FSDP1 QLoRA is not proven here"
+
+
+def keep_training_layout(model) -> None:
+    """Switch off bitsandbytes' CPU eval-mode repacking on every 4-bit layer: once an evaluation has
+    repacked a weight, later training steps run a kernel without a backward and the gradients reaching
+    earlier layers are silently wrong. Evaluation then dequantizes as training does."""
+    from bitsandbytes.nn import Linear4bit
+
+    for module in model.modules():
+        if isinstance(module, Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+
+def packed_names(model) -> set[str]:
+    """Names of the parameters holding packed 4-bit weights: their storage dtype's values are bit patterns,
+    not numbers, so a finiteness check must leave them out (none where bitsandbytes is not installed)."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:
+        return set()
+
+    return {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Linear4bit)}
+
+
+def packed_keys(weights: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple]) -> set[str]:
+    """The keys of saved `weights` holding packed 4-bit weights: their saved shape (two weights a byte, in
+    one column) differs from the unquantized model's `shapes`."""
+    return {k for k, v in weights.items() if k in shapes and tuple(v.shape) != tuple(shapes[k])}
