@@ -27,12 +27,12 @@ EXPECTED = {
     "zero3_alt_gather": None,
     "zero3_offload": None,
     "fsdp1_offload": "fsdp1_offload.yaml: fsdp_offload_params true moves parameters off a GPU",
-    "fsdp1_wrong_layer": "Qwen3_5DecoderLayer is not a layer of toolkit/assets/tiny-llama: use LlamaDecoderLayer",
+    "fsdp1_wrong_layer": "Qwen3_5DecoderLayer is not a layer of toolkit/assets/tiny-llama: use Llama",
     "zero0": "zero0.json: zero_optimization.stage 0 is refused",
     "zero2_compile": "zero2_compile.json: the compile block is refused",
     "zero1_autotp": "zero1_autotp.json: tensor_parallel.autotp_size 2 is refused",
-    "context_parallel": "context_parallel.yaml: parallelism_config_cp_size 2 is refused: context parallelism",
-    "sequence_parallel": "sequence_parallel.yaml: parallelism_config_sp_size 2 is refused: DeepSpeed sequence",
+    "context_parallel": "context_parallel.yaml: parallelism_config_cp_size 2 is refused: context",
+    "sequence_parallel": "sequence_parallel.yaml: parallelism_config_sp_size 2 is refused: DeepSpeed",
 }
 
 
