@@ -144,3 +144,16 @@ def test_wrap_classes_are_compared_with_the_models_own_layers():
         UserError, match="f.yaml: .*Qwen3DecoderLayer is not a layer of m: use LlamaDecoderLayer"
     ):
         sections.refuse_unknown_wrap_classes("LlamaDecoderLayer, Qwen3DecoderLayer", known, "m", "f.yaml")
+
+
+def test_an_error_raised_inside_deepspeed_is_not_reported_as_the_models(tmp_path):
+    from toolkit import model
+
+    def raise_from(filename: str) -> ValueError:
+        try:
+            exec(compile("raise ValueError('bad config key')", filename, "exec"))
+        except ValueError as exc:
+            return exc
+
+    assert model.raised_by_backend(raise_from("/site-packages/deepspeed/runtime/config.py"))
+    assert not model.raised_by_backend(raise_from("/site-packages/transformers/modeling_utils.py"))
