@@ -41,6 +41,7 @@ def fsdp1_lora(tmp_path_factory):
     [
         ("zero3_native", "backend deepspeed ZeRO-3 (gloo)"),
         ("zero2_concrete", "backend deepspeed ZeRO-2 (gloo)"),
+        ("zero3_alt_gather", "backend deepspeed ZeRO-3 (gloo)"),
     ],
 )
 def test_peer_deepspeed_config_trains_like_one_process(config, backend_line, one_process, tmp_path):
