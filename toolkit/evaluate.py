@@ -47,7 +47,8 @@ class Evaluator:
         cfg, synced = self.cfg, self.accelerator.num_processes > 1
         generator = self.accelerator.unwrap_model(self.model)
         if self.dataset is not None and cfg.exact_match_samples:
-            with root_params_gathered(self.model):
+            # FSDP1 casts its inner units to bf16 but not the gathered root: autocast joins the two.
+            with root_params_gathered(self.model), self.accelerator.autocast():
                 results["exact_match"] = exact_match(
                     generator,
                     self.tokenizer,
@@ -61,7 +62,7 @@ class Evaluator:
             self.accelerator.print(f"[{label}] " + "  ".join(f"{k}={v:.4g}" for k, v in results.items()))
         prompt_ids = self._sample_prompt()
         if prompt_ids is not None:
-            with root_params_gathered(self.model):
+            with root_params_gathered(self.model), self.accelerator.autocast():
                 answer = greedy_answer(generator, self.tokenizer, prompt_ids, cfg.max_new_tokens, synced)
             question = " ".join(self.tokenizer.decode(prompt_ids, skip_special_tokens=True).split())
             self.accelerator.print(f"[{label}] sample: {question!r} -> {answer!r}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import traceback
 from pathlib import Path
 
 import torch
@@ -151,13 +153,47 @@ def remote_code_refusal(exc: ValueError) -> str:
     return "it ships its own modelling code, which runs only with trust_remote_code set by you"
 
 
+def raised_by_backend(exc: BaseException) -> bool:
+    """Whether the error came from inside DeepSpeed (ZeRO-3 builds the model under its own init)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(f"{os.sep}deepspeed{os.sep}" in frame.filename for frame in frames)
+
+
 def _from_pretrained(cls, cfg: ModelConfig, what: str, key: str = "model.path", **kwargs):
     try:
         return cls.from_pretrained(local_path(cfg.path), trust_remote_code=cfg.trust_remote_code, **kwargs)
     except (OSError, ValueError, SafetensorError) as exc:
+        if raised_by_backend(exc):
+            raise  # the distributed backend's own error (its config, its engine), not the model's files
         if isinstance(exc, ValueError) and "trust_remote_code" in str(exc):
             raise UserError(f"{key}: {cfg.path}: {remote_code_refusal(exc)}") from None
         # A missing or truncated file, a folder without a tokenizer: transformers' first line says which.
         raise UserError(
             f"{key}: cannot load the {what} from {cfg.path}: {str(exc).splitlines()[0]}"
         ) from None
+
+
+def model_module_classes(cfg: ModelConfig) -> set[str] | None:
+    """Names of the module classes the model is built from, or None where transformers cannot tell
+    without loading it (its own code, or a path the model load itself will refuse)."""
+    import importlib
+
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if cfg.trust_remote_code:
+        return None
+    try:
+        model_type = AutoConfig.from_pretrained(local_path(cfg.path)).model_type
+    except (OSError, ValueError):
+        return None
+    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if class_name is None:
+        return None
+    module = importlib.import_module(getattr(transformers, class_name).__module__)
+    return {
+        name
+        for name, obj in vars(module).items()
+        if isinstance(obj, type) and issubclass(obj, torch.nn.Module)
+    }

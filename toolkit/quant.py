@@ -88,12 +88,12 @@ def storage_problem(storage: str, cast: str | None, backend: str) -> str | None:
 def fsdp1_problem(fsdp_config: Mapping[str, object]) -> str:
     """Why FSDP1 cannot shard a 4-bit base under these fsdp_config settings (always a reason: the ones that
     break it are named first, and even without them FSDP1 QLoRA is not proven here, FSDP2 is)."""
-    if str(fsdp_config.get("fsdp_use_orig_params", "true")).lower() == "false":
+    if str(fsdp_config.get("use_orig_params", "true")).lower() == "false":
         return (
             "fsdp_use_orig_params false flattens the 4-bit weights into one buffer and drops their "
             "quantization state"
         )
-    if str(fsdp_config.get("fsdp_cpu_ram_efficient_loading", "false")).lower() == "true":
+    if str(fsdp_config.get("cpu_ram_efficient_loading", "false")).lower() == "true":
         return (
             "fsdp_cpu_ram_efficient_loading true sends rank 0's packed weights to ranks whose layers never "
             "received the quantization state"

@@ -41,6 +41,7 @@ def fsdp1_lora(tmp_path_factory):
     [
         ("zero3_native", "backend deepspeed ZeRO-3 (gloo)"),
         ("zero2_concrete", "backend deepspeed ZeRO-2 (gloo)"),
+        ("zero3_alt_gather", "backend deepspeed ZeRO-3 (gloo)"),
     ],
 )
 def test_peer_deepspeed_config_trains_like_one_process(config, backend_line, one_process, tmp_path):
@@ -97,3 +98,27 @@ def test_peer_fsdp1_full_fine_tune_trains_and_exports_like_one_process(tmp_path)
     assert got.keys() == expected.keys()
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.multiproc
+def test_peer_fsdp1_full_state_dict_config_trains_and_checkpoints(one_process, tmp_path):
+    # As TRL ships it (FULL_STATE_DICT, bf16 in the YAML), with the one fix the README names for fp32.
+    out = tmp_path / "run"
+    result = run_recipe(out, *SETTINGS, launch=[*peer("fsdp1_full"), "--mixed_precision", "no"])
+    assert "backend fsdp1 (gloo)" in result.stdout and "[before] sample:" in result.stdout
+    assert step_losses(out) == pytest.approx(one_process, rel=1e-3)
+    assert (out / "checkpoints" / "step-3" / "pytorch_model_fsdp_0").is_dir()
+    assert verify_export(out / "final") > 0
+
+
+@pytest.mark.multiproc
+def test_peer_config_refused_by_plain_accelerate_launch_in_one_line_writing_nothing(tmp_path):
+    out = tmp_path / "run"
+    result = run_recipe(out, *SETTINGS, launch=peer("context_parallel"), check=False)
+    # torchrun turns the recipe's exit 2 into its own 1 and reports the worker's code.
+    assert result.returncode != 0 and "failed (exitcode: 2)" in result.stderr
+    refusals = [line for line in result.stderr.splitlines() if line.startswith("finetune_llm: error:")]
+    assert (
+        len(refusals) == 1 and "parallelism_config_cp_size 2 is refused: context parallelism" in refusals[0]
+    )
+    assert not out.exists()

@@ -427,7 +427,7 @@ def test_qlora_on_a_model_whose_widths_the_4bit_kernel_cannot_take_is_refused_na
 
 def test_fsdp_settings_come_from_the_launch_environment_as_from_the_yaml():
     env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_USE_ORIG_PARAMS": "False"}
-    assert detect_launch(env, gpu_count=0).fsdp_settings == {"fsdp_use_orig_params": "false"}
+    assert detect_launch(env, gpu_count=0).fsdp_settings == {"use_orig_params": "False"}
 
 
 def test_rtx_40xx_without_p2p_gets_nccl_p2p_and_ib_disabled_once():

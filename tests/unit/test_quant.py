@@ -65,8 +65,8 @@ def test_storage_must_be_the_dtype_the_backend_casts_parameters_to():
 
 
 def test_fsdp1_names_the_setting_that_breaks_4bit_weights_first():
-    assert quant.fsdp1_problem({"fsdp_use_orig_params": "false"}).startswith("fsdp_use_orig_params false")
-    loading = {"fsdp_cpu_ram_efficient_loading": "true", "fsdp_use_orig_params": "true"}
+    assert quant.fsdp1_problem({"use_orig_params": "false"}).startswith("fsdp_use_orig_params false")
+    loading = {"cpu_ram_efficient_loading": "true", "use_orig_params": "true"}
     assert quant.fsdp1_problem(loading).startswith("fsdp_cpu_ram_efficient_loading true")
     assert quant.fsdp1_problem({}) == "FSDP1 QLoRA is not proven here"
 

@@ -27,6 +27,7 @@ from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitPr
 from toolkit.config import TrainConfig
 from toolkit.errors import UserError
 from toolkit.launch.machine import count_gpus
+from toolkit.launch.sections import PARALLEL_SIZES, gather_setting
 
 # Accelerate-native DeepSpeed settings: env variable `accelerate launch` sets -> the YAML key it came from.
 DS_SETTINGS_ENV = {
@@ -38,10 +39,13 @@ DS_SETTINGS_ENV = {
     "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "zero3_save_16bit_model",
 }
 ENV_SOURCE = "the accelerate launch environment"
-# FSDP settings that break a 4-bit base under FSDP1: env variable `accelerate launch` sets -> YAML key.
+# FSDP settings the launch checks read: env variable `accelerate launch` sets -> YAML key without fsdp_.
 FSDP_SETTINGS_ENV = {
-    "FSDP_USE_ORIG_PARAMS": "fsdp_use_orig_params",
-    "FSDP_CPU_RAM_EFFICIENT_LOADING": "fsdp_cpu_ram_efficient_loading",
+    "FSDP_OFFLOAD_PARAMS": "offload_params",
+    "FSDP_TRANSFORMER_CLS_TO_WRAP": "transformer_layer_cls_to_wrap",
+    "FSDP_STATE_DICT_TYPE": "state_dict_type",
+    "FSDP_USE_ORIG_PARAMS": "use_orig_params",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "cpu_ram_efficient_loading",
 }
 
 
@@ -72,7 +76,9 @@ class Launch:
     launcher_precision: str = ""
     """mixed_precision given to the launcher; "" when unset (a launched process cannot tell unset from no)."""
     fsdp_settings: dict = field(default_factory=dict)
-    """fsdp_config keys that decide whether FSDP1 can hold 4-bit weights (FSDP_SETTINGS_ENV), as strings."""
+    """FSDP settings given to the launcher, keys without the fsdp_ prefix (offload_params, ...)."""
+    parallel_sizes: dict = field(default_factory=dict)
+    """parallelism_config sizes given to the launcher (dp_replicate, dp_shard, tp, cp, sp)."""
 
 
 def detect_launch(env: Mapping[str, str] | None = None, gpu_count: int | None = None) -> Launch:
@@ -93,14 +99,18 @@ def detect_launch(env: Mapping[str, str] | None = None, gpu_count: int | None = 
         on_cpu=gpu_count == 0,
         launcher_precision=precision if explicit else "",
         source=ENV_SOURCE,
+        parallel_sizes={
+            name: int(env[f"PARALLELISM_CONFIG_{name.upper()}_SIZE"])
+            for name in PARALLEL_SIZES
+            if f"PARALLELISM_CONFIG_{name.upper()}_SIZE" in env
+        },
     )
     if _flag(env, "ACCELERATE_USE_DEEPSPEED"):
         settings = {key: env[var] for var, key in DS_SETTINGS_ENV.items() if var in env}
         return deepspeed_launch(env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", ""), settings, **common)
     if _flag(env, "ACCELERATE_USE_FSDP"):
-        settings = {key: env[var].lower() for var, key in FSDP_SETTINGS_ENV.items() if var in env}
-        version = int(env.get("FSDP_VERSION", "1"))
-        return Launch("fsdp", fsdp_version=version, fsdp_settings=settings, **common)
+        fsdp = {key: env[var] for var, key in FSDP_SETTINGS_ENV.items() if var in env}
+        return Launch("fsdp", fsdp_version=int(env.get("FSDP_VERSION", "1")), fsdp_settings=fsdp, **common)
     return Launch("ddp" if world > 1 else "single", **common)
 
 
@@ -202,18 +212,22 @@ def deepspeed_plugin(train: TrainConfig, grad_accum_steps: int):
         if config.get(key, "auto") == "auto":
             config[key] = value
     zero = config["zero_optimization"]
-    if zero.get("stage3_gather_16bit_weights_on_model_save", "auto") == "auto":
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    key, value = gather_setting(zero)
+    if value == "auto":
+        zero[key] = True
     return plugin
 
 
 def _cpu_fsdp_plugin(version: int):
     """FSDP settings from the launch, minus the two that need a GPU to move meta weights onto (FSDP2 has
-    no sync_module_states, and accelerate warns when it is given)."""
+    no sync_module_states, and accelerate warns when it is given).
+
+    FSDP1 checkpoints are sharded on CPU: gathering a FULL_STATE_DICT onto rank 0 over gloo crashes it
+    (SIGSEGV) inside torch, and ftkit's export gathers the full model from sharded checkpoints itself."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    sync = {"sync_module_states": False} if version == 1 else {}
-    return FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=False, **sync)
+    v1 = {"sync_module_states": False, "state_dict_type": "SHARDED_STATE_DICT"} if version == 1 else {}
+    return FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=False, **v1)
 
 
 def _finish_setup(accelerator, launch: Launch) -> None:

@@ -14,15 +14,17 @@ from toolkit import quant
 from toolkit.batches import grad_accum_steps
 from toolkit.config import ModelConfig, RecipeConfig, TrainConfig
 from toolkit.errors import UserError
-from toolkit.launch.backend import (
-    DS_SETTINGS_ENV,
-    FSDP_SETTINGS_ENV,
-    Launch,
-    backend_name,
-    deepspeed_launch,
-    refuse_unsupported,
-)
+from toolkit.launch.backend import DS_SETTINGS_ENV, Launch, backend_name, deepspeed_launch, refuse_unsupported
 from toolkit.launch.machine import GEFORCE_40, Machine, probe_machine
+from toolkit.launch.sections import (
+    PARALLEL_SIZES,
+    gather_setting,
+    refuse_deepspeed_sections,
+    refuse_fsdp_settings,
+    refuse_parallelism,
+    refuse_unknown_wrap_classes,
+)
+from toolkit.model import model_module_classes
 from toolkit.typed_yaml import dotted, read_yaml_mapping
 
 # What each accelerate distributed_type starts, in ftkit's words. Others are refused: MULTI_CPU starts one
@@ -53,17 +55,22 @@ def launch_from_yaml(path: Path, gpu_count: int, num_processes: int | None = Non
         on_cpu=gpu_count == 0,
         source=str(path),
         launcher_precision=str(raw.get("mixed_precision") or ""),
+        parallel_sizes=_yaml_parallel_sizes(raw.get("parallelism_config") or {}),
     )
     if backend == "deepspeed":
         section = raw.get("deepspeed_config") or {}
         settings = {key: str(section[key]).lower() for key in DS_SETTINGS_ENV.values() if key in section}
         return deepspeed_launch(section.get("deepspeed_config_file", ""), settings, **common)
     if backend == "fsdp":
-        section = raw.get("fsdp_config") or {}
-        settings = {key: str(section[key]).lower() for key in FSDP_SETTINGS_ENV.values() if key in section}
-        version = int(section.get("fsdp_version", 1))
-        return Launch("fsdp", fsdp_version=version, fsdp_settings=settings, **common)
+        fsdp = raw.get("fsdp_config") or {}
+        settings = {key.removeprefix("fsdp_"): str(value) for key, value in fsdp.items()}
+        return Launch("fsdp", fsdp_version=int(fsdp.get("fsdp_version", 1)), fsdp_settings=settings, **common)
     return Launch(backend, **common)
+
+
+def _yaml_parallel_sizes(section: dict) -> dict[str, int]:
+    keys = {name: f"parallelism_config_{name}_size" for name in PARALLEL_SIZES}
+    return {name: int(section[key]) for name, key in keys.items() if key in section}
 
 
 def _refuse_ignored_offload(raw: dict, backend: str, path: Path) -> None:
@@ -91,7 +98,12 @@ def check_launch(
     """
     refuse_unsupported(launch)
     ga = grad_accum_steps(cfg.train, launch.world_size)
+    refuse_parallelism(launch.parallel_sizes, launch.source)
     _check_precision(launch, cfg.train, recipe_source, machine)
+    if launch.backend == "fsdp":
+        refuse_fsdp_settings(launch.fsdp_settings, launch.on_cpu, launch.source)
+        wrap = launch.fsdp_settings.get("transformer_layer_cls_to_wrap", "")
+        refuse_unknown_wrap_classes(wrap, model_module_classes(cfg.model), cfg.model.path, launch.source)
     if launch.backend == "deepspeed":
         _check_deepspeed(launch, cfg.train, recipe_source, ga)
     if machine.gpu_count and launch.procs_per_node > machine.gpu_count:
@@ -133,7 +145,8 @@ def _check_precision(launch: Launch, train: TrainConfig, recipe_source: str, mac
     if launch.launcher_precision and launch.launcher_precision != wanted:
         raise UserError(
             f"mixed_precision {launch.launcher_precision} in {launch.source} != {wanted} "
-            f"(train.mixed_precision in {recipe_source}): remove it there, the recipe config decides"
+            f"(train.mixed_precision in {recipe_source}): add train.mixed_precision="
+            f"{launch.launcher_precision} to the command, or pass --mixed_precision {wanted} to the launcher"
         )
     if wanted == "fp16" and launch.on_cpu:
         raise UserError(
@@ -152,6 +165,7 @@ def _check_deepspeed(launch: Launch, train: TrainConfig, recipe_source: str, ga:
         )
     where = launch.ds_config_file or launch.source
     values = dotted(launch.ds_config) if launch.ds_config_file else launch.ds_settings
+    refuse_deepspeed_sections(launch.ds_config, launch.zero_stage, where)
     for key, expected, recipe_key in _recipe_values(train, ga, launch.world_size):
         found = values.get(key, "auto")
         if str(found).lower() != "auto" and not _same(found, expected):
@@ -166,10 +180,10 @@ def _check_deepspeed(launch: Launch, train: TrainConfig, recipe_source: str, ga:
         raise UserError(
             f"{where}: parameter offload is ignored below ZeRO-3 (stage {launch.zero_stage}): remove it"
         )
-    gathers = values.get("zero_optimization.stage3_gather_16bit_weights_on_model_save", "auto")
+    gather_key, gathers = gather_setting(launch.ds_config.get("zero_optimization") or {})
     if launch.zero_stage == 3 and str(gathers).lower() == "false":
         raise UserError(
-            f"{where}: set zero_optimization.stage3_gather_16bit_weights_on_model_save to true, "
+            f"{where}: set zero_optimization.{gather_key} to true, "
             "or the final model cannot be gathered from the ZeRO-3 shards"
         )
 
