@@ -121,14 +121,10 @@ def _streaming(names: list[str], cfg: DataConfig, tokenizer, main_process_first)
     sources, identities = [], []
     for name in names:
         source = read_source(name, cfg.split, streaming=True)
-        encoder = ChunkEncoder(
-            _format(source, cfg, tokenizer), tokenizer, cfg.max_length, cfg.assistant_only_loss
-        )
+        encoder = _encoder(_format(source, cfg, tokenizer), cfg, tokenizer)
         sources.append((source, encoder))
         identities.append((source.identity, encoder.fmt))
-    key = cache_key(
-        identities, cfg.max_length, cfg.assistant_only_loss, tokenizer_fingerprint(tokenizer), CHUNK
-    )
+    key = cache_key(identities, cfg.max_length, _masking(cfg), tokenizer_fingerprint(tokenizer), CHUNK)
     held = None
     if cfg.eval:
         with main_process_first():
@@ -158,6 +154,15 @@ def _format(source, cfg: DataConfig, tokenizer) -> str:
     return fmt
 
 
+def _encoder(fmt: str, cfg: DataConfig, tokenizer) -> ChunkEncoder:
+    return ChunkEncoder(fmt, tokenizer, cfg.max_length, cfg.assistant_only_loss, cfg.train_reasoning)
+
+
+def _masking(cfg: DataConfig) -> list:
+    """The settings that decide which tokens are trained (part of the cache key)."""
+    return [cfg.assistant_only_loss, cfg.train_reasoning]
+
+
 def _stats(names: list[str], parts: list[_Part], held: _Part | None, split: Split) -> DataStats:
     everything = parts + ([held] if held else [])
     return DataStats(
@@ -174,13 +179,11 @@ def _prepare(name: str, cfg: DataConfig, tokenizer) -> _Part:
     before."""
     source = read_source(name, cfg.split)
     fmt = _format(source, cfg, tokenizer)
-    key = cache_key(
-        source.identity, fmt, cfg.max_length, cfg.assistant_only_loss, tokenizer_fingerprint(tokenizer)
-    )
+    key = cache_key(source.identity, fmt, cfg.max_length, _masking(cfg), tokenizer_fingerprint(tokenizer))
     dataset, counts = encode_to_cache(
         key,
         source.read(CHUNK),
-        ChunkEncoder(fmt, tokenizer, cfg.max_length, cfg.assistant_only_loss),
+        _encoder(fmt, cfg, tokenizer),
         cfg.num_proc or default_num_proc(),
         desc=f"encoding {name}",
         empty_error=lambda counts: (
