@@ -44,7 +44,8 @@ CHATML_EOS = """
     {{- message['content'] or '' }}
     {%- for call in message.get('tool_calls') or [] %}
       {%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}
-      {{- '<tool_call>\\n' + {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson + '\\n</tool_call>' }}
+      {%- set body = {'name': call['function']['name'], 'arguments': call['function']['arguments']} %}
+      {{- '<tool_call>\\n' + body | tojson + '\\n</tool_call>' }}
     {%- endfor %}
   {%- endif %}
   {{- eos_token + '\\n' }}
@@ -119,7 +120,7 @@ def assistant_spans(
             problem = (
                 "its generation prompt is not how it opens this assistant turn"
                 if not through.startswith(head)
-                else "it renders this turn differently once later turns follow (e.g. it drops earlier reasoning)"
+                else "it renders this turn differently once later turns follow, e.g. drops its reasoning"
             )
             raise UserError(
                 f"{where}: message {i}: the chat template is not prefix-stable ({problem}), so assistant "

@@ -48,8 +48,9 @@ def check_encoder(tokenizer, fmt: str, assistant_only_loss: bool) -> None:
 class ChunkEncoder:
     """Encodes one chunk of records into rows. Plain text trains every token (eos appended so documents
     end); a conversation is rendered through the chat template and trains either every token or, with
-    `assistant_only_loss`, only the tokens that overlap an assistant turn's characters (its content and
-    reasoning, tool calls and end-of-turn text; see `chat.assistant_spans`). An object rather than a closure so worker processes can receive it."""
+    `assistant_only_loss`, only the tokens that overlap an assistant turn's characters (its reasoning,
+    text, tool calls and end-of-turn text; see `chat.assistant_spans`). An object rather than a closure
+    so worker processes can receive it."""
 
     fmt: str
     tokenizer: object
