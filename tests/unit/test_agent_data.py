@@ -15,6 +15,8 @@ from test_data import (
 
 from toolkit import data
 from toolkit.data.formats import to_example
+from toolkit.errors import UserError
+from toolkit.preference.records import detect_layout, to_pair
 
 pytestmark = pytest.mark.usefixtures("private_cache")
 
@@ -225,3 +227,32 @@ def test_mistakes_are_one_line_naming_file_line_and_field(tmp_path, bpe, record,
     message = build_error(config(path), make_tokenizer(bpe))
     assert message.startswith(f"{path}:1: ")
     assert error in message
+
+
+def test_ranking_layout_and_tool_calls_in_preference_pairs():
+    record = {
+        "conversations": [{"from": "human", "value": "What is 2+3?"}],
+        "chosen": {"from": "function_call", "value": JSON_CALL},
+        "rejected": {"from": "gpt", "value": "6"},
+        "system": "Use tools.",
+        "tools": TOOLS,
+    }
+    pair = to_pair(record, detect_layout(record, "f:1"), "f:1")
+    assert pair.prompt == [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "What is 2+3?"},
+    ]
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2+3"}}}
+    assert pair.chosen == [{"role": "assistant", "content": "", "tool_calls": [call]}]
+    assert pair.rejected == [{"role": "assistant", "content": "6"}] and pair.tools == TOOLS
+    explicit = {"prompt": "What is 2+3?", "chosen": [AGENT["messages"][2]], "rejected": "6"}
+    assert to_pair(explicit, "explicit", "f:1").chosen[0]["tool_calls"] == [call]
+
+
+def test_an_sft_file_given_to_preference_tuning_names_the_recipe():
+    with pytest.raises(UserError) as caught:
+        detect_layout({"messages": []}, "f.jsonl:1")
+    assert str(caught.value) == (
+        "f.jsonl:1: keys [messages] are SFT data (messages layout), not preference pairs; "
+        "train them with recipes/finetune_llm.py"
+    )

@@ -163,9 +163,15 @@ def _json(text: str, key: str, where: str):
 
 def _conversation(record: dict, fmt: str, where: str) -> list[dict]:
     fields = CONVERSATIONS[fmt]
+    return turns_to_messages(_list(record, fields.turns, fmt, where), fmt, fields.turns, where)
+
+
+def turns_to_messages(turns: list, fmt: str, key: str, where: str) -> list[dict]:
+    """The turns of a `messages` or `sharegpt` list (field `key` of the record) as normalised messages."""
+    fields = CONVERSATIONS[fmt]
     messages = []
-    for i, turn in enumerate(_list(record, fields.turns, fmt, where)):
-        here = f"{where}: {fields.turns}[{i}]"
+    for i, turn in enumerate(turns):
+        here = f"{where}: {key}[{i}]"
         if not isinstance(turn, dict):
             raise UserError(
                 f"{here} must be an object with {fields.speaker} and {fields.text}, got {type(turn).__name__}"
