@@ -3,8 +3,11 @@ like the main model families (written here, for a tokenizer trained here)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from test_data import (
+    CHATML,
     bpe,  # noqa: F401  (fixture)
     build_error,
     config,
@@ -14,7 +17,9 @@ from test_data import (
 )
 
 from toolkit import data
+from toolkit.data.agreement import first_disagreement
 from toolkit.data.formats import to_example
+from toolkit.data.sources import read_source
 from toolkit.errors import UserError
 from toolkit.preference.records import detect_layout, to_pair
 
@@ -256,3 +261,23 @@ def test_an_sft_file_given_to_preference_tuning_names_the_recipe():
         "f.jsonl:1: keys [messages] are SFT data (messages layout), not preference pairs; "
         "train them with recipes/finetune_llm.py"
     )
+
+
+def test_a_template_that_serves_other_text_than_it_trained_is_one_warning(tmp_path, bpe, caplog):  # noqa: F811
+    # Shaped like reasoning models whose generation prompt opens a <think> block that training text
+    # of answers without reasoning never has.
+    opens_thinking = CHATML.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'")
+    tokenizer = make_tokenizer(bpe, opens_thinking)
+    agreeing = {"messages": [{"role": "user", "content": "a"}]}
+    conversation = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    path = write_jsonl(tmp_path / "m.jsonl", [agreeing, conversation])
+    source = read_source(path, "train")
+    found = first_disagreement(tokenizer, source, "messages")
+    assert found == (
+        f"{path}:2: message 1: the chat template's generation prompt differs from the training text at "
+        "character 51: trained 'b<|im_end|>\\n', served '<think>\\n'"
+    )
+    assert first_disagreement(make_tokenizer(bpe, CHATML), source, "messages") is None
+    with caplog.at_level(logging.WARNING):
+        data.build_datasets(config(path, assistant_only_loss=False), tokenizer, 0)
+    assert [r.getMessage() for r in caplog.records if "generation prompt" in r.getMessage()] == [found]

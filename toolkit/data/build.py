@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from toolkit.config import DataConfig
+from toolkit.data.agreement import first_disagreement
 from toolkit.data.cache import cache_key, encode_to_cache, tokenizer_fingerprint
 from toolkit.data.chat import ensure_chat_template
 from toolkit.data.encode import IGNORE, ChunkEncoder, check_encoder
@@ -121,7 +122,7 @@ def _streaming(names: list[str], cfg: DataConfig, tokenizer, main_process_first)
     sources, identities = [], []
     for name in names:
         source = read_source(name, cfg.split, streaming=True)
-        encoder = _encoder(_format(source, cfg, tokenizer), cfg, tokenizer)
+        encoder = _encoder(data_format(source, cfg, tokenizer), cfg, tokenizer)
         sources.append((source, encoder))
         identities.append((source.identity, encoder.fmt))
     key = cache_key(identities, cfg.max_length, _masking(cfg), tokenizer_fingerprint(tokenizer), CHUNK)
@@ -141,7 +142,7 @@ def _streaming(names: list[str], cfg: DataConfig, tokenizer, main_process_first)
     return StreamRows(sources, STREAM_CHUNK, cfg.max_length, key), eval_set, stats
 
 
-def _format(source, cfg: DataConfig, tokenizer) -> str:
+def data_format(source, cfg: DataConfig, tokenizer) -> str:
     """The source's record layout (detected from its first record with data.format auto), checked to be
     encodable with this tokenizer."""
     first = source.first()
@@ -151,6 +152,9 @@ def _format(source, cfg: DataConfig, tokenizer) -> str:
     if fmt != "text":
         ensure_chat_template(tokenizer)
     check_encoder(tokenizer, fmt, cfg.assistant_only_loss)
+    found = first_disagreement(tokenizer, source, fmt)
+    if found:
+        logger.warning("%s", found)
     return fmt
 
 
@@ -178,7 +182,7 @@ def _prepare(name: str, cfg: DataConfig, tokenizer) -> _Part:
     """One source read, checked and encoded chunk by chunk, from the cache when this exact work was done
     before."""
     source = read_source(name, cfg.split)
-    fmt = _format(source, cfg, tokenizer)
+    fmt = data_format(source, cfg, tokenizer)
     key = cache_key(source.identity, fmt, cfg.max_length, _masking(cfg), tokenizer_fingerprint(tokenizer))
     dataset, counts = encode_to_cache(
         key,
