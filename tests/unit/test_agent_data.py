@@ -17,7 +17,8 @@ from test_data import (
 )
 
 from toolkit import data
-from toolkit.data.agreement import first_disagreement
+from toolkit.config import load_config
+from toolkit.data.agreement import check_template_cli, first_disagreement
 from toolkit.data.formats import to_example
 from toolkit.data.sources import read_source
 from toolkit.errors import UserError
@@ -263,7 +264,7 @@ def test_an_sft_file_given_to_preference_tuning_names_the_recipe():
     )
 
 
-def test_a_template_that_serves_other_text_than_it_trained_is_one_warning(tmp_path, bpe, caplog):  # noqa: F811
+def test_a_template_that_serves_other_text_than_it_trained_is_one_warning(tmp_path, bpe, caplog, monkeypatch):  # noqa: F811
     # Shaped like reasoning models whose generation prompt opens a <think> block that training text
     # of answers without reasoning never has.
     opens_thinking = CHATML.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'")
@@ -281,3 +282,10 @@ def test_a_template_that_serves_other_text_than_it_trained_is_one_warning(tmp_pa
     with caplog.at_level(logging.WARNING):
         data.build_datasets(config(path, assistant_only_loss=False), tokenizer, 0)
     assert [r.getMessage() for r in caplog.records if "generation prompt" in r.getMessage()] == [found]
+    # `ftkit check-config` reports it too (the tokenizer stands in for the configured model's).
+    monkeypatch.setattr("toolkit.model.load_tokenizer", lambda cfg: tokenizer)
+    cfg = load_config(None)
+    cfg.data.train = path
+    assert check_template_cli(cfg) == f"warning: {found}"
+    monkeypatch.setattr("toolkit.model.load_tokenizer", lambda cfg: make_tokenizer(bpe, CHATML))
+    assert check_template_cli(cfg).startswith("chat template: generation prompts agree")
