@@ -35,9 +35,8 @@ CHATML_EOS = """
 {%- endif %}
 {%- for message in rest %}
   {{- '<|im_start|>' + message['role'] + '\\n' }}
-  {%- if message['role'] == 'tool' %}
-    {{- '<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}
-  {%- else %}
+  {%- if message['role'] == 'assistant' %}
+    {%- generation %}
     {%- if message.get('reasoning_content') %}
       {{- '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n' }}
     {%- endif %}
@@ -47,8 +46,14 @@ CHATML_EOS = """
       {%- set body = {'name': call['function']['name'], 'arguments': call['function']['arguments']} %}
       {{- '<tool_call>\\n' + body | tojson + '\\n</tool_call>' }}
     {%- endfor %}
+    {{- eos_token }}
+    {%- endgeneration %}
+    {{- '\\n' }}
+  {%- elif message['role'] == 'tool' %}
+    {{- '<tool_response>\\n' + message['content'] + '\\n</tool_response>' + eos_token + '\\n' }}
+  {%- else %}
+    {{- message['content'] + eos_token + '\\n' }}
   {%- endif %}
-  {{- eos_token + '\\n' }}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
 """
