@@ -150,6 +150,14 @@ def test_a_template_that_drops_earlier_reasoning_is_one_line_naming_the_message(
     assert message.startswith(f"{path}:1: message 1: the chat template is not prefix-stable (")
 
 
+def test_a_template_that_ignores_tool_calls_is_one_line(tmp_path, bpe):  # noqa: F811
+    path = write_jsonl(tmp_path / "a.jsonl", [AGENT])
+    assert build_error(config(path), make_tokenizer(bpe, CHATML)) == (
+        f"{path}:1: message 2: the chat template does not write tool calls ('calculator' is missing from "
+        "the turn); use a template that renders tool_calls"
+    )
+
+
 def test_turns_marked_untrained_are_not_trained(tmp_path, bpe):  # noqa: F811
     tokenizer = make_tokenizer(bpe, QWEN25)
     turns = [

@@ -60,12 +60,6 @@ CHATML_EOS = """
 PROBE = [
     {"role": "system", "content": "ftkit probe system"},
     {"role": "user", "content": "ftkit probe question"},
-    {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [{"type": "function", "function": {"name": "probe", "arguments": {"x": 1}}}],
-    },
-    {"role": "tool", "name": "probe", "tool_call_id": "call_0", "content": "ftkit probe result"},
     {"role": "assistant", "content": "ftkit probe answer"},
 ]
 # A reasoning block with nothing in it, as templates insert before an answer given without reasoning.
@@ -102,9 +96,9 @@ def render(
 
 
 def check_prefix_stable(tokenizer) -> None:
-    """One line naming the template's problem when a probe conversation (system, user, a tool call, its
-    result, an answer) cannot have its assistant turns located by rendering. Templates that change earlier
-    turns once a later user turn follows (dropping past reasoning) are caught per conversation instead."""
+    """One line naming the template's problem when a plain probe conversation cannot have its assistant
+    turn located by rendering. What only some conversations show (tool turns, a template dropping earlier
+    reasoning once a later user turn follows) is caught per conversation, naming its line."""
     assistant_spans(tokenizer, PROBE, "chat template check")
 
 
@@ -131,8 +125,20 @@ def assistant_spans(
                 "turns cannot be located; set data.assistant_only_loss: false or fix the template"
             )
         start, end = len(head), len(through.rstrip())
+        _check_calls_written(text[start:end], message, i, where)
         spans.append((_trained_start(text, start, end, message, train_reasoning), end))
     return text, spans
+
+
+def _check_calls_written(turn: str, message: dict, index: int, where: str) -> None:
+    """A template that ignores `tool_calls` would train the turn as empty text."""
+    for call in message.get("tool_calls") or []:
+        if call["function"]["name"] not in turn:
+            raise UserError(
+                f"{where}: message {index}: the chat template does not write tool calls "
+                f"({call['function']['name']!r} is missing from the turn); use a template that renders "
+                "tool_calls"
+            )
 
 
 def _trained_start(text: str, start: int, end: int, message: dict, train_reasoning: bool) -> int:
