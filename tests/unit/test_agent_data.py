@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from helpers import REPO
 from test_data import (
     CHATML,
     bpe,  # noqa: F401  (fixture)
@@ -15,6 +16,7 @@ from test_data import (
     trained_runs,
     write_jsonl,
 )
+from transformers import AutoTokenizer
 
 from toolkit import data
 from toolkit.config import load_config
@@ -297,3 +299,14 @@ def test_a_template_that_serves_other_text_than_it_trained_is_one_warning(tmp_pa
     assert check_template_cli(cfg) == f"warning: {found}"
     monkeypatch.setattr("toolkit.model.load_tokenizer", lambda cfg: make_tokenizer(bpe, CHATML))
     assert check_template_cli(cfg).startswith("chat template: generation prompts agree")
+
+
+def test_the_shipped_tool_demo_trains_the_call_and_the_answer(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "toolkit/assets/tiny-llama")
+    path = REPO / "toolkit/assets/demo/tools_eval.jsonl"
+    train, _, _ = data.build_datasets(config(str(path), max_length=224), tokenizer, 0)
+    assert len(train) == 200
+    call = (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "19 + 36"}}\n</tool_call><|im_end|>'
+    )
+    assert trained_runs(tokenizer, train[0]) == [call, "55<|im_end|>"]
