@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # A CPU-only torch keeps installs small where no GPU exists; with a GPU, pip's default (CUDA) build is used.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install demo demo-dpo test test-unit test-e2e lint bench clean
+.PHONY: install demo demo-dpo demo-tools test test-unit test-e2e lint bench clean
 
 install: $(STAMP)
 
@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml
 demo: install
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/finetune_llm.py \
 		train.overwrite=true $(ARGS)
+
+# Teaches the embedded tiny model to answer addition questions by calling a calculator tool.
+demo-tools: install
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/finetune_llm.py \
+		--config recipes/configs/demo-tools.yaml train.overwrite=true $(ARGS)
 
 # Preference-tunes the SFT demo's result (running the SFT demo first when it is missing) on the embedded pairs.
 demo-dpo: install

@@ -20,6 +20,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from toolkit.data.chat import CHATML_EOS
+
 ASSETS = Path(__file__).resolve().parent.parent / "toolkit" / "assets"
 SEED = 1234
 NUM_TRAIN, NUM_EVAL = 1000, 200
@@ -30,18 +32,9 @@ SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
-    "{{- '\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+# The ChatML fallback's documented form (tools, tool calls, tool results, reasoning), closing turns with
+# <|im_end|>; plain conversations render exactly as ChatML.
+CHAT_TEMPLATE = CHATML_EOS.replace("eos_token", "'<|im_end|>'")
 MODEL_SHAPE = dict(
     hidden_size=160,
     intermediate_size=640,

@@ -97,6 +97,8 @@ class DataConfig:
     """Tokens per example; longer examples are truncated (and counted in a warning)."""
     assistant_only_loss: bool = True
     """Train on assistant tokens only; false trains on every token of the conversation."""
+    train_reasoning: bool = True
+    """With assistant_only_loss, train assistant reasoning (reasoning_content) too; false leaves it out."""
     split: str = "train"
     """Split to read from hub datasets."""
     num_workers: NonNegativeInt = 0

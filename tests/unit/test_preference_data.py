@@ -59,7 +59,7 @@ def test_layouts_give_the_same_pair():
         ({"prompt": "q", "chosen": 5, "rejected": "a"}, "'chosen' must be text or a list of turns"),
         (
             {"prompt": "q", "chosen": [{"role": "bot", "content": "a"}], "rejected": "b"},
-            "chosen[0]: role 'bot' is not one of",
+            "chosen[0]: 'role' is 'bot', not one of",
         ),
     ],
 )

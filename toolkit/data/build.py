@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from toolkit.config import DataConfig
+from toolkit.data.agreement import first_disagreement
 from toolkit.data.cache import cache_key, encode_to_cache, tokenizer_fingerprint
 from toolkit.data.chat import ensure_chat_template
 from toolkit.data.encode import IGNORE, ChunkEncoder, check_encoder
@@ -121,14 +122,10 @@ def _streaming(names: list[str], cfg: DataConfig, tokenizer, main_process_first)
     sources, identities = [], []
     for name in names:
         source = read_source(name, cfg.split, streaming=True)
-        encoder = ChunkEncoder(
-            _format(source, cfg, tokenizer), tokenizer, cfg.max_length, cfg.assistant_only_loss
-        )
+        encoder = _encoder(data_format(source, cfg, tokenizer), cfg, tokenizer)
         sources.append((source, encoder))
         identities.append((source.identity, encoder.fmt))
-    key = cache_key(
-        identities, cfg.max_length, cfg.assistant_only_loss, tokenizer_fingerprint(tokenizer), CHUNK
-    )
+    key = cache_key(identities, cfg.max_length, _masking(cfg), tokenizer_fingerprint(tokenizer), CHUNK)
     held = None
     if cfg.eval:
         with main_process_first():
@@ -145,7 +142,7 @@ def _streaming(names: list[str], cfg: DataConfig, tokenizer, main_process_first)
     return StreamRows(sources, STREAM_CHUNK, cfg.max_length, key), eval_set, stats
 
 
-def _format(source, cfg: DataConfig, tokenizer) -> str:
+def data_format(source, cfg: DataConfig, tokenizer) -> str:
     """The source's record layout (detected from its first record with data.format auto), checked to be
     encodable with this tokenizer."""
     first = source.first()
@@ -155,7 +152,19 @@ def _format(source, cfg: DataConfig, tokenizer) -> str:
     if fmt != "text":
         ensure_chat_template(tokenizer)
     check_encoder(tokenizer, fmt, cfg.assistant_only_loss)
+    found = first_disagreement(tokenizer, source, fmt)
+    if found:
+        logger.warning("%s", found)
     return fmt
+
+
+def _encoder(fmt: str, cfg: DataConfig, tokenizer) -> ChunkEncoder:
+    return ChunkEncoder(fmt, tokenizer, cfg.max_length, cfg.assistant_only_loss, cfg.train_reasoning)
+
+
+def _masking(cfg: DataConfig) -> list:
+    """The settings that decide which tokens are trained (part of the cache key)."""
+    return [cfg.assistant_only_loss, cfg.train_reasoning]
 
 
 def _stats(names: list[str], parts: list[_Part], held: _Part | None, split: Split) -> DataStats:
@@ -173,14 +182,12 @@ def _prepare(name: str, cfg: DataConfig, tokenizer) -> _Part:
     """One source read, checked and encoded chunk by chunk, from the cache when this exact work was done
     before."""
     source = read_source(name, cfg.split)
-    fmt = _format(source, cfg, tokenizer)
-    key = cache_key(
-        source.identity, fmt, cfg.max_length, cfg.assistant_only_loss, tokenizer_fingerprint(tokenizer)
-    )
+    fmt = data_format(source, cfg, tokenizer)
+    key = cache_key(source.identity, fmt, cfg.max_length, _masking(cfg), tokenizer_fingerprint(tokenizer))
     dataset, counts = encode_to_cache(
         key,
         source.read(CHUNK),
-        ChunkEncoder(fmt, tokenizer, cfg.max_length, cfg.assistant_only_loss),
+        _encoder(fmt, cfg, tokenizer),
         cfg.num_proc or default_num_proc(),
         desc=f"encoding {name}",
         empty_error=lambda counts: (

@@ -20,7 +20,7 @@ from toolkit.data.parallel import ordered_map
 from toolkit.errors import UserError
 
 # Bump when encoding changes, so rows cached by older code are not reused.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 def cache_root() -> Path:

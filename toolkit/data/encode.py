@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from toolkit.data.chat import assistant_spans, render, turn_closing
+from toolkit.data.chat import assistant_spans, check_prefix_stable, render
 from toolkit.data.formats import to_example
 from toolkit.data.sources import Chunk
 from toolkit.errors import UserError
@@ -48,22 +48,26 @@ def check_encoder(tokenizer, fmt: str, assistant_only_loss: bool) -> None:
 class ChunkEncoder:
     """Encodes one chunk of records into rows. Plain text trains every token (eos appended so documents
     end); a conversation is rendered through the chat template and trains either every token or, with
-    `assistant_only_loss`, only the tokens that overlap an assistant turn's characters (its content and
-    closing end-of-turn text). An object rather than a closure so worker processes can receive it."""
+    `assistant_only_loss`, only the tokens that overlap an assistant turn's characters (its reasoning,
+    text, tool calls and end-of-turn text; see `chat.assistant_spans`). An object rather than a closure
+    so worker processes can receive it."""
 
     fmt: str
     tokenizer: object
     max_length: int
     assistant_only_loss: bool
+    train_reasoning: bool = True
 
     def __call__(self, chunk: Chunk) -> tuple[dict[str, list], dict[str, int]]:
         """(columns, counts) for the rows of `chunk`: see `encode_to_cache`."""
         fmt, tokenizer = self.fmt, self.tokenizer
         masked = self.assistant_only_loss and fmt != "text"
-        closing = turn_closing(tokenizer) if masked else ""
+        if masked:
+            check_prefix_stable(tokenizer)
         records = chunk.records()
         rendered = [
-            _render(r, fmt, tokenizer, masked, closing, chunk.where(i)) for i, r in enumerate(records)
+            _render(r, fmt, tokenizer, masked, self.train_reasoning, chunk.where(i))
+            for i, r in enumerate(records)
         ]
         texts = [text for text, _ in rendered]
         # Chat templates write any bos/eos the model expects; adding them again would double them.
@@ -79,16 +83,17 @@ class ChunkEncoder:
         return columns, {"truncated": out.truncated, "dropped": out.dropped}
 
 
-def _render(record: dict, fmt: str, tokenizer, masked: bool, closing: str, where: str):
+def _render(record: dict, fmt: str, tokenizer, masked: bool, train_reasoning: bool, where: str):
     """(text, assistant character spans or None) for one record."""
     example = to_example(record, fmt, where)
     if "text" in example:
         return example["text"], None
     if not example["messages"]:
         return "", []
+    messages, tools = example["messages"], example["tools"]
     if masked:
-        return assistant_spans(tokenizer, example["messages"], closing, where)
-    return render(tokenizer, example["messages"], where), None
+        return assistant_spans(tokenizer, messages, where, tools=tools, train_reasoning=train_reasoning)
+    return render(tokenizer, messages, where, tools=tools), None
 
 
 def _with_eos(ids: list[int], eos: int | None) -> list[int]:

@@ -249,4 +249,6 @@ def check_config_cli(
         f"{cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x GA {ga} x world "
         f"{launch.world_size}"
     )
-    return "\n".join([summary, *notes])
+    from toolkit.data.agreement import check_template_cli
+
+    return "\n".join([summary, *notes, check_template_cli(cfg)])

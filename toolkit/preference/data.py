@@ -52,10 +52,10 @@ class EncodedPairs:
 
 def render_pair(tokenizer, pair: Pair, where: str) -> tuple[str, str, str]:
     """(prompt text ending with the assistant header, chosen completion text, rejected completion text)."""
-    prompt = render(tokenizer, pair.prompt, where, generation_prompt=True)
+    prompt = render(tokenizer, pair.prompt, where, generation_prompt=True, tools=pair.tools)
     completions = []
     for turns in (pair.chosen, pair.rejected):
-        full = render(tokenizer, pair.prompt + turns, where)
+        full = render(tokenizer, pair.prompt + turns, where, tools=pair.tools)
         if not full.startswith(prompt):
             raise UserError(f"{where}: the chat template does not render the answer after the prompt")
         # As in SFT's assistant spans, what a template writes after the end-of-turn text (ChatML's newline)

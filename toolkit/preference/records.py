@@ -5,17 +5,24 @@ Two published layouts are read, told apart by their keys:
   prompt is one user turn, a text answer one assistant turn; answers that repeat the prompt's turns, as
   in UltraFeedback-binarized, have them removed);
 - implicit prompt: `chosen` and `rejected` only, two whole conversations whose shared opening turns are the
-  prompt (HH-RLHF style).
+  prompt (HH-RLHF style);
+- ranking: `conversations` (sharegpt turns) as the prompt, `chosen` and `rejected` each one {from, value}
+  turn, with optional `system` and `tools` columns (LLaMA-Factory).
+Turns may carry tool calls, tool results and reasoning, as in SFT data (see toolkit/data/formats.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.data.formats import ROLES
+from toolkit.data.formats import FORMAT_KEYS, tools_of, turns_to_messages
 from toolkit.errors import UserError
 
-LAYOUTS = {"explicit": ("prompt", "chosen", "rejected"), "implicit": ("chosen", "rejected")}
+LAYOUTS = {
+    "ranking": ("conversations", "chosen", "rejected"),
+    "explicit": ("prompt", "chosen", "rejected"),
+    "implicit": ("chosen", "rejected"),
+}
 
 
 @dataclass
@@ -26,6 +33,8 @@ class Pair:
     """Turns of the preferred completion."""
     rejected: list[dict]
     """Turns of the dispreferred completion."""
+    tools: list[dict] | None = None
+    """JSON schemas of the tools the conversation may call."""
 
 
 def detect_layout(record: dict, where: str) -> str:
@@ -33,6 +42,12 @@ def detect_layout(record: dict, where: str) -> str:
         if all(key in record for key in keys):
             return layout
     found = ", ".join(sorted(record)) or "none"
+    sft = [fmt for fmt, keys in FORMAT_KEYS.items() if all(key in record for key in keys)]
+    if sft:
+        raise UserError(
+            f"{where}: keys [{found}] are SFT data ({sft[0]} layout), not preference pairs; "
+            "train them with recipes/finetune_llm.py"
+        )
     raise UserError(
         f"{where}: keys [{found}] are not a preference pair; expected prompt, chosen, rejected "
         "(explicit prompt) or chosen, rejected (conversations sharing their opening turns)"
@@ -44,6 +59,8 @@ def to_pair(record: dict, layout: str, where: str) -> Pair:
     for key in LAYOUTS[layout]:
         if record.get(key) in (None, "", []):
             raise UserError(f"{where}: missing or empty '{key}'")
+    if layout == "ranking":
+        return _ranking(record, where)
     chosen = _turns(record["chosen"], "chosen", "assistant", where)
     rejected = _turns(record["rejected"], "rejected", "assistant", where)
     if layout == "explicit":
@@ -57,9 +74,28 @@ def to_pair(record: dict, layout: str, where: str) -> Pair:
     if not chosen or not rejected:
         side = "chosen" if not chosen else "rejected"
         raise UserError(f"{where}: '{side}' has no turn after the prompt")
-    if chosen == rejected:
+    return _checked(Pair(prompt, chosen, rejected, tools_of(record, where)), where)
+
+
+def _checked(pair: Pair, where: str) -> Pair:
+    if pair.chosen == pair.rejected:
         raise UserError(f"{where}: 'chosen' is identical to 'rejected'")
-    return Pair(prompt, chosen, rejected)
+    return pair
+
+
+def _ranking(record: dict, where: str) -> Pair:
+    system = record.get("system")
+    prompt = [{"role": "system", "content": system}] if isinstance(system, str) and system else []
+    if not isinstance(record["conversations"], list):
+        raise UserError(f"{where}: 'conversations' must be a list of turns")
+    prompt += turns_to_messages(record["conversations"], "sharegpt", "conversations", where)
+    answers = []
+    for key in ("chosen", "rejected"):
+        value = record[key]
+        if not isinstance(value, dict):
+            raise UserError(f"{where}: '{key}' must be one {{from, value}} turn, got {type(value).__name__}")
+        answers.append(turns_to_messages([value], "sharegpt", key, where))
+    return _checked(Pair(prompt, answers[0], answers[1], tools_of(record, where)), where)
 
 
 def _turns(value, key: str, role: str, where: str) -> list[dict]:
@@ -67,16 +103,7 @@ def _turns(value, key: str, role: str, where: str) -> list[dict]:
         return [{"role": role, "content": value}]
     if not isinstance(value, list):
         raise UserError(f"{where}: '{key}' must be text or a list of turns, got {type(value).__name__}")
-    turns = []
-    for i, turn in enumerate(value):
-        if not (isinstance(turn, dict) and isinstance(turn.get("content"), str)):
-            raise UserError(f"{where}: {key}[{i}] must be an object with role and text content")
-        if turn.get("role") not in ROLES:
-            raise UserError(
-                f"{where}: {key}[{i}]: role {turn.get('role')!r} is not one of {', '.join(ROLES)}"
-            )
-        turns.append({"role": turn["role"], "content": turn["content"]})
-    return turns
+    return turns_to_messages(value, "messages", key, where)
 
 
 def _after(prompt: list[dict], answer: list[dict]) -> list[dict]:

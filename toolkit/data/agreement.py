@@ -1,0 +1,61 @@
+"""Train/serve agreement: the prompt a chat template renders for generation should be the opening of the
+text the model was trained on, or the model answers after text it never saw in training (templates that
+drop earlier reasoning at inference but keep it in training are the common case)."""
+
+from __future__ import annotations
+
+from toolkit.data.chat import render
+from toolkit.data.formats import to_example
+from toolkit.data.sources import read_source
+
+SAMPLE = 8
+SHOWN = 30
+
+
+def disagreement(tokenizer, record: dict, fmt: str, where: str) -> str | None:
+    """None when generating each assistant turn of the record starts from its training text's prefix,
+    else one line with the first differing characters."""
+    example = to_example(record, fmt, where)
+    messages, tools = example.get("messages") or [], example.get("tools")
+    text = None
+    for turn, message in enumerate(messages):
+        if message["role"] != "assistant" or turn == 0:
+            continue
+        text = text or render(tokenizer, messages, where, tools=tools)
+        prompt = render(tokenizer, messages[:turn], where, generation_prompt=True, tools=tools)
+        if not text.startswith(prompt):
+            at = next((i for i, (a, b) in enumerate(zip(text, prompt, strict=False)) if a != b), len(text))
+            return (
+                f"{where}: message {turn}: the chat template's generation prompt differs from the training "
+                f"text at character {at}: trained {text[at : at + SHOWN]!r}, "
+                f"served {prompt[at : at + SHOWN]!r}"
+            )
+    return None
+
+
+def first_disagreement(tokenizer, source, fmt: str) -> str | None:
+    """The first disagreement among the opening records of `source`, or None."""
+    if fmt == "text":
+        return None
+    for chunk in source.read(SAMPLE):
+        for i, record in enumerate(chunk.records()):
+            found = disagreement(tokenizer, record, fmt, chunk.where(i))
+            if found:
+                return found
+        return None
+    return None
+
+
+def check_template_cli(cfg) -> str:
+    """`ftkit check-config`'s line on the recipe's chat template and training data."""
+    from toolkit.data.build import data_format
+    from toolkit.model import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model)
+    names = cfg.data.train if isinstance(cfg.data.train, list) else [cfg.data.train]
+    for name in names:
+        source = read_source(name, cfg.data.split)
+        found = first_disagreement(tokenizer, source, data_format(source, cfg.data, tokenizer))
+        if found:
+            return f"warning: {found}"
+    return f"chat template: generation prompts agree with the training text ({SAMPLE} records per source)"
