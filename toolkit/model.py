@@ -179,7 +179,6 @@ def model_module_classes(cfg: ModelConfig) -> set[str] | None:
     import importlib
 
     import transformers
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if cfg.trust_remote_code:
