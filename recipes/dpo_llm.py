@@ -78,9 +78,7 @@ def train(run: Run, cfg) -> int:
         for batch in micro_batches:
             ref_logps = ref.logps(batch)
             with accelerator.accumulate(model):
-                logps, counts = pref_loss.sequence_logps(
-                    model(**data.model_inputs(batch)).logits, batch["labels"]
-                )
+                logps, counts = pref_loss.batch_sequence_logps(model, batch)
                 terms = pref_loss.pair_terms(cfg.dpo, logps, counts, ref_logps)
                 accelerator.backward(pref_loss.micro_objective(terms, pair_scale, token_scale))
                 sums.add(terms, logps, counts)

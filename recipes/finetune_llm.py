@@ -70,8 +70,7 @@ def train(run: Run, cfg) -> int:
         loss_sum = torch.zeros((), device=accelerator.device)
         for batch in micro_batches:
             with accelerator.accumulate(model):
-                logits = model(**data.model_inputs(batch)).logits
-                micro_loss = loss.summed_token_loss(logits, batch["labels"])
+                micro_loss = loss.batch_loss(model, batch)
                 accelerator.backward(micro_loss * scale)
                 loss_sum += micro_loss.detach()
         step_loss = accelerator.reduce(loss_sum, reduction="sum").item() / max(step_targets, 1)

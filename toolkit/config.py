@@ -38,6 +38,7 @@ LrScheduler = Literal["cosine", "linear", "constant"]
 MixedPrecision = Literal["no", "bf16", "fp16"]
 OnNonFinite = Literal["skip", "stop"]
 Tracker = Literal["tensorboard", "wandb", "mlflow", "trackio"]
+LossHead = Literal["chunked", "full"]
 Seed = Annotated[int, Range(low=0, high=2**32 - 1)]
 
 
@@ -167,6 +168,15 @@ class TrainConfig:
 
 
 @dataclass
+class LossConfig:
+    head: LossHead = "chunked"
+    """How the output head scores target tokens: chunked (log-probs of the label tokens only, a chunk of
+    tokens at a time: the whole logits and their gradient never exist) or full (the model's own logits)."""
+    chunk_tokens: PositiveInt = 1024
+    """Label tokens per chunk of the chunked head: a chunk holds chunk_tokens x vocabulary float32 logits."""
+
+
+@dataclass
 class EvalConfig:
     max_batches: NonNegativeInt = 0
     """Cap on eval micro-batches per evaluation (0: the whole eval set)."""
@@ -204,6 +214,7 @@ class RecipeConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     log: LogConfig = field(default_factory=LogConfig)

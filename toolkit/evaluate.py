@@ -8,10 +8,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from toolkit.config import EvalConfig
-from toolkit.data import model_inputs
 from toolkit.distributed import root_params_gathered
 from toolkit.generation import chat_prompt_ids, exact_match, greedy_answer, split_prompt
-from toolkit.loss import count_targets, summed_token_loss
+from toolkit.loss import batch_loss, count_targets
 from toolkit.metrics import MetricsLog
 
 
@@ -87,11 +86,10 @@ def eval_loss(model, loader: DataLoader, accelerator, max_batches: int = 0) -> d
         if max_batches and i >= max_batches:
             break
         batch = {key: value.to(accelerator.device) for key, value in batch.items()}
-        logits = model(**model_inputs(batch)).logits
         labels = batch["labels"]
         totals += torch.stack(
             [
-                summed_token_loss(logits, labels).double(),
+                batch_loss(model, batch).double(),
                 torch.tensor(float(count_targets(labels)), dtype=torch.float64, device=totals.device),
             ]
         )

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from toolkit import head
+from toolkit.data.collate import model_inputs
 from toolkit.data.encode import IGNORE
 
 
@@ -21,6 +23,13 @@ def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
     )
+
+
+def batch_loss(model, batch: dict) -> torch.Tensor:
+    """`summed_token_loss` of `model` on `batch`, through the chunked head when the model has one."""
+    if head.chunked_head(model) is not None:
+        return -head.target_logps(model, batch, uniform=True).sum()
+    return summed_token_loss(model(**model_inputs(batch)).logits, batch["labels"])
 
 
 def backward_scale(step_targets: int, grad_accum_steps: int, world_size: int) -> float:

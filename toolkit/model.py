@@ -13,8 +13,8 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from toolkit import quant, speed
-from toolkit.config import LoraConfig, ModelConfig, check_local_path
+from toolkit import head, quant, speed
+from toolkit.config import LoraConfig, LossConfig, ModelConfig, check_local_path
 from toolkit.errors import UserError
 from toolkit.speed import SpeedFeatures
 
@@ -46,12 +46,14 @@ def load_model(
     features: SpeedFeatures | None = None,
     key: str = "model.path",
     quant_cast: str | None = None,
+    loss: LossConfig | None = None,
 ):
     """The trainable model: everything trainable for `full`, only the adapter for `lora`/`qlora`.
 
     `features` (from `speed.resolve`) chooses the attention kernel, Liger kernels and compilation; `key`
     is the config key that errors about `cfg.path` name; `quant_cast` (QLoRA) is the dtype the backend
-    casts parameters to (`quant.cast_dtype`), which auto storage packs 4-bit weights into.
+    casts parameters to (`quant.cast_dtype`), which auto storage packs 4-bit weights into; `loss` chooses
+    the output head (the chunked head is installed for `loss.head: chunked`; none given: the model's own).
     """
     check_local_path(cfg.path, key)
     attention = features.attention if features else cfg.attn_implementation
@@ -76,6 +78,8 @@ def load_model(
         if checkpointing:
             # Frozen embeddings give checkpointed blocks inputs without grad; the adapters need one.
             model.enable_input_require_grads()
+    if loss is not None and loss.head == "chunked":
+        head.install(model, loss.chunk_tokens)
     if features and features.compile:
         model.compile()
     return model

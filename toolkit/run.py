@@ -95,7 +95,12 @@ class Run:
         cfg = self.cfg
         cast = quant.cast_dtype(self.launch.backend, self.launch.fsdp_version, cfg.train.mixed_precision)
         model = models.load_model(
-            cfg.model, cfg.lora, self.accelerator.local_process_index, self.features, quant_cast=cast
+            cfg.model,
+            cfg.lora,
+            self.accelerator.local_process_index,
+            self.features,
+            quant_cast=cast,
+            loss=cfg.loss,
         )
         trainable, total = models.trainable_and_total(model)
         self.accelerator.print(

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.data import model_inputs
 from toolkit.generation import greedy_answer
 from toolkit.preference.config import DpoConfig
 from toolkit.preference.data import strided_batches
-from toolkit.preference.loss import PairSums, pair_terms, sequence_logps
+from toolkit.preference.loss import PairSums, batch_sequence_logps, pair_terms
 
 
 @torch.no_grad()
@@ -22,7 +21,7 @@ def evaluate_pairs(model, dataset, collate, accelerator, cfg: DpoConfig, referen
         dataset, accelerator.process_index, accelerator.num_processes, batch_size
     ):
         batch = {k: v.to(accelerator.device) for k, v in collate(rows).items()}
-        logps, counts = sequence_logps(model(**model_inputs(batch)).logits, batch["labels"])
+        logps, counts = batch_sequence_logps(model, batch)
         sums.add(pair_terms(cfg, logps, counts, reference(batch)), logps, counts, keep=real)
     model.train()
     return sums.reduce(accelerator).metrics(prefix="eval_")

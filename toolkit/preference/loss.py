@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from toolkit import head
+from toolkit.data.collate import model_inputs
 from toolkit.loss import IGNORE
 from toolkit.preference.config import DpoConfig
 
@@ -26,6 +28,13 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     logits = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))
     nll = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE, reduction="none")
     return -nll.sum(dim=1), (targets != IGNORE).sum(dim=1)
+
+
+def batch_sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logps` of `model` on `batch`, through the chunked head when the model has one."""
+    if head.chunked_head(model) is None:
+        return sequence_logps(model(**model_inputs(batch)).logits, batch["labels"])
+    return head.target_logps(model, batch).sum(dim=1), (batch["labels"][:, 1:] != IGNORE).sum(dim=1)
 
 
 @dataclass

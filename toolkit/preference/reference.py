@@ -17,12 +17,11 @@ from accelerate.utils import DistributedType
 from safetensors.torch import load_file, save_file
 
 from toolkit.config import LoraConfig, ModelConfig
-from toolkit.data import model_inputs
 from toolkit.errors import UserError
 from toolkit.model import load_model
 from toolkit.preference.config import precomputes_reference, uses_reference
 from toolkit.preference.data import strided_batches
-from toolkit.preference.loss import sequence_logps
+from toolkit.preference.loss import batch_sequence_logps
 
 FILE = "reference_logps.safetensors"
 INFO = "reference_logps.json"
@@ -55,7 +54,7 @@ def live_logps(accelerator, model, batch: dict, separate=None) -> torch.Tensor:
         adapter_off(accelerator, model) if separate is None and has_adapter else contextlib.nullcontext()
     )
     with frozen(source), context:
-        return sequence_logps(source(**model_inputs(batch)).logits, batch["labels"])[0]
+        return batch_sequence_logps(source, batch)[0]
 
 
 class Precomputed:
@@ -123,7 +122,8 @@ def load_separate(accelerator, cfg, features):
         gradient_checkpointing=False,
         trust_remote_code=cfg.model.trust_remote_code,
     )
-    model = load_model(spec, LoraConfig(), accelerator.local_process_index, features, "dpo.reference_model")
+    rank = accelerator.local_process_index
+    model = load_model(spec, LoraConfig(), rank, features, "dpo.reference_model", loss=cfg.loss)
     model.eval()
     model.requires_grad_(False)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:

@@ -1,0 +1,261 @@
+"""The chunked loss head: log-probabilities of the label tokens without the whole logits.
+
+`install` turns the model's output layer into a `TargetHead`. Outside `target_logps` it is the plain linear
+layer (generation, export and state-dict names are unchanged). Inside, the model's own forward pass hands
+its last hidden states to the head as usual, and the head returns, for each position, the log-probability
+of the next label token, computed `chunk_tokens` label tokens at a time by `_TargetLogps`: the head's
+projection, log-softmax and target pick per chunk, recomputed (or, for a loss whose gradient is the same
+for every token, differentiated already) so that neither the logits nor their gradient exist whole.
+
+Scoring inside the model's forward, rather than on hidden states it returned, is what keeps every backend
+right: ZeRO-3 gathers the head's weight when the head module runs (and again for its backward), FSDP has
+it unsharded there, and DDP sees every parameter used in its own forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from toolkit.data.collate import model_inputs
+from toolkit.data.encode import IGNORE
+from toolkit.errors import UserError
+
+# Config keys of models whose forward changes the logits after the head in a way the chunked head cannot
+# reproduce; each is refused by name rather than scored wrongly.
+UNSUPPORTED_LOGIT_KEYS = ("logit_scale", "output_multiplier", "unpadded_vocab_size")
+
+
+class TargetHead(nn.Linear):
+    """An output layer that, while `targets` is set, returns the log-probability of each position's
+    target token (0 where the target is IGNORE) in place of the logits."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.targets is None:
+            return super().forward(hidden)
+        return score(
+            hidden, self.weight, self.bias, self.targets, self.chunk_tokens, self.uniform, self.shape
+        )
+
+
+def install(model, chunk_tokens: int) -> None:
+    """Make `model`'s output layer a TargetHead in place (one line naming what stands in the way)."""
+    layer = model.get_output_embeddings()
+    config = model.config
+    name = getattr(config, "model_type", type(model).__name__)
+    if type(layer) is not nn.Linear:
+        raise UserError(
+            f"loss.head: chunked: the output layer of {name} is a {type(layer).__name__}, not a plain "
+            "linear layer (LoRA on lm_head?); set loss.head: full"
+        )
+    problem = logit_change_problem(config)
+    if problem:
+        raise UserError(
+            f"loss.head: chunked: {name} changes its logits after the head ({problem}), which the chunked "
+            "head does not reproduce; set loss.head: full"
+        )
+    layer.__class__ = TargetHead
+    layer.targets = None
+    layer.uniform = False
+    layer.chunk_tokens = chunk_tokens
+    layer.shape = LogitShape.of(config)
+
+
+def logit_change_problem(config) -> str | None:
+    """The config key by which a model changes its logits after the head in a way LogitShape does not
+    cover, or None. A nested text config's scale or cap is read from there, where LogitShape does not
+    look, so it counts too."""
+    nested = getattr(config, "text_config", None)
+    nested = nested if nested is not None and nested is not config else None
+    for key in UNSUPPORTED_LOGIT_KEYS:
+        if any(getattr(c, key, None) is not None for c in (config, nested)):
+            return key
+    for key in LogitShape.KEYS:
+        if getattr(nested, key, None) not in (None, 1.0):
+            return f"text_config.{key}"
+    return None
+
+
+class LogitShape:
+    """What the model does to the head's output before it is a logit: a scale, then a tanh soft cap.
+
+    The model applies both itself after the head (the config keys are read in its forward); while the head
+    scores targets they are applied here instead, and set to no-ops in the config for that forward."""
+
+    KEYS = {"logits_scaling": 1.0, "final_logit_softcapping": None}
+
+    def __init__(self, config, scaling: float, softcap: float | None):
+        self.config = config
+        self.scale = 1.0 / scaling
+        self.softcap = softcap
+
+    @classmethod
+    def of(cls, config) -> LogitShape:
+        return cls(
+            config,
+            getattr(config, "logits_scaling", None) or 1.0,
+            getattr(config, "final_logit_softcapping", None),
+        )
+
+    @contextlib.contextmanager
+    def moved_into_head(self):
+        saved = {key: getattr(self.config, key) for key in self.KEYS if hasattr(self.config, key)}
+        for key in saved:
+            setattr(self.config, key, self.KEYS[key])
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                setattr(self.config, key, value)
+
+    def apply(self, z: torch.Tensor) -> torch.Tensor:
+        """The logits from the head's float32 output, in place."""
+        if self.scale != 1.0:
+            z.mul_(self.scale)
+        if self.softcap:
+            z.div_(self.softcap).tanh_().mul_(self.softcap)
+        return z
+
+    def chain(self, dz: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The gradient with respect to the head's output from that with respect to the logits, in place."""
+        if self.softcap:
+            dz.mul_(1 - (logits / self.softcap).square_())
+        if self.scale != 1.0:
+            dz.mul_(self.scale)
+        return dz
+
+
+def chunked_head(model) -> TargetHead | None:
+    """The model's installed TargetHead (through any backend wrapper), or None."""
+    return next((m for m in model.modules() if isinstance(m, TargetHead)), None)
+
+
+def target_logps(model, batch: dict, uniform: bool = False) -> torch.Tensor:
+    """Per-position log-probability of the next label token, [rows, length - 1], 0 where the label is
+    IGNORE; the chunked head's forward pass. `uniform`: the caller's loss weighs every token alike (a summed
+    token loss), so the gradient is taken in the forward pass and not recomputed."""
+    layer = chunked_head(model)
+    labels = batch["labels"]
+    targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
+    layer.targets, layer.uniform = targets, uniform
+    try:
+        with layer.shape.moved_into_head():
+            return model(**model_inputs(batch)).logits[:, :-1]
+    finally:
+        layer.targets, layer.uniform = None, False
+
+
+def score(hidden, weight, bias, targets, chunk_tokens: int, uniform: bool, shape: LogitShape) -> torch.Tensor:
+    """Log-probabilities of `targets` ([..., positions]) under the head, 0 where a target is IGNORE; only
+    the label positions go through the head."""
+    flat = hidden.reshape(-1, hidden.size(-1))
+    picked = (targets.reshape(-1) != IGNORE).nonzero().squeeze(1)
+    out_dtype = torch.promote_types(hidden.dtype, torch.float32)
+    logps = _TargetLogps.apply(
+        flat.index_select(0, picked), weight, bias, targets.reshape(-1)[picked], chunk_tokens, uniform, shape
+    )
+    full = torch.zeros(flat.size(0), dtype=out_dtype, device=hidden.device)
+    return full.index_put((picked,), logps.to(out_dtype)).view(targets.shape)
+
+
+class _TargetLogps(torch.autograd.Function):
+    """log p(target) for rows of hidden states, a chunk of rows at a time, in float32 (float64 for a
+    float64 model). Backward either scales the gradient taken in forward (every row's incoming gradient
+    equal, as for a summed token loss) or recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_tokens, uniform, shape):
+        device = hidden.device.type
+        autocast = torch.is_autocast_enabled(device)
+        ctx.dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
+        ctx.chunk_tokens, ctx.shape = chunk_tokens, shape
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        needs = ctx.needs_input_grad[:3]
+        ctx.early = uniform and any(needs)
+        with torch.autocast(device, enabled=False):
+            w, b = _cast(weight, ctx.dtype), _cast(bias, ctx.dtype)
+            grads = _zero_grads(hidden, weight, bias, needs) if ctx.early else None
+            out = torch.empty(
+                len(targets), dtype=torch.promote_types(ctx.dtype, torch.float32), device=hidden.device
+            )
+            for rows in _chunks(len(targets), chunk_tokens):
+                h = hidden[rows].to(ctx.dtype)
+                logits = shape.apply(_head(h, w, b, out.dtype))
+                lse = torch.logsumexp(logits, dim=-1)
+                out[rows] = logits.gather(1, targets[rows, None]).squeeze(1) - lse
+                if ctx.early:
+                    dz = _dlogp(logits, lse, targets[rows], shape)
+                    _accumulate(grads, dz.to(ctx.dtype), h, w, rows)
+        ctx.grads = grads
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        grads, ctx.grads = ctx.grads, None
+        if grads is not None and _all_equal(grad_out):
+            factor = grad_out[0] if len(grad_out) else 0.0
+            return (*(g.mul_(factor) if g is not None else None for g in grads), None, None, None, None)
+        needs = ctx.needs_input_grad[:3]
+        grads = _zero_grads(hidden, weight, bias, needs)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w, b = _cast(weight, ctx.dtype), _cast(bias, ctx.dtype)
+            for rows in _chunks(len(targets), ctx.chunk_tokens):
+                h = hidden[rows].to(ctx.dtype)
+                logits = ctx.shape.apply(_head(h, w, b, grad_out.dtype))
+                lse = torch.logsumexp(logits, dim=-1)
+                dz = _dlogp(logits, lse, targets[rows], ctx.shape).mul_(grad_out[rows, None])
+                _accumulate(grads, dz.to(ctx.dtype), h, w, rows)
+        return (*grads, None, None, None, None)
+
+
+def _chunks(n: int, size: int):
+    return (slice(start, min(start + size, n)) for start in range(0, n, size))
+
+
+def _cast(tensor, dtype):
+    return tensor.to(dtype) if tensor is not None else None
+
+
+def _head(h, w, b, dtype) -> torch.Tensor:
+    """The head's output for a chunk of rows, as a fresh tensor of `dtype` (float32 at least)."""
+    z = F.linear(h, w, b)
+    return z.to(dtype) if z.dtype != dtype else z
+
+
+def _dlogp(logits, lse, targets, shape: LogitShape) -> torch.Tensor:
+    """d log p(target) / d(head output) for a chunk: one-hot minus softmax, through the logit shape.
+    Overwrites `logits` (which the soft cap's derivative reads first)."""
+    probs = torch.exp(logits - lse[:, None]) if shape.softcap else logits.sub_(lse[:, None]).exp_()
+    dz = probs.neg_()
+    dz[torch.arange(len(targets), device=dz.device), targets] += 1
+    return shape.chain(dz, logits) if shape.softcap or shape.scale != 1.0 else dz
+
+
+def _zero_grads(hidden, weight, bias, needs) -> list:
+    """Gradient buffers for the inputs that need one: hidden in its dtype, weight and bias in theirs."""
+    return [
+        torch.zeros_like(t) if need and t is not None else None
+        for t, need in zip((hidden, weight, bias), needs)
+    ]
+
+
+def _accumulate(grads, dz, h, w, rows) -> None:
+    """Add one chunk's contribution to the hidden-state, weight and bias gradients."""
+    grad_hidden, grad_weight, grad_bias = grads
+    if grad_hidden is not None:
+        grad_hidden[rows] = (dz @ w).to(grad_hidden.dtype)
+    if grad_weight is not None:
+        if grad_weight.dtype == dz.dtype:
+            grad_weight.addmm_(dz.t(), h)
+        else:
+            grad_weight += (dz.t() @ h).to(grad_weight.dtype)
+    if grad_bias is not None:
+        grad_bias += dz.sum(0).to(grad_bias.dtype)
+
+
+def _all_equal(grad: torch.Tensor) -> bool:
+    return len(grad) == 0 or bool((grad == grad[0]).all())
