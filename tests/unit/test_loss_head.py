@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import micro_llama
+from helpers import REPO, micro_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     CohereConfig,
@@ -18,8 +18,10 @@ from transformers import (
 )
 
 from toolkit import head
-from toolkit.config import LoraConfig
+from toolkit.config import LoraConfig, load_config
 from toolkit.errors import UserError
+from toolkit.launch import checks
+from toolkit.launch.machine import Machine
 from toolkit.loss import IGNORE, batch_loss
 from toolkit.model import _with_adapter
 from toolkit.preference.loss import batch_sequence_logps
@@ -265,3 +267,16 @@ def test_outside_scoring_the_head_is_the_plain_layer():
     with torch.no_grad():
         assert torch.equal(full(input_ids=ids).logits, chunked(input_ids=ids).logits)
     assert chunked.state_dict().keys() == full.state_dict().keys()
+
+
+def test_the_launch_check_refuses_such_a_model_before_any_data_is_read(tmp_path):
+    CohereConfig(**SMALL, num_attention_heads=2, num_key_value_heads=1).save_pretrained(tmp_path)
+    cfg = load_config(None, [f"model.path={tmp_path}"])
+    launch = checks.launch_from_yaml(REPO / "accelerate_configs" / "single.yaml", gpu_count=0)
+    with pytest.raises(UserError) as refused:
+        checks.check_launch(launch, cfg, "recipe.yaml", Machine(), {})
+    assert "\n" not in str(refused.value)
+    assert str(refused.value).startswith("loss.head chunked in recipe.yaml: ")
+    assert "(logit_scale)" in str(refused.value)
+    cfg.loss.head = "full"
+    assert checks.check_launch(launch, cfg, "recipe.yaml", Machine(), {}) == []

@@ -10,7 +10,7 @@ import json
 from collections.abc import MutableMapping
 from pathlib import Path
 
-from toolkit import quant
+from toolkit import head, quant
 from toolkit.batches import grad_accum_steps
 from toolkit.config import ModelConfig, RecipeConfig, TrainConfig
 from toolkit.errors import UserError
@@ -24,7 +24,7 @@ from toolkit.launch.sections import (
     refuse_parallelism,
     refuse_unknown_wrap_classes,
 )
-from toolkit.model import model_module_classes
+from toolkit.model import model_config, model_module_classes
 from toolkit.typed_yaml import dotted, read_yaml_mapping
 
 # What each accelerate distributed_type starts, in ftkit's words. Others are refused: MULTI_CPU starts one
@@ -113,7 +113,20 @@ def check_launch(
         )
     if cfg.model.method == "qlora":
         _check_qlora(launch, cfg.model, cfg.train.mixed_precision, recipe_source)
+    if cfg.loss.head == "chunked":
+        _check_loss_head(cfg.model, recipe_source)
     return _disable_nccl_p2p(machine, env)
+
+
+def _check_loss_head(model: ModelConfig, recipe_source: str) -> None:
+    """A model that changes its logits after the head is refused before any data is prepared."""
+    config = model_config(model)
+    problem = head.logit_change_problem(config) if config is not None else None
+    if problem:
+        raise UserError(
+            f"loss.head chunked in {recipe_source}: {model.path} changes its logits after the head "
+            f"({problem}), which the chunked head does not reproduce; set loss.head: full"
+        )
 
 
 def _check_qlora(launch: Launch, model: ModelConfig, mixed_precision: str, recipe_source: str) -> None:
