@@ -17,12 +17,24 @@ def test_pairs_double_the_activations_and_the_reference_adds_its_weights():
     sft = make_plan(PlanRequest(**LLAMA, micro_batch=1))
     dpo = make_plan(PlanRequest(**LLAMA, micro_batch=1, objective="dpo"))
     with_reference = make_plan(PlanRequest(**LLAMA, micro_batch=1, objective="dpo", reference_model=True))
-    assert row(dpo, "ddp").activations == 2 * row(sft, "ddp").activations
+    layers = [row(plan, "ddp").activations - row(plan, "ddp").head for plan in (sft, dpo)]
+    assert layers[1] == 2 * layers[0]
     assert row(dpo, "ddp").per_gpu()["weights"] == row(sft, "ddp").per_gpu()["weights"]
     whole = sft.counts.total * 2  # bfloat16 weights
     assert row(with_reference, "ddp").per_gpu()["reference"] == whole
     assert row(with_reference, "fsdp").per_gpu()["reference"] == whole // 2  # sharded like the policy
     assert "reference" not in row(dpo, "ddp").per_gpu()
+
+
+def test_the_chunked_head_keeps_one_chunk_of_log_probs_for_a_pair():
+    """2 x 1024 tokens, chunks of 512: one 512 x 128,256 chunk in fp32 plus its bf16 gradient, nothing kept
+    from forward; the full logits double with the pair like every other activation."""
+    dpo = make_plan(PlanRequest(**LLAMA, micro_batch=1, objective="dpo", chunk_tokens=512))
+    assert row(dpo, "ddp").head == 512 * 128_256 * (4 + 2)
+    sft = make_plan(PlanRequest(**LLAMA, micro_batch=1, loss_head="full"))
+    full = make_plan(PlanRequest(**LLAMA, micro_batch=1, objective="dpo", loss_head="full"))
+    assert row(full, "ddp").head == 2 * 1024 * 128_256 * (2 + 8)
+    assert row(full, "ddp").activations == 2 * row(sft, "ddp").activations
 
 
 def test_llama3_dpo_lora_on_two_4090s_and_its_launch_line():

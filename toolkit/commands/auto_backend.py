@@ -69,6 +69,8 @@ def plan_request(cfg: RecipeConfig, overrides: list[str], processes: int, mem_gi
         mixed_precision="no" if cfg.train.mixed_precision == "no" else "bf16",
         objective="dpo" if dpo else "sft",
         reference_model=bool(dpo and dpo.reference_model),
+        loss_head=cfg.loss.head,
+        chunk_tokens=cfg.loss.chunk_tokens,
     )
 
 

@@ -12,7 +12,7 @@ from toolkit.errors import UserError
 
 def main(argv: list[str] | None = None) -> int:
     from toolkit.commands import train
-    from toolkit.config import Method
+    from toolkit.config import LossHead, Method
     from toolkit.fields import choices
     from toolkit.plan import GradCkpt, PlanDtype, PlanPrecision
 
@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--grad-ckpt", choices=choices(GradCkpt), help="checkpointing (default auto)")
     plan.add_argument("--dtype", choices=choices(PlanDtype), help="weights (default as recipes)")
     plan.add_argument("--mixed-precision", choices=choices(PlanPrecision), help="default bf16")
+    plan.add_argument(
+        "--loss-head", choices=choices(LossHead), help="chunked (default): the logits never exist whole; full"
+    )
+    plan.add_argument(
+        "--chunk-tokens", type=int, help="label tokens per chunk of the chunked head (default 1024)"
+    )
     plan.add_argument("--cpu-mem", type=float, help="GiB of CPU RAM; setups needing more do not fit")
     plan.add_argument("--objective", choices=("sft", "dpo"), help="dpo: chosen + rejected per example")
     plan.add_argument(

@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Literal
 
 from toolkit import flops
-from toolkit.config import Method, load_config
+from toolkit.config import LossConfig, LossHead, Method, load_config
 from toolkit.errors import UserError
 from toolkit.fields import NonNegativeFloat, PositiveFloat, PositiveInt, Probability, field_errors
 from toolkit.launch.machine import GIB
 from toolkit.metrics import read_metrics
 from toolkit.plan import GradCkpt, PlanDtype, PlanPrecision, architectures, memory
 from toolkit.plan.counts import ModelCounts, count_parameters, load_model_config
-from toolkit.plan.memory import MemoryEstimate, Precision
+from toolkit.plan.memory import Head, MemoryEstimate, Precision
 from toolkit.typed_yaml import flat_dict
 
 RECIPES = {"sft": "finetune_llm.py", "dpo": "dpo_llm.py"}
@@ -63,6 +63,10 @@ class PlanRequest:
     reference_model: bool = False
     """dpo with a separate reference model: its frozen weights too (none with LoRA or precomputed
     reference log-probs)."""
+    loss_head: LossHead = LossConfig.head
+    """How the loss reads the output head (loss.head; chunked: the logits never exist whole)."""
+    chunk_tokens: PositiveInt = LossConfig.chunk_tokens
+    """Label tokens per chunk of the chunked head (loss.chunk_tokens)."""
 
     def validate(self) -> None:
         errors = field_errors(self)
@@ -112,6 +116,8 @@ class Plan:
     command: str | None
     flops_per_token: int
     cost: Cost | None
+    full_head: MemoryEstimate | None = None
+    """The recommended setup with the full logits instead of the chunked head (None under loss.head full)."""
 
     def fits(self, row: MemoryEstimate) -> bool:
         return fits(row, self.request)
@@ -156,7 +162,18 @@ def make_plan(request: PlanRequest, cost: CostRequest | None = None) -> Plan:
         command=launch_line(choice, request, precision) if choice else None,
         flops_per_token=flops.flops_per_token(counts, request.seq_len),
         cost=estimate_cost(cost, request.gpus) if cost else None,
+        full_head=_with_full_head(choice, counts, request, precision),
     )
+
+
+def _with_full_head(
+    row: MemoryEstimate | None, counts, request: PlanRequest, precision
+) -> MemoryEstimate | None:
+    """`row` as it would be with the full logits, to tell what fits only thanks to the chunked head."""
+    if row is None or request.loss_head == "full":
+        return None
+    full = dataclasses.replace(request, loss_head="full")
+    return _estimate(counts, full, precision, row.backend, row.checkpointing, row.micro_batch)
 
 
 def resolve_precision(request: PlanRequest) -> Precision:
@@ -205,7 +222,7 @@ def _grow_micro_batch(row: MemoryEstimate, counts, request: PlanRequest, precisi
 def _estimate(
     counts, request: PlanRequest, precision, backend: str, ckpt: bool, micro: int
 ) -> MemoryEstimate:
-    sequences = 2 if request.objective == "dpo" else 1
+    dpo = request.objective == "dpo"
     return memory.estimate(
         counts,
         backend,
@@ -215,8 +232,9 @@ def _estimate(
         ckpt,
         precision,
         request.lora_dropout,
-        sequences_per_example=sequences,
+        sequences_per_example=2 if dpo else 1,
         reference=reference_bytes(counts, request, precision, backend),
+        head=Head(request.loss_head, request.chunk_tokens, log_probs=dpo),
     )
 
 
@@ -248,6 +266,8 @@ def launch_line(row: MemoryEstimate, request: PlanRequest, precision: Precision)
         "train.mixed_precision": precision.mixed,
         "data.max_length": request.seq_len,
         "train.global_batch_size": request.global_batch,
+        "loss.head": request.loss_head,
+        "loss.chunk_tokens": request.chunk_tokens,
     }
     if request.method != "full":
         wanted |= {

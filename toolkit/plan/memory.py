@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from toolkit.config import LossConfig
 from toolkit.launch.machine import GIB
 
 BACKENDS = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload")
@@ -43,6 +44,18 @@ class Precision:
 
 
 FP32 = Precision()
+
+
+@dataclass(frozen=True)
+class Head:
+    """How the loss reads the output head: the recipe's loss section, and what the objective asks of it."""
+
+    kind: str = LossConfig.head
+    """chunked | full (loss.head)."""
+    chunk_tokens: int = LossConfig.chunk_tokens
+    """Label tokens the chunked head scores at once (loss.chunk_tokens)."""
+    log_probs: bool = False
+    """Per-token log-probs (preference tuning): the chunk is recomputed in backward, nothing V-sized kept."""
 
 
 @dataclass(frozen=True)
@@ -163,22 +176,55 @@ def activation_bytes(
                                                   contiguous copy for o_proj; fp32 log-sum-exp per head
         SwiGLU MLP                4e*i            gate, up, SiLU(gate), and their product
         LoRA dropout (p > 0)      (e+1)(5h+h_a+i) a dropped copy of each adapted input, with its 1-byte mask
-    The head adds one RMSNorm and the logits, e + 8 bytes per vocabulary entry (logits, their fp32 copy for
-    the loss, and the log-softmax or its gradient). With gradient checkpointing only each layer's input is
-    kept (r bytes per h, r the weights' dtype size: the residual stream's dtype), plus one layer being
-    recomputed.
+    The head adds one RMSNorm (the loss head's own memory is `head_bytes`). With gradient checkpointing only
+    each layer's input is kept (r bytes per h, r the weights' dtype size: the residual stream's dtype), plus
+    one layer being recomputed.
     Total = s x b x per-token bytes.
     """
-    e = 2 if precision.mixed == "bf16" or precision.weights == "bfloat16" else 4
+    e = compute_bytes(precision)
     residual = 4 if precision.weights == "float32" or counts.method == "qlora" else 2
     h, h_a = counts.hidden, counts.heads * counts.head_dim
     norm = 4 * h + 2 * e * h
     layer = 2 * norm + 5 * e * h_a + 4 * counts.heads + 4 * e * counts.intermediate
     if counts.method != "full" and lora_dropout > 0:
         layer += (e + 1) * (5 * h + h_a + counts.intermediate)
-    head = norm + counts.vocab * (e + 8)
     stored = counts.layers * residual * h + layer if checkpointing else counts.layers * layer
-    return (stored + head) * seq_len * micro_batch
+    return (stored + norm) * seq_len * micro_batch
+
+
+def head_bytes(counts, tokens: int, backend: str, precision: Precision, head: Head) -> int:
+    """The loss head's memory for one micro-batch of `tokens` label tokens (every token counted as a label).
+
+    full: the logits, their fp32 copy and the log-softmax or its gradient, e + 8 bytes per vocabulary entry
+    per token. chunked, c = min(chunk_tokens, tokens) tokens at a time, V the vocabulary: a c x V fp32 chunk
+    plus its gradient cast to the compute dtype (none when that is fp32). Training (SFT) computes the
+    gradient in forward and keeps the hidden states' gradient (tokens x hidden x e) and, when the head is
+    trained, a gradient of the head weight; log-probs (preference) keep nothing and recompute the chunk in
+    backward. Eval and reference log-probs (c x V x 4, no gradient) stay below either peak.
+    """
+    e = compute_bytes(precision)
+    if head.kind == "full":
+        return tokens * counts.vocab * (e + 8)
+    chunk = min(head.chunk_tokens, tokens) * counts.vocab
+    if head.log_probs:
+        return chunk * (4 + e)
+    kept = tokens * counts.hidden * e
+    if counts.method == "full":
+        # The head weight's gradient is computed in forward, so it exists before backward allocates .grad.
+        kept += counts.vocab * counts.hidden * _head_weight_bytes(counts, backend, precision)
+    return chunk * (4 + (0 if e == 4 else e)) + kept
+
+
+def compute_bytes(precision: Precision) -> int:
+    """Bytes of an activation: 2 under bf16 autocast or bf16 weights, else 4."""
+    return 2 if precision.mixed == "bf16" or precision.weights == "bfloat16" else 4
+
+
+def _head_weight_bytes(counts, backend: str, precision: Precision) -> int:
+    """Bytes of a head weight as the forward sees it: gathered in the compute dtype when sharded."""
+    if backend in SHARDED_PARAMS:
+        return compute_bytes(precision)
+    return _param_bytes(counts.method, backend, precision)[1]
 
 
 def working_weight_bytes(counts, backend: str, precision: Precision) -> int:
@@ -188,7 +234,7 @@ def working_weight_bytes(counts, backend: str, precision: Precision) -> int:
     prefetched) plus the embedding or output head, whichever is larger. Under bf16 autocast, fp32 weights on
     an unsharded torch backend get bf16 copies of every linear weight that live until the backward pass.
     """
-    compute = 2 if precision.mixed == "bf16" or precision.weights == "bfloat16" else 4
+    compute = compute_bytes(precision)
     if backend in SHARDED_PARAMS:
         return (2 * counts.largest_layer + max(counts.embed, counts.lm_head)) * compute
     autocast_copies = (
@@ -241,6 +287,8 @@ class MemoryEstimate:
     states: ModelStateBytes
     working: int
     activations: int
+    head: int
+    """Of `activations`, the loss head's: the logits (full), or a chunk and what training keeps (chunked)."""
     overhead: int
     cpu_ram: int
     reference: int = 0
@@ -277,13 +325,16 @@ def estimate(
     lora_dropout: float = 0.0,
     sequences_per_example: int = 1,
     reference: int = 0,
+    head: Head = Head(),
 ) -> MemoryEstimate:
     """Everything one GPU (and the machine's RAM) needs for `backend` on `n_gpus` GPUs; preference tuning
     runs 2 `sequences_per_example` (chosen and rejected) and may hold `reference` bytes of frozen weights."""
     states = model_state_bytes(counts, backend, n_gpus, precision)
     working = working_weight_bytes(counts, backend, precision)
     sequences = micro_batch * sequences_per_example
+    loss_head = head_bytes(counts, seq_len * sequences, backend, precision, head)
     activations = activation_bytes(counts, seq_len, sequences, checkpointing, precision, lora_dropout)
+    activations += loss_head
     tensors = (states.persistent if states.in_cpu_ram else states.total) + working + activations + reference
     return MemoryEstimate(
         backend=backend,
@@ -292,6 +343,7 @@ def estimate(
         states=states,
         working=working,
         activations=activations,
+        head=loss_head,
         overhead=overhead_bytes(tensors, backend, n_gpus, counts, precision),
         cpu_ram=cpu_ram_bytes(counts, backend, n_gpus, states, precision),
         reference=reference,

@@ -14,7 +14,8 @@ HEADINGS = ("weights", "lora", "grads", "optim", "activ", "other", "total")
 
 def render_text(plan: Plan) -> str:
     """The plan as the terminal shows it: model, setup, per-GPU memory by backend, recommendation, cost."""
-    lines = [*_header(plan), "", *_table(plan), "", *_recommendation(plan), *_qlora_loading(plan)]
+    lines = [*_header(plan), "", *_table(plan), "", *_recommendation(plan), *_head_note(plan)]
+    lines += _qlora_loading(plan)
     if plan.cost is not None:
         lines += ["", *_cost(plan)]
     lines += [
@@ -30,13 +31,14 @@ def _header(plan: Plan) -> list[str]:
     trained = "all weights" if c.method == "full" else f"LoRA r={c.lora_r} on all linear layers"
     autocast = "bf16 autocast" if p.mixed == "bf16" else "no autocast"
     base = "4-bit NF4 base" if c.method == "qlora" else f"weights {p.weights}"
+    head = f"chunked loss head ({r.chunk_tokens} tokens)" if r.loss_head == "chunked" else "full logits"
     return [
         f"model    {r.model} ({c.source}): {c.model_type}, {c.layers} layers, hidden {c.hidden}, "
         f"{c.heads} heads ({c.kv_heads} kv), vocab {c.vocab:,}",
         f"params   {c.total:,} total, {c.trainable:,} trainable "
         f"({100 * c.trainable / c.total:.2f}%: {trained})",
         f"setup    {c.method} on {r.gpus} GPU x {r.gpu_mem:g} GiB | {base}, {autocast} | "
-        f"seq {r.seq_len} | global batch {r.global_batch}",
+        f"seq {r.seq_len} | global batch {r.global_batch} | {head}",
         f"compute  {plan.flops_per_token / 1e9:.2f} GFLOP per trained token (see toolkit/flops.py)",
     ]
 
@@ -77,6 +79,19 @@ def _recommendation(plan: Plan) -> list[str]:
     if plan.command:
         lines.append(f"  {plan.command}")
     return lines
+
+
+def _head_note(plan: Plan) -> list[str]:
+    """One line when the recommended setup fits only because the whole logits never exist."""
+    full = plan.full_head
+    if full is None or plan.fits(full):
+        return []
+    total = full.per_gpu()["total"] / GIB
+    more = total - plan.choice.per_gpu()["total"] / GIB
+    return [
+        f"  fits thanks to the chunked loss head: the full logits would need {more:.1f} GiB more per GPU at "
+        f"micro-batch {full.micro_batch} ({total:.1f} of {plan.request.gpu_mem:g} GiB)"
+    ]
 
 
 def _qlora_loading(plan: Plan) -> list[str]:
@@ -120,6 +135,7 @@ def to_json(plan: Plan) -> dict:
             "grad_accum": plan.grad_accum(choice),
             "config_file": f"accelerate_configs/{choice.backend}.yaml",
             "command": plan.command,
+            "full_head_per_gpu_bytes": None if plan.full_head is None else plan.full_head.per_gpu()["total"],
         },
         "cost": dataclasses.asdict(plan.cost) if plan.cost is not None else None,
     }
@@ -131,6 +147,7 @@ def _row_json(plan: Plan, row: MemoryEstimate) -> dict:
         "gradient_checkpointing": row.checkpointing,
         "micro_batch": row.micro_batch,
         "per_gpu_bytes": row.per_gpu(),
+        "loss_head_bytes": row.head,
         "model_state_bytes": dataclasses.asdict(row.states),
         "cpu_ram_bytes": row.cpu_ram,
         "fits": plan.fits(row),
