@@ -87,6 +87,8 @@ def test_a_foreign_folder_inside_checkpoints_is_refused_too(tmp_path):
 
 def test_a_finished_run_needs_overwrite_and_overwrite_removes_only_ftkits_files(tmp_path):
     out = finished_run(tmp_path / "run")
+    for name in rundir.REFERENCE_LOGPS:  # a preference run's precomputed reference is ftkit's too
+        (out / name).write_text("{}")
     with pytest.raises(UserError, match="holds another run; set train.overwrite=true"):
         rundir.check_fresh_start(out, overwrite=False, resume="never")
     rundir.check_fresh_start(out, overwrite=True, resume="never")

@@ -21,9 +21,12 @@ from toolkit.watchdog import STALL_DIR
 MARKER = ".ftkit-run"
 LOCK = ".ftkit-run.lock"
 CONFIG = "config.yaml"
+# The preference recipe's precomputed reference log-probs and what they were computed from.
+REFERENCE_LOGPS = ("reference_logps.safetensors", "reference_logps.json")
 # What a run (and `ftkit plot`) writes at the top of output_dir; trackers' folders are recorded in MARKER.
 OUTPUTS = frozenset(
     {MARKER, LOCK, CONFIG, STALL_DIR, "metrics.jsonl", "metrics.png", "checkpoints", "final", "final.tmp"}
+    | set(REFERENCE_LOGPS)
 )
 CHECKPOINT_NAME = re.compile(r"^(step-\d+|\.step-\d+\.tmp)$")
 

@@ -16,6 +16,7 @@ import torch
 from accelerate.utils import DistributedType
 from safetensors.torch import load_file, save_file
 
+from toolkit.checkpoint.rundir import REFERENCE_LOGPS
 from toolkit.config import LoraConfig, ModelConfig
 from toolkit.errors import UserError
 from toolkit.model import load_model
@@ -23,8 +24,7 @@ from toolkit.preference.config import precomputes_reference, uses_reference
 from toolkit.preference.data import strided_batches
 from toolkit.preference.loss import batch_sequence_logps
 
-FILE = "reference_logps.safetensors"
-INFO = "reference_logps.json"
+FILE, INFO = REFERENCE_LOGPS
 
 
 @contextlib.contextmanager
