@@ -47,9 +47,10 @@ def install(model, chunk_tokens: int) -> None:
     config = model.config
     name = getattr(config, "model_type", type(model).__name__)
     if type(layer) is not nn.Linear:
+        kind = f"{type(layer).__module__}.{type(layer).__qualname__}"
         raise UserError(
-            f"loss.head: chunked: the output layer of {name} is a {type(layer).__name__}, not a plain "
-            "linear layer (LoRA on lm_head?); set loss.head: full"
+            f"loss.head: chunked: the output layer of {name} is a {kind}, not a plain linear layer "
+            "(LoRA on lm_head?); set loss.head: full"
         )
     problem = logit_change_problem(config)
     if problem:
