@@ -150,16 +150,14 @@ def target_logps(model, batch: dict, uniform: bool = False) -> torch.Tensor:
 
 
 def score(hidden, weight, bias, targets, chunk_tokens: int, uniform: bool, shape: LogitShape) -> torch.Tensor:
-    """Log-probabilities of `targets` ([..., positions]) under the head, 0 where a target is IGNORE; only
-    the label positions go through the head."""
-    flat = hidden.reshape(-1, hidden.size(-1))
-    picked = (targets.reshape(-1) != IGNORE).nonzero().squeeze(1)
+    """Log-probabilities of `targets` (the shape of `hidden` less its last dimension) under the head, 0
+    where a target is IGNORE; only the label positions go through the head. The result is a tensor of its
+    own, not a view (FSDP2 hooks a module's outputs, which an in-place op on a view would bypass)."""
+    picked = (targets != IGNORE).nonzero(as_tuple=True)
     out_dtype = torch.promote_types(hidden.dtype, torch.float32)
-    logps = _TargetLogps.apply(
-        flat.index_select(0, picked), weight, bias, targets.reshape(-1)[picked], chunk_tokens, uniform, shape
-    )
-    full = torch.zeros(flat.size(0), dtype=out_dtype, device=hidden.device)
-    return full.index_put((picked,), logps.to(out_dtype)).view(targets.shape)
+    logps = _TargetLogps.apply(hidden[picked], weight, bias, targets[picked], chunk_tokens, uniform, shape)
+    full = torch.zeros(targets.shape, dtype=out_dtype, device=hidden.device)
+    return full.index_put(picked, logps.to(out_dtype))
 
 
 class _TargetLogps(torch.autograd.Function):

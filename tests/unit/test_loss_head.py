@@ -282,3 +282,15 @@ def test_the_launch_check_refuses_such_a_model_before_any_data_is_read(tmp_path)
     assert "(logit_scale)" in str(refused.value)
     cfg.loss.head = "full"
     assert checks.check_launch(launch, cfg, "recipe.yaml", Machine(), {}) == []
+
+
+def test_the_scored_output_is_a_tensor_of_its_own_not_a_view():
+    """FSDP2 hooks the root module's outputs for backward and warns (on the console) about a view."""
+    _, chunked = pair(micro_llama())
+    batch = labelled_batch()
+    chunked.lm_head.targets = batch["labels"]
+    try:
+        out = chunked(input_ids=batch["input_ids"]).logits
+    finally:
+        chunked.lm_head.targets = None
+    assert out.shape == batch["labels"].shape and out._base is None
