@@ -172,7 +172,7 @@ class LossConfig:
     head: LossHead = "chunked"
     """How the output head scores target tokens: chunked (log-probs of the label tokens only, a chunk of
     tokens at a time: the whole logits and their gradient never exist) or full (the model's own logits)."""
-    chunk_tokens: PositiveInt = 1024
+    chunk_tokens: PositiveInt = 512
     """Label tokens per chunk of the chunked head: a chunk holds chunk_tokens x vocabulary float32 logits."""
 
 

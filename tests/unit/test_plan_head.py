@@ -7,11 +7,14 @@ import pytest
 from helpers import REPO, tiny_llama_config
 
 from toolkit.commands import cli
+from toolkit.config import LossConfig
 from toolkit.launch.machine import GIB
 from toolkit.plan.counts import count_parameters
 from toolkit.plan.estimate import PlanRequest, make_plan
 from toolkit.plan.memory import FP32, Head, Precision, head_bytes
 from toolkit.plan.report import render_text, to_json
+
+CHUNK = LossConfig.chunk_tokens
 
 BF16 = Precision(weights="bfloat16", mixed="bf16")
 LLAMA3 = "meta-llama/Meta-Llama-3-8B"
@@ -89,13 +92,13 @@ def test_loss_head_full_reproduces_the_old_figures(request_args, before):
 
 
 def test_lora_shrinks_while_a_full_fine_tune_keeps_the_head_weights_gradient():
-    """At 2,048 tokens DDP's fp32 head-weight gradient, kept from forward, outweighs the logits it saves."""
+    """A full fine-tune's head keeps DDP's fp32 head-weight gradient from forward beside one chunk."""
     request = PlanRequest(model=LLAMA3, gpus=2, gpu_mem=24, micro_batch=1, grad_ckpt="on")
     lora = make_plan(request)
     assert _totals(lora)[("ddp", True)] < 23_715_364_044
     full = make_plan(dataclasses.replace(request, method="full"))
     ddp = next(r for r in full.rows if r.backend == "ddp")
-    assert ddp.head == 1024 * 128_256 * 6 + 2048 * 4096 * 2 + 128_256 * 4096 * 4 > 2048 * 128_256 * 10
+    assert ddp.head == CHUNK * 128_256 * 6 + 2048 * 4096 * 2 + 128_256 * 4096 * 4
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +112,14 @@ def test_llama3_8b_lora_at_8k_fits_one_24gb_card_thanks_to_the_chunked_head(long
     chunked, full = long_lora
     assert (chunked.choice.backend, chunked.choice.checkpointing) == ("single", True)
     assert full.choice.backend == "zero3_offload"  # the full logits leave only offload
-    # 8192 x 128,256 logits at 10 bytes, against one 1024-token chunk at 6 and the bf16 hidden gradient.
-    logits, chunk = 8192 * 128_256 * 10, 1024 * 128_256 * 6 + 8192 * 4096 * 2
+    # 8192 x 128,256 logits at 10 bytes, against one default chunk at 6 and the bf16 hidden gradient.
+    logits, chunk = 8192 * 128_256 * 10, CHUNK * 128_256 * 6 + 8192 * 4096 * 2
     assert (chunked.full_head.head, chunked.choice.head) == (logits, chunk)
     more = (chunked.full_head.per_gpu()["total"] - chunked.choice.per_gpu()["total"]) / GIB
     assert more == pytest.approx((logits - chunk) * 1.1 / GIB, abs=1e-6)  # + 10% fragmentation
     line = f"fits thanks to the chunked loss head: the full logits would need {more:.1f} GiB more per GPU at "
     line += "micro-batch 1 (32.7 of 24 GiB)"
-    assert line in render_text(chunked) and f"{more:.1f}" == "9.9"
+    assert line in render_text(chunked) and f"{more:.1f}" == "10.3"
     assert "fits thanks to" not in render_text(full)
     assert (
         to_json(chunked)["recommendation"]["full_head_per_gpu_bytes"] == chunked.full_head.per_gpu()["total"]
@@ -148,7 +151,7 @@ def test_auto_backend_plans_the_recipe_configs_loss_head():
 
     config = "recipes/configs/llama3-8b-lora.yaml"
     default = plan_request(recipe_config("sft", config, []), [], 2, 24.0)
-    assert (default.loss_head, default.chunk_tokens) == ("chunked", 1024)
+    assert (default.loss_head, default.chunk_tokens) == ("chunked", CHUNK)
     cfg = recipe_config("sft", config, ["loss.head=full", "loss.chunk_tokens=256"])
     assert (plan_request(cfg, [], 2, 24.0).loss_head, plan_request(cfg, [], 2, 24.0).chunk_tokens) == (
         "full",
