@@ -4,8 +4,9 @@
 layer (generation, export and state-dict names are unchanged). Inside, the model's own forward pass hands
 its last hidden states to the head as usual, and the head returns, for each position, the log-probability
 of the next label token, computed `chunk_tokens` label tokens at a time by `_TargetLogps`: the head's
-projection, log-softmax and target pick per chunk, recomputed (or, for a loss whose gradient is the same
-for every token, differentiated already) so that neither the logits nor their gradient exist whole.
+projection, log-softmax and target pick per chunk, differentiated in the same pass (or, for a trained
+head under a loss that weighs tokens unequally, recomputed in backward) so that neither the logits nor
+their gradient exist whole.
 
 Scoring inside the model's forward, rather than on hidden states it returned, is what keeps every backend
 right: ZeRO-3 gathers the head's weight when the head module runs (and again for its backward), FSDP has
@@ -162,8 +163,13 @@ def score(hidden, weight, bias, targets, chunk_tokens: int, uniform: bool, shape
 
 class _TargetLogps(torch.autograd.Function):
     """log p(target) for rows of hidden states, a chunk of rows at a time, in float32 (float64 for a
-    float64 model). Backward either scales the gradient taken in forward (every row's incoming gradient
-    equal, as for a summed token loss) or recomputes each chunk's logits."""
+    float64 model).
+
+    The hidden states' gradient is taken in forward per row and scaled row by row in backward, which is
+    exact whatever the loss. The weight's (and bias') gradient sums over rows, so it is taken in forward
+    only for a loss that weighs every row alike (`uniform`) and scaled in backward if the incoming
+    gradients are indeed all equal; otherwise each chunk is recomputed for it in backward. A frozen head
+    (LoRA) is thus never recomputed."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_tokens, uniform, shape):
@@ -172,20 +178,19 @@ class _TargetLogps(torch.autograd.Function):
         ctx.dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
         ctx.chunk_tokens, ctx.shape = chunk_tokens, shape
         ctx.save_for_backward(hidden, weight, bias, targets)
-        needs = ctx.needs_input_grad[:3]
-        ctx.early = uniform and any(needs)
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        early = (need_hidden, need_weight and uniform, need_bias and uniform)
+        grads = _zero_grads(hidden, weight, bias, early)
+        out_dtype = torch.promote_types(ctx.dtype, torch.float32)
+        out = torch.empty(len(targets), dtype=out_dtype, device=hidden.device)
         with torch.autocast(device, enabled=False):
             w, b = _cast(weight, ctx.dtype), _cast(bias, ctx.dtype)
-            grads = _zero_grads(hidden, weight, bias, needs) if ctx.early else None
-            out = torch.empty(
-                len(targets), dtype=torch.promote_types(ctx.dtype, torch.float32), device=hidden.device
-            )
             for rows in _chunks(len(targets), chunk_tokens):
                 h = hidden[rows].to(ctx.dtype)
-                logits = shape.apply(_head(h, w, b, out.dtype))
+                logits = shape.apply(_head(h, w, b, out_dtype))
                 lse = torch.logsumexp(logits, dim=-1)
                 out[rows] = logits.gather(1, targets[rows, None]).squeeze(1) - lse
-                if ctx.early:
+                if any(early):
                     dz = _dlogp(logits, lse, targets[rows], shape)
                     _accumulate(grads, dz.to(ctx.dtype), h, w, rows)
         ctx.grads = grads
@@ -194,21 +199,32 @@ class _TargetLogps(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, bias, targets = ctx.saved_tensors
-        grads, ctx.grads = ctx.grads, None
-        if grads is not None and _all_equal(grad_out):
+        (grad_hidden, *param_grads), ctx.grads = ctx.grads, None
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_out[:, None])
+        needs = ctx.needs_input_grad[1:3]
+        if any(need and g is None for need, g in zip(needs, param_grads)) or not _all_equal(grad_out):
+            param_grads = _recomputed_param_grads(ctx, hidden, weight, bias, targets, grad_out, needs)
+        else:
             factor = grad_out[0] if len(grad_out) else 0.0
-            return (*(g.mul_(factor) if g is not None else None for g in grads), None, None, None, None)
-        needs = ctx.needs_input_grad[:3]
-        grads = _zero_grads(hidden, weight, bias, needs)
-        with torch.autocast(hidden.device.type, enabled=False):
-            w, b = _cast(weight, ctx.dtype), _cast(bias, ctx.dtype)
-            for rows in _chunks(len(targets), ctx.chunk_tokens):
-                h = hidden[rows].to(ctx.dtype)
-                logits = ctx.shape.apply(_head(h, w, b, grad_out.dtype))
-                lse = torch.logsumexp(logits, dim=-1)
-                dz = _dlogp(logits, lse, targets[rows], ctx.shape).mul_(grad_out[rows, None])
-                _accumulate(grads, dz.to(ctx.dtype), h, w, rows)
-        return (*grads, None, None, None, None)
+            param_grads = [g.mul_(factor) if g is not None else None for g in param_grads]
+        return (grad_hidden, *param_grads, None, None, None, None)
+
+
+def _recomputed_param_grads(ctx, hidden, weight, bias, targets, grad_out, needs) -> list:
+    """The weight and bias gradients for per-row incoming gradients, each chunk's logits recomputed."""
+    grads = _zero_grads(hidden, weight, bias, (False, *needs))
+    if not any(needs):
+        return grads[1:]
+    with torch.autocast(hidden.device.type, enabled=False):
+        w, b = _cast(weight, ctx.dtype), _cast(bias, ctx.dtype)
+        for rows in _chunks(len(targets), ctx.chunk_tokens):
+            h = hidden[rows].to(ctx.dtype)
+            logits = ctx.shape.apply(_head(h, w, b, grad_out.dtype))
+            lse = torch.logsumexp(logits, dim=-1)
+            dz = _dlogp(logits, lse, targets[rows], ctx.shape).mul_(grad_out[rows, None])
+            _accumulate(grads, dz.to(ctx.dtype), h, w, rows)
+    return grads[1:]
 
 
 def _chunks(n: int, size: int):

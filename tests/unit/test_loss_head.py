@@ -294,3 +294,21 @@ def test_the_scored_output_is_a_tensor_of_its_own_not_a_view():
     finally:
         chunked.lm_head.targets = None
     assert out.shape == batch["labels"].shape and out._base is None
+
+
+def test_a_frozen_head_is_never_recomputed_whatever_the_loss(monkeypatch):
+    """LoRA leaves the head frozen: the hidden states' gradient, taken in forward per row, is all that is
+    needed, also for a preference loss's per-pair weights; it equals the full path's in float64."""
+    calls = []
+    real = head._head
+    monkeypatch.setattr(head, "_head", lambda *args: calls.append(1) or real(*args))
+    model = _with_adapter(micro_llama(), LoraConfig(r=2))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    full, chunked = pair(model, chunk_tokens=5)
+    batch = labelled_batch()
+    labels = int((batch["labels"][:, 1:] != IGNORE).sum())
+    calls.clear()
+    assert_same_sequence_logps_and_gradients(full, chunked, batch)
+    assert len(calls) == -(-labels // 5)  # the forward pass's chunks only
