@@ -60,6 +60,7 @@ def install(model, chunk_tokens: int) -> None:
             "head does not reproduce; set loss.head: full"
         )
     layer.__class__ = TargetHead
+    layer.verified = False
     layer.targets = None
     layer.uniform = False
     layer.chunk_tokens = chunk_tokens
@@ -130,6 +131,11 @@ class LogitShape:
         return dz
 
 
+def model_config_of(model):
+    """The transformers config of the model inside any backend wrapper, or None."""
+    return next((m.config for m in model.modules() if hasattr(m, "config")), None)
+
+
 def chunked_head(model) -> TargetHead | None:
     """The model's installed TargetHead (through any backend wrapper), or None."""
     return next((m for m in model.modules() if isinstance(m, TargetHead)), None)
@@ -138,8 +144,18 @@ def chunked_head(model) -> TargetHead | None:
 def target_logps(model, batch: dict, uniform: bool = False) -> torch.Tensor:
     """Per-position log-probability of the next label token, [rows, length - 1], 0 where the label is
     IGNORE; the chunked head's forward pass. `uniform`: the caller's loss weighs every token alike (a summed
-    token loss), so the gradient is taken in the forward pass and not recomputed."""
+    token loss), so the gradient is taken in the forward pass and not recomputed.
+
+    The first call for a model checks the head against the model's own logits (see `verify`): every rank
+    makes it at the same point, so the forward passes it adds stay collective."""
     layer = chunked_head(model)
+    if not layer.verified:
+        verify(model, layer, batch)
+        layer.verified = True
+    return _scored(model, layer, batch, uniform)
+
+
+def _scored(model, layer: TargetHead, batch: dict, uniform: bool) -> torch.Tensor:
     labels = batch["labels"]
     targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
     layer.targets, layer.uniform = targets, uniform
@@ -148,6 +164,39 @@ def target_logps(model, batch: dict, uniform: bool = False) -> torch.Tensor:
             return model(**model_inputs(batch)).logits[:, :-1]
     finally:
         layer.targets, layer.uniform = None, False
+
+
+PROBE_TOKENS = 16
+
+
+@torch.no_grad()
+def verify(model, layer: TargetHead, batch: dict) -> None:
+    """Refuse, in one line, a model whose chunked log-probs differ from those of its own logits: it changes
+    its logits after the head in a way no config key announced (e.g. a cap kept as an attribute).
+
+    Probes the first PROBE_TOKENS tokens of the batch's first row, every position a target, in eval mode."""
+    ids = batch["input_ids"][:1, :PROBE_TOKENS]
+    probe = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    was_training = model.training
+    model.eval()
+    try:
+        logits = model(**model_inputs(probe)).logits[:, :-1].float()
+        expected = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        got = _scored(model, layer, probe, uniform=False).float()
+    finally:
+        model.train(was_training)
+    if not expected.numel():
+        return
+    gap = (got - expected).abs().max().item()
+    half = layer.weight.element_size() < 4 or torch.is_autocast_enabled(ids.device.type)
+    # Rounding alone stays far below these (the two paths run the same matmul and softmax per token).
+    if not gap <= (5e-2 if half else 1e-3) * max(1.0, expected.abs().max().item()):
+        name = getattr(model_config_of(model), "model_type", type(model).__name__)
+        raise UserError(
+            f"loss.head: chunked: {name}'s log-probs through the chunked head differ from its own logits' "
+            f"(by {gap:.3g} on a {ids.size(1)}-token probe): it changes its logits after the head; "
+            "set loss.head: full"
+        )
 
 
 def score(hidden, weight, bias, targets, chunk_tokens: int, uniform: bool, shape: LogitShape) -> torch.Tensor:

@@ -15,6 +15,7 @@ from transformers import (
     Gemma2ForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
+    LlamaForCausalLM,
 )
 
 from toolkit import head
@@ -104,6 +105,7 @@ def test_a_summed_loss_takes_its_gradient_in_forward_and_a_weighted_one_recomput
     real = head._head
     monkeypatch.setattr(head, "_head", lambda *args: calls.append(1) or real(*args))
     full, chunked = pair(micro_llama(), chunk_tokens=5)
+    chunked.lm_head.verified = True  # the first call's probe is left out of the count
     batch = labelled_batch()
     labels = int((batch["labels"][:, 1:] != IGNORE).sum())
     head.target_logps(chunked, batch, uniform=True).sum().mul(-3.0).backward()
@@ -173,8 +175,32 @@ def test_soft_cap_left_to_the_model_would_be_caught():
     config = Gemma2Config(**SMALL, **HEADS, final_logit_softcapping=0.5, attn_implementation="eager")
     full, chunked = pair(Gemma2ForCausalLM(config))
     chunked.lm_head.shape = head.LogitShape(chunked.config, 1.0, None)
+    chunked.lm_head.verified = True  # the first call's probe would refuse it (next test)
     with pytest.raises(AssertionError):
         assert_same_sequence_logps_and_gradients(full, chunked, labelled_batch())
+
+
+class CappedAsAttribute(LlamaForCausalLM):
+    """A model that caps its logits after the head from an attribute, announced by no config key."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = 2.0 * torch.tanh(out.logits / 2.0)
+        return out
+
+
+def test_an_unannounced_change_of_the_logits_is_refused_at_first_use_in_one_line():
+    torch.manual_seed(0)
+    model = CappedAsAttribute(micro_llama().config)
+    head.install(model, 8)
+    with pytest.raises(UserError) as refused:
+        batch_loss(model, labelled_batch())
+    message = str(refused.value)
+    assert "\n" not in message and "12-token probe" in message and message.endswith("set loss.head: full")
+    plain = micro_llama()
+    head.install(plain, 8)
+    batch_loss(plain, labelled_batch())
+    assert plain.lm_head.verified and plain.training  # checked once, training mode restored
 
 
 def test_models_that_change_logits_otherwise_are_refused_in_one_line():
@@ -226,6 +252,7 @@ class LargestLogitTensor(TorchDispatchMode):
 @pytest.mark.parametrize("uniform", [True, False])
 def test_no_tensor_holds_more_than_one_chunk_of_logits(uniform):
     full, chunked = pair(micro_llama(), chunk_tokens=4)
+    chunked.lm_head.verified = True  # the first call's probe takes the logits of 16 tokens, on purpose
     batch = labelled_batch(rows=4, length=24)
     for model, bound in ((chunked, 4 * VOCAB), (full, 4 * 23 * VOCAB)):
         with LargestLogitTensor(hidden=16) as seen:
@@ -307,6 +334,7 @@ def test_a_frozen_head_is_never_recomputed_whatever_the_loss(monkeypatch):
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.1)
     full, chunked = pair(model, chunk_tokens=5)
+    chunked.lm_head.verified = True  # the first call's probe is left out of the count
     batch = labelled_batch()
     labels = int((batch["labels"][:, 1:] != IGNORE).sum())
     calls.clear()
