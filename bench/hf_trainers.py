@@ -1,7 +1,7 @@
 """TRL's SFTTrainer (its defaults, or with packing) and the plain HF Trainer on the shared model and data.
 
     BENCH_STATS=stats.json python bench/hf_trainers.py {trl,trl-packing,hf-trainer} MODEL_DIR DATA OUT_DIR \
-        [MAX_LENGTH STEPS]
+        [MAX_LENGTH STEPS BATCH]
 
 Every contender gets the shared settings (fp32, batch, steps, learning rate, constant schedule,
 sequence length) and nothing is saved; everything else is the library's default, except that TRL's
@@ -62,10 +62,12 @@ class Recorder(TrainerCallback):
             self.stats.loss = logs["loss"]
 
 
-def run_trl(model, tokenizer, data_path: str, out_dir: str, packing: bool, recorder_for, length, steps):
+def run_trl(
+    model, tokenizer, data_path: str, out_dir: str, packing: bool, recorder_for, length, steps, batch
+):
     from trl import SFTConfig, SFTTrainer
 
-    shared = {**SHARED, "max_steps": steps}
+    shared = {**SHARED, "max_steps": steps, "per_device_train_batch_size": batch}
     config = SFTConfig(
         output_dir=out_dir, max_length=length, packing=packing, gradient_checkpointing=False, **shared
     )
@@ -94,7 +96,9 @@ def run_hf_trainer(model, tokenizer, data_path: str, out_dir: str, recorder_for)
     return recorder
 
 
-def main(mode: str, model_dir: str, data_path: str, out_dir: str, length=SEQ_LEN, steps=STEPS) -> None:
+def main(
+    mode: str, model_dir: str, data_path: str, out_dir: str, length=SEQ_LEN, steps=STEPS, batch=BATCH
+) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
@@ -106,10 +110,10 @@ def main(mode: str, model_dir: str, data_path: str, out_dir: str, length=SEQ_LEN
     else:
         packing = mode == "trl-packing"
         recorder = run_trl(
-            model, tokenizer, data_path, out_dir, packing, recorder_for, int(length), int(steps)
+            model, tokenizer, data_path, out_dir, packing, recorder_for, int(length), int(steps), int(batch)
         )
     recorder.stats.save()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:7])
+    main(*sys.argv[1:8])

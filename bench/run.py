@@ -1,10 +1,10 @@
 """Side-by-side CPU benchmark: bare Accelerate loop, ftkit (with and without packing), TRL SFTTrainer
 (defaults and packing) and HF Trainer on the same model files, data and settings. Prints the table, puts it
 with the machine and the target verdicts into bench/RESULTS.md (between its markers), and writes every run's
-figures to bench/raw_results.json. Then the DPO section (bench/dpo.py) and the data-preparation section
-(bench/data_prep.py).
+figures to bench/raw_results.json. Then the DPO section (bench/dpo.py), the data-preparation section
+(bench/data_prep.py) and the loss-head section (bench/loss_head.py, fewer repeats: its runs are long).
 
-    python bench/run.py [--repeats 5]
+    python bench/run.py [--repeats 5] [--loss-head-repeats 3]
 """
 
 import argparse
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import data_prep
 import dpo
+import loss_head
 import torch
 from common import (
     BATCH,
@@ -160,6 +161,7 @@ def machine() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--loss-head-repeats", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -183,6 +185,7 @@ def main() -> None:
     (BENCH / "raw_results.json").write_text(json.dumps({"machine": machine(), "runs": results}, indent=1))
     print(dpo.run_section(args.repeats, machine))
     print(data_prep.run_section([20000, 100000], machine()))
+    print(loss_head.run_section(args.loss_head_repeats, machine))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """TRL's DPOTrainer on the shared model and pairs, LoRA, its defaults apart from the shared settings.
 
-    BENCH_STATS=stats.json python bench/trl_dpo.py {chat,text} MODEL_DIR PAIRS OUT_DIR
+    BENCH_STATS=stats.json python bench/trl_dpo.py {chat,text} MODEL_DIR PAIRS OUT_DIR \
+        [MAX_LENGTH STEPS BATCH {lora,full}]
 
 `chat` hands TRL the conversational records, which it renders and tokenizes itself: its completions keep
 what the chat template writes after the end-of-turn token (a newline here), one token more per answer
 than ftkit scores. `text` hands it the same pairs already rendered (prompt up to the assistant header;
 each answer up to its end-of-turn token), so its token rows are ftkit's and the losses can be compared.
+`full` trains every weight, with TRL's default reference for it: a frozen copy of the starting model.
 """
 
 import json
@@ -19,16 +21,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, s
 
 
 class PairRecorder(TrainerCallback):
-    """Stamps the start of the first optimizer step and the end of each (every step holds BATCH pairs)."""
+    """Stamps the start of the first optimizer step and the end of each (every step holds `batch` pairs)."""
 
-    def __init__(self):
+    def __init__(self, batch: int):
         self.stats = StepStats()
+        self.batch = batch
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.stats.begin()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.stats.step(BATCH)
+        self.stats.step(self.batch)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
@@ -46,7 +49,16 @@ def rendered(tokenizer, record: dict) -> dict:
     return out
 
 
-def main(mode: str, model_dir: str, pairs_path: str, out_dir: str) -> None:
+def main(
+    mode: str,
+    model_dir: str,
+    pairs_path: str,
+    out_dir: str,
+    length=SEQ_LEN,
+    steps=STEPS,
+    batch=BATCH,
+    method: str = "lora",
+) -> None:
     from trl import DPOConfig, DPOTrainer
 
     set_seed(SEED)  # before the model and its adapter, as ftkit does, so both draw the same LoRA init
@@ -56,19 +68,18 @@ def main(mode: str, model_dir: str, pairs_path: str, out_dir: str) -> None:
     if mode == "text":
         records = [rendered(tokenizer, r) for r in records]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
-    config = DPOConfig(
-        output_dir=out_dir, max_length=SEQ_LEN, gradient_checkpointing=False, **{**SHARED, "max_steps": STEPS}
-    )
+    shared = {**SHARED, "max_steps": int(steps), "per_device_train_batch_size": int(batch)}
+    config = DPOConfig(output_dir=out_dir, max_length=int(length), gradient_checkpointing=False, **shared)
     lora = LoraConfig(
         r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
     )
-    recorder = PairRecorder()
+    recorder = PairRecorder(int(batch))
     trainer = DPOTrainer(
         model=model,
         args=config,
         train_dataset=Dataset.from_list(records),
         processing_class=tokenizer,
-        peft_config=lora,
+        peft_config=lora if method == "lora" else None,
         callbacks=[recorder],
     )
     trainer.train()
@@ -76,4 +87,4 @@ def main(mode: str, model_dir: str, pairs_path: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:9])
