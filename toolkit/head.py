@@ -131,11 +131,6 @@ class LogitShape:
         return dz
 
 
-def model_config_of(model):
-    """The transformers config of the model inside any backend wrapper, or None."""
-    return next((m.config for m in model.modules() if hasattr(m, "config")), None)
-
-
 def chunked_head(model) -> TargetHead | None:
     """The model's installed TargetHead (through any backend wrapper), or None."""
     return next((m for m in model.modules() if isinstance(m, TargetHead)), None)
@@ -191,7 +186,7 @@ def verify(model, layer: TargetHead, batch: dict) -> None:
     half = layer.weight.element_size() < 4 or torch.is_autocast_enabled(ids.device.type)
     # Rounding alone stays far below these (the two paths run the same matmul and softmax per token).
     if not gap <= (5e-2 if half else 1e-3) * max(1.0, expected.abs().max().item()):
-        name = getattr(model_config_of(model), "model_type", type(model).__name__)
+        name = getattr(layer.shape.config, "model_type", type(model).__name__)
         raise UserError(
             f"loss.head: chunked: {name}'s log-probs through the chunked head differ from its own logits' "
             f"(by {gap:.3g} on a {ids.size(1)}-token probe): it changes its logits after the head; "
