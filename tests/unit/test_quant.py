@@ -2,6 +2,7 @@
 and evaluation between training steps leaving the gradients as they were."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -142,7 +143,12 @@ def test_the_qlora_model_is_small_and_its_script_rebuilds_it_exactly(tmp_path):
     for name, tensor in shipped.items():
         torch.testing.assert_close(rebuilt[name], tensor, rtol=0, atol=0, msg=name)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        assert (tmp_path / "rebuilt" / name).read_text() == (Path(Q64) / name).read_text(), name
+        assert unstamped(tmp_path / "rebuilt" / name) == unstamped(Path(Q64) / name), name
+
+
+def unstamped(path: Path) -> str:
+    """A saved file's text less the transformers version it is stamped with (a newer release rewrites it)."""
+    return re.sub(r'\n *"transformers_version": "[^"]*",?', "", path.read_text())
 
 
 def test_check_config_refuses_a_storage_dtype_fsdp2_would_corrupt_in_one_line(tmp_path, capsys):
