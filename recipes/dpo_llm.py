@@ -72,8 +72,8 @@ def train(run: Run, cfg) -> int:
                 sum(int(b["attention_mask"].sum()) for b in micro_batches),
             ]
         )
-        pair_scale = loss.backward_scale(step_pairs, run.grad_accum, accelerator.num_processes)
-        token_scale = loss.backward_scale(chosen_tokens, run.grad_accum, accelerator.num_processes)
+        pair_scale = loss.backward_scale(step_pairs, run.grad_accum, run.data_parallel)
+        token_scale = loss.backward_scale(chosen_tokens, run.grad_accum, run.data_parallel)
         sums = pref_loss.PairSums(accelerator.device)
         for batch in micro_batches:
             ref_logps = ref.logps(batch)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit import data, evaluate, loss
+from toolkit import data, distributed, evaluate, loss
 from toolkit import model as models
 from toolkit.config import load_config
 from toolkit.run import Run, exit_with, recipe_args
@@ -46,7 +46,7 @@ def train(run: Run, cfg) -> int:
         )
         eval_loader = None  # each rank its own share, so it is not given to prepare
         if eval_set is not None:
-            rank, world = accelerator.process_index, accelerator.num_processes
+            rank, world = distributed.data_shard(accelerator)
             batch = cfg.train.micro_batch_size
             eval_loader = data.eval_loader(eval_set, rank, world, batch, tokenizer.pad_token_id)
         model = run.load_model()
@@ -66,14 +66,14 @@ def train(run: Run, cfg) -> int:
                 sum(len(b["input_ids"]) for b in micro_batches),
             ]
         )
-        scale = loss.backward_scale(step_targets, run.grad_accum, accelerator.num_processes)
+        scale = loss.backward_scale(step_targets, run.grad_accum, run.data_parallel)
         loss_sum = torch.zeros((), device=accelerator.device)
         for batch in micro_batches:
             with accelerator.accumulate(model):
                 micro_loss = loss.batch_loss(model, batch)
                 accelerator.backward(micro_loss * scale)
                 loss_sum += micro_loss.detach()
-        step_loss = accelerator.reduce(loss_sum, reduction="sum").item() / max(step_targets, 1)
+        step_loss = run.global_sum(loss_sum).item() / max(step_targets, 1)
         grad_norm = run.update(model, optimizer, scheduler, step, step_loss)
         run.log_step(step, scheduler, step_tokens, step_rows, loss=step_loss, grad_norm=grad_norm)
         eval_result = evaluator.evaluate(step) if run.evaluating(step) else {}

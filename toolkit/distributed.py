@@ -38,6 +38,26 @@ def root_params_gathered(model):
     return FullyShardedDataParallel.summon_full_params(model, recurse=False, writeback=False)
 
 
+def data_shard(accelerator) -> tuple[int, int]:
+    """(index, count) of this process's data-parallel group: tensor-parallel ranks share their batches,
+    so they read the same rows (accelerate's prepared loaders do the same)."""
+    tp = tensor_parallel_size(accelerator)
+    return accelerator.process_index // tp, accelerator.num_processes // tp
+
+
+def tensor_parallel_size(accelerator) -> int:
+    mesh = accelerator.state.device_mesh
+    return mesh["tp"].size() if mesh is not None and "tp" in mesh.mesh_dim_names else 1
+
+
+def sum_over_data(accelerator, values: torch.Tensor) -> torch.Tensor:
+    """Collective: `values` summed over the data-parallel groups, each batch counted once (a sum over
+    every rank counts each batch once per tensor-parallel rank that computed it)."""
+    total = accelerator.reduce(values, reduction="sum")
+    tp = tensor_parallel_size(accelerator)
+    return total if tp == 1 else total / tp if total.is_floating_point() else total // tp
+
+
 def any_rank(accelerator, *flags: bool) -> list[bool]:
     """Collective: each flag comes back true on every rank when it is true on any rank."""
     values = torch.tensor([float(flag) for flag in flags], device=accelerator.device)

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from toolkit.config import EvalConfig
-from toolkit.distributed import root_params_gathered
+from toolkit.distributed import root_params_gathered, sum_over_data
 from toolkit.generation import chat_prompt_ids, exact_match, greedy_answer, split_prompt
 from toolkit.loss import batch_loss, count_targets
 from toolkit.metrics import MetricsLog
@@ -94,6 +94,6 @@ def eval_loss(model, loader: DataLoader, accelerator, max_batches: int = 0) -> d
             ]
         )
     model.train()
-    loss_sum, tokens = accelerator.reduce(totals, reduction="sum").tolist()
+    loss_sum, tokens = sum_over_data(accelerator, totals).tolist()
     loss = loss_sum / max(tokens, 1)
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50)), "eval_tokens": int(tokens)}

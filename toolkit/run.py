@@ -15,7 +15,18 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from toolkit import batches, checkpoint, console, distributed, flops, metrics, optim, quant, speed
+from toolkit import (
+    batches,
+    checkpoint,
+    console,
+    distributed,
+    flops,
+    metrics,
+    optim,
+    quant,
+    speed,
+    tensor_parallel,
+)
 from toolkit import model as models
 from toolkit.checkpoint import rundir
 from toolkit.checkpoint.resume import Resume
@@ -55,7 +66,7 @@ class Run:
         stop = StopRequest()
         launch = backend.detect_launch()
         notes = checks.check_launch(launch, cfg, config_source, machine.probe_machine(), os.environ)
-        grad_accum = batches.grad_accum_steps(cfg.train, launch.world_size)
+        grad_accum = batches.grad_accum_steps(cfg.train, launch.mesh.data_parallel)
         accelerator = backend.setup(
             launch,
             cfg.train,
@@ -102,6 +113,8 @@ class Run:
             quant_cast=cast,
             loss=cfg.loss,
         )
+        if self.launch.mesh.tp > 1:
+            tensor_parallel.parallelize(model, self.accelerator.torch_device_mesh["tp"], model.config)
         trainable, total = models.trainable_and_total(model)
         self.accelerator.print(
             f"model: {cfg.model.path} ({cfg.model.method}), {trainable:,} of {total:,} parameters trained"
@@ -115,7 +128,7 @@ class Run:
     def optimizer(self, model):
         """(optimizer, scheduler) for `model`, with what a checkpoint restores before `prepare` held."""
         optimizer = optim.build_optimizer(
-            model, self.cfg.train, self.accelerator.num_processes, self.features.fused_adamw
+            model, self.cfg.train, self.data_parallel, self.features.fused_adamw
         )
         scheduler = optim.build_scheduler(optimizer, self.cfg.train)
         self.resume.before_prepare(model, optimizer, scheduler, self.accelerator)
@@ -155,10 +168,19 @@ class Run:
             self.progress.update(1)
         self.progress.close()
 
+    @property
+    def data_parallel(self) -> int:
+        """Processes that train on different batches (tensor-parallel ranks share theirs): the backend
+        averages gradients over these, and the global batch is split across these."""
+        return self.launch.mesh.data_parallel
+
     def global_counts(self, counts: list[int]) -> list[int]:
-        """Collective: this rank's per-step counts summed over every rank."""
-        device = self.accelerator.device
-        return self.accelerator.reduce(torch.tensor(counts, device=device), reduction="sum").tolist()
+        """Collective: this rank's per-step counts summed over every batch of the step."""
+        return self.global_sum(torch.tensor(counts, device=self.accelerator.device)).tolist()
+
+    def global_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Collective: `values` summed over every batch of the step (each counted once)."""
+        return distributed.sum_over_data(self.accelerator, values)
 
     def update(self, model, optimizer, scheduler, step: int, loss: float) -> float:
         """The optimizer update (clipping, the non-finite guard); returns the gradient norm."""

@@ -78,7 +78,7 @@ def main() -> None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "result.json").write_text(json.dumps({"error": error}))
         return
-    ga = batches.grad_accum_steps(TRAIN, launch.world_size)
+    ga = batches.grad_accum_steps(TRAIN, launch.mesh.data_parallel)
     accelerator = backend.setup(launch, TRAIN, grad_accum_steps=ga)
     result = train(accelerator)
     result["describe"] = backend.setup_summary(accelerator, launch, TRAIN, ga)

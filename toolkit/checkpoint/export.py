@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from toolkit import quant
+from toolkit.checkpoint import split
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
 from toolkit.model import DTYPES
@@ -60,7 +61,8 @@ def full_state_dict(accelerator, model) -> dict[str, torch.Tensor]:
     """
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    if isinstance(model, FullyShardedDataParallel) and accelerator.device.type == "cpu":
+    fsdp1_on_cpu = isinstance(model, FullyShardedDataParallel) and accelerator.device.type == "cpu"
+    if fsdp1_on_cpu or split.is_split(accelerator):  # accelerate's path keeps split weights split
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=False)

@@ -4,7 +4,8 @@ on one CPU process (no process group), and resume a run under another backend or
 Three layouts exist, one per kind of writer behind `accelerator.save_state`:
 
     replicated   single process / DDP: model.safetensors, optimizer.bin (both complete, on rank 0)
-    dcp          FSDP sharded state: pytorch_model_fsdp_0/ and optimizer_0/ (torch.distributed.checkpoint)
+    dcp          FSDP sharded state, and tensor-parallel states (split.py): pytorch_model_fsdp_0/ and
+                 optimizer_0/ (torch.distributed.checkpoint)
     deepspeed    ZeRO-1/2/3: pytorch_model/ (DeepSpeed's own partitions, read with its zero_to_fp32)
 
 All three also hold scheduler.bin and random_states_<rank>.pkl, written by accelerate alone.
@@ -22,13 +23,14 @@ from safetensors.torch import load_file
 
 from toolkit import quant
 from toolkit.checkpoint import read_marker, safe_load
+from toolkit.checkpoint.split import DCP_MODEL, DCP_OPTIMIZER
 from toolkit.errors import UserError
 from toolkit.nonfinite import nonfinite_names, refuse_nonfinite
 
 REPLICATED_MODEL = "model.safetensors"
-DCP_MODEL, DCP_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
 DEEPSPEED_TAG = "pytorch_model"
 SCHEDULER = "scheduler.bin"
+MESH_DEFAULTS = {"tp_size": 1, "dp_replicate_size": 1}
 
 
 def checkpoint_layout(path: Path) -> str:
@@ -91,12 +93,12 @@ def resume_plan(marker: dict, current: dict) -> str:
     `current` is `checkpoint.layout(accelerator)`. Replicated layouts (single, DDP) hold complete model
     and optimizer states, so they load exactly at any world size; sharded ones only into their own layout.
     """
-    if all(_replicated(backend) for backend in (marker["backend"], current["backend"])):
+    if all(_whole(layout) for layout in (marker, current)):
         return "exact"
-    # Markers written before the ZeRO stage was recorded: unknown under DeepSpeed, 0 elsewhere.
-    saved = {"zero_stage": None if marker["backend"] == "DEEPSPEED" else 0, **marker}
-    same = all(saved[key] == current[key] for key in ("backend", "world_size", "zero_stage"))
-    return "exact" if same else "weights"
+    # Markers written before the ZeRO stage (mesh) was recorded: unknown under DeepSpeed, 0 (1) elsewhere.
+    saved = {"zero_stage": None if marker["backend"] == "DEEPSPEED" else 0, **MESH_DEFAULTS, **marker}
+    keys = ("backend", "world_size", "zero_stage", *MESH_DEFAULTS)
+    return "exact" if all(saved[key] == current[key] for key in keys) else "weights"
 
 
 def restore_portable(path: Path, model, optimizer, scheduler, current: dict) -> str:
@@ -109,6 +111,7 @@ def restore_portable(path: Path, model, optimizer, scheduler, current: dict) -> 
     load_weights(model, read_weights(path, lambda weights: quant.packed_names(model)))
     restore_schedule(scheduler, optimizer, torch.load(path / SCHEDULER, weights_only=True))
     source = f"a {describe(marker)} checkpoint"
+    # Before `prepare` the optimizer holds the parameters it will train, unless FSDP or DeepSpeed swap them.
     moments = read_optimizer_moments(path) if _replicated(current["backend"]) else None
     if moments is None:
         return (
@@ -133,7 +136,8 @@ def restore_schedule(scheduler, optimizer, saved: dict) -> None:
 
 
 def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Copy `weights` into `model`, also where ZeRO-3 already partitioned it at construction."""
+    """Copy `weights` into `model`, also where ZeRO-3 already partitioned it at construction or tensor
+    parallelism split it."""
     expected = set(model.state_dict())
     if expected != set(weights):
         missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
@@ -149,7 +153,9 @@ def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> No
             # Each process holds every weight, so each writes the same values into the gathered tensor.
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
                 param.copy_(weights[name])
-    model.load_state_dict({k: v for k, v in weights.items() if k not in partitioned}, strict=False)
+    current = model.state_dict()
+    whole = {k: like(current[k], v) for k, v in weights.items() if k not in partitioned}
+    model.load_state_dict(whole, strict=False)
 
 
 def load_optimizer_moments(model, optimizer, moments: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -157,20 +163,44 @@ def load_optimizer_moments(model, optimizer, moments: dict[str, dict[str, torch.
     names = {id(param): name for name, param in model.named_parameters()}
     # A torch optimizer's state_dict numbers parameters in order through its groups.
     params = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
-    state = {i: moments[name] for i, name in enumerate(params) if name in moments}
+    by_name = dict(model.named_parameters())
+    state = {
+        i: {field: like(by_name[name], value) for field, value in moments[name].items()}
+        for i, name in enumerate(params)
+        if name in moments
+    }
     if len(state) != len(params):
         raise UserError(f"optimizer state covers {len(state)} of {len(params)} trained parameters")
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
+def like(target: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """`whole` laid out as `target` is: this rank's part where `target` is split (a DTensor), else as is.
+    Every rank holds `whole`, so each cuts its own part without communicating. A 0-d value (Adam's step
+    count) stays plain."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(target, DTensor) or whole.dim() == 0:
+        return whole
+    return distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
+
+
 def describe(layout: dict) -> str:
-    """e.g. `DEEPSPEED ZeRO-2 world 2` or `MULTI_CPU world 1`."""
+    """e.g. `DEEPSPEED ZeRO-2 world 2`, `MULTI_CPU world 1` or `FSDP world 4 tp 2`."""
     zero = f" ZeRO-{layout['zero_stage']}" if layout.get("zero_stage") else ""
-    return f"{layout['backend']}{zero} world {layout['world_size']}"
+    mesh = "".join(
+        f" {key.removesuffix('_size')} {layout[key]}" for key in MESH_DEFAULTS if layout.get(key, 1) > 1
+    )
+    return f"{layout['backend']}{zero} world {layout['world_size']}{mesh}"
 
 
 def _replicated(backend: str) -> bool:
     return backend == "NO" or backend.startswith("MULTI_")
+
+
+def _whole(layout: dict) -> bool:
+    """Every weight and optimizer state whole on rank 0 (single process, DDP): loads at any world size."""
+    return _replicated(layout["backend"]) and layout.get("tp_size", 1) == 1
 
 
 def _read_dcp(directory: Path, prefix: str) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ import yaml
 from accelerate.utils.other import load as accelerate_load
 
 from toolkit import checkpoint, metrics, optim, quant
-from toolkit.checkpoint import portable, rundir
+from toolkit.checkpoint import portable, rundir, split
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
 from toolkit.nonfinite import nonfinite_names, refuse_nonfinite
@@ -95,7 +95,10 @@ class Resume:
         if self._exact:
             _warn_random_states(self.checkpoint, accelerator)
             packed = quant.packed_names(model)
-            accelerator.load_state(str(self.checkpoint), **_load_kwargs(accelerator, packed))
+            if split.is_split(accelerator):
+                split.load_split_state(accelerator, str(self.checkpoint))
+            else:
+                accelerator.load_state(str(self.checkpoint), **_load_kwargs(accelerator, packed))
             checkpoint.reload_fsdp1_optimizer(self.checkpoint, prepared_model, optimizer)
             bad = nonfinite_names(
                 (name, _local(p)) for name, p in model.named_parameters() if name not in packed

@@ -11,6 +11,7 @@ from pathlib import Path
 from accelerate.utils import DistributedType
 from safetensors import SafetensorError, safe_open
 
+from toolkit.checkpoint import split
 from toolkit.checkpoint.rundir import CONFIG
 from toolkit.config import RecipeConfig
 from toolkit.distributed import any_rank
@@ -108,7 +109,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
-    error = _attempt(lambda: accelerator.save_state(str(tmp)))
+    save = split.save_split_state if split.is_split(accelerator) else type(accelerator).save_state
+    error = _attempt(lambda: save(accelerator, str(tmp)))
     _agree_or_raise(accelerator, error, tmp, final, output_dir)
     if accelerator.is_main_process:
         marker = {**state, **layout(accelerator), "step": step}
@@ -209,10 +211,14 @@ def read_marker(path: Path) -> dict:
 def layout(accelerator) -> dict:
     """How this launch lays out the states it saves; a checkpoint with another layout needs portable.py."""
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    mesh = accelerator.state.device_mesh
+    sizes = dict(zip(mesh.mesh_dim_names, mesh.shape)) if mesh is not None else {}
     return {
         "backend": accelerator.distributed_type.value,
         "world_size": accelerator.num_processes,
         "zero_stage": accelerator.state.deepspeed_plugin.zero_stage if deepspeed else 0,
+        "tp_size": sizes.get("tp", 1),
+        "dp_replicate_size": sizes.get("dp_replicate", 1),
     }
 
 

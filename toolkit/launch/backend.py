@@ -4,13 +4,14 @@ toolkit/run.py asks for the Accelerator in one call; this module builds it and c
 
     launch = backend.detect_launch()
     notes = checks.check_launch(launch, cfg, config_path, machine.probe_machine(), os.environ)
-    ga = batches.grad_accum_steps(cfg.train, launch.world_size)
+    ga = batches.grad_accum_steps(cfg.train, launch.mesh.data_parallel)
     accelerator = backend.setup(launch, cfg.train, ga, project_dir=..., ...)
     log(backend.setup_summary(accelerator, launch, cfg.train, ga)), then each of `notes`
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -22,11 +23,17 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.state import PartialState
-from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs
+from accelerate.utils import (
+    DistributedType,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    ParallelismConfig,
+)
 
 from toolkit.config import TrainConfig
 from toolkit.errors import UserError
 from toolkit.launch.machine import count_gpus
+from toolkit.launch.mesh import Mesh
 from toolkit.launch.sections import PARALLEL_SIZES, gather_setting
 
 # Accelerate-native DeepSpeed settings: env variable `accelerate launch` sets -> the YAML key it came from.
@@ -54,7 +61,7 @@ class Launch:
     """What the launcher asked for, read from the environment `accelerate launch` sets or from its YAML."""
 
     backend: str
-    """single | ddp | fsdp | deepspeed."""
+    """single | ddp | fsdp | deepspeed | tp (tensor parallel across every process, no FSDP)."""
     world_size: int
     """Processes on all machines together."""
     procs_per_node: int
@@ -79,6 +86,16 @@ class Launch:
     """FSDP settings given to the launcher, keys without the fsdp_ prefix (offload_params, ...)."""
     parallel_sizes: dict = field(default_factory=dict)
     """parallelism_config sizes given to the launcher (dp_replicate, dp_shard, tp, cp, sp)."""
+
+    @property
+    def mesh(self) -> Mesh:
+        """How the processes split the work: replicas, shards, tensor-parallel groups."""
+        return Mesh.of(self.parallel_sizes, self.world_size, self.backend == "fsdp")
+
+    @property
+    def uses_mesh(self) -> bool:
+        """A parallelism_config beyond plain data parallel (tensor parallel or HSDP) was asked for."""
+        return bool(self.mesh.describe(""))
 
 
 def detect_launch(env: Mapping[str, str] | None = None, gpu_count: int | None = None) -> Launch:
@@ -110,8 +127,19 @@ def detect_launch(env: Mapping[str, str] | None = None, gpu_count: int | None = 
         return deepspeed_launch(env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", ""), settings, **common)
     if _flag(env, "ACCELERATE_USE_FSDP"):
         fsdp = {key: env[var] for var, key in FSDP_SETTINGS_ENV.items() if var in env}
-        return Launch("fsdp", fsdp_version=int(env.get("FSDP_VERSION", "1")), fsdp_settings=fsdp, **common)
-    return Launch("ddp" if world > 1 else "single", **common)
+        launch = Launch("fsdp", fsdp_version=int(env.get("FSDP_VERSION", "1")), fsdp_settings=fsdp, **common)
+        return as_tensor_parallel(launch)
+    return as_tensor_parallel(Launch("ddp" if world > 1 else "single", **common))
+
+
+def as_tensor_parallel(launch: Launch) -> Launch:
+    """`launch` as backend `tp` when its mesh splits the model across every process (one data-parallel
+    group). accelerate launch takes a parallelism_config only under FSDP2, which then has nothing to shard,
+    so such a launch runs without FSDP: the split model, no wrapper, every rank on the same batch."""
+    mesh = launch.mesh
+    if launch.backend in ("fsdp", "ddp") and mesh.tp > 1 and mesh.data_parallel == 1:
+        return dataclasses.replace(launch, backend="tp")
+    return launch
 
 
 def deepspeed_launch(config_file: str, settings: dict, **common) -> Launch:
@@ -162,7 +190,7 @@ def accelerator_kwargs(launch: Launch, train: TrainConfig, grad_accum_steps: int
             num_steps=grad_accum_steps, sync_with_dataloader=False
         ),
     }
-    if launch.on_cpu and launch.backend in ("ddp", "fsdp"):
+    if launch.on_cpu and launch.backend in ("ddp", "fsdp", "tp"):
         # Without cpu=True, accelerate finds no GPU and gives each launched process a world of its own.
         kwargs["cpu"] = True
     if launch.on_cpu and launch.backend == "fsdp":
@@ -176,6 +204,13 @@ def accelerator_kwargs(launch: Launch, train: TrainConfig, grad_accum_steps: int
             # DeepSpeed's CPU accelerator would otherwise ask for oneCCL.
             group["backend"] = "gloo"
     kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(**group)]
+    if launch.uses_mesh:
+        # accelerate checks a mesh as it builds the state: it refuses one on gloo CPU processes (MULTI_CPU,
+        # before FSDP is switched on below) and a tensor-parallel-only mesh under the FSDP launch it came
+        # from. The launch's mesh is installed in `_finish_setup`, once the type is right.
+        kwargs["parallelism_config"] = ParallelismConfig(
+            dp_replicate_size=1, dp_shard_size=1, tp_size=1, cp_size=1, sp_size=1
+        )
     return kwargs
 
 
@@ -248,7 +283,36 @@ def _finish_setup(accelerator, launch: Launch) -> None:
         if launch.fsdp_version == 1:
             # FSDP1 computes on `cpu` and refuses accelerate's `cpu:0` as a different device.
             state.device = PartialState._shared_state["device"] = torch.device("cpu")
+    if launch.backend == "tp":
+        _without_fsdp(accelerator.state)
+    if launch.uses_mesh:
+        _install_mesh(accelerator, launch.mesh)
     verify(accelerator, launch)
+
+
+def _without_fsdp(state) -> None:
+    """Plain multi-process state for a model split across every process (the FSDP launch it came from
+    has nothing to shard); on gloo CPU processes accelerate never switched FSDP on."""
+    if state.distributed_type != DistributedType.FSDP:
+        return
+    state.fsdp_plugin = None
+    state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+
+
+def _install_mesh(accelerator, mesh: Mesh) -> None:
+    """Give accelerate the launch's device mesh, now that the state has its final type.
+
+    accelerate's own check of the mesh runs for FSDP2. It refuses a tensor-parallel-only launch on CPU
+    processes (MULTI_CPU), although that trains exactly (accelerate puts no DDP wrapper around a split
+    model); `checks.check_launch` has checked its sizes."""
+    config = ParallelismConfig(
+        dp_replicate_size=mesh.dp_replicate, dp_shard_size=mesh.dp_shard, tp_size=mesh.tp
+    )
+    state = accelerator.state
+    state.parallelism_config = config
+    state.device_mesh = config.get_device_mesh("cpu")
+    if state.distributed_type == DistributedType.FSDP:
+        config._validate_accelerator(accelerator)
 
 
 # The accelerate type each backend must end up as; ddp is any MULTI_<device> type.
@@ -267,7 +331,7 @@ def verify(accelerator, launch: Launch) -> None:
             f"{launch.world_size} processes were launched ({launch.backend}, WORLD_SIZE) but accelerate "
             f"joined {accelerator.num_processes} ({got.value}): each process would train alone"
         )
-    if launch.backend == "ddp":
+    if launch.backend in ("ddp", "tp"):
         matches = got.value.startswith("MULTI_")
     else:
         matches = got == DISTRIBUTED_TYPE[launch.backend]
@@ -283,16 +347,27 @@ def setup_summary(accelerator, launch: Launch, train: TrainConfig, grad_accum_st
     return (
         f"backend {backend_name(launch)} ({comm}) | world {world} | {launch.procs_per_node} per node | "
         f"device {accelerator.device.type} | precision {accelerator.mixed_precision} | "
-        f"global batch {train.micro_batch_size * ga * world} = "
-        f"micro {train.micro_batch_size} x GA {ga} x world {world}"
+        f"global batch {train.micro_batch_size * ga * launch.mesh.data_parallel} = "
+        f"micro {train.micro_batch_size} x GA {ga} x {batch_split(launch)}"
     )
 
 
+def batch_split(launch: Launch) -> str:
+    """`world 4`, or where tensor-parallel ranks share batches `data-parallel 2 (world 4 / tp 2)`."""
+    mesh = launch.mesh
+    if mesh.tp == 1:
+        return f"world {launch.world_size}"
+    return f"data-parallel {mesh.data_parallel} (world {launch.world_size} / tp {mesh.tp})"
+
+
 def backend_name(launch: Launch) -> str:
+    fsdp = f"fsdp{launch.fsdp_version}"
+    if launch.uses_mesh:
+        return launch.mesh.describe(fsdp)
     if launch.backend == "deepspeed":
         return f"deepspeed ZeRO-{launch.zero_stage}" + (" + offload" if _offloads(launch) else "")
     if launch.backend == "fsdp":
-        return f"fsdp{launch.fsdp_version}"
+        return fsdp
     return launch.backend
 
 

@@ -10,12 +10,21 @@ import json
 from collections.abc import MutableMapping
 from pathlib import Path
 
-from toolkit import head, quant
+from toolkit import head, quant, tensor_parallel
 from toolkit.batches import grad_accum_steps
 from toolkit.config import ModelConfig, RecipeConfig, TrainConfig
 from toolkit.errors import UserError
-from toolkit.launch.backend import DS_SETTINGS_ENV, Launch, backend_name, deepspeed_launch, refuse_unsupported
+from toolkit.launch.backend import (
+    DS_SETTINGS_ENV,
+    Launch,
+    as_tensor_parallel,
+    backend_name,
+    batch_split,
+    deepspeed_launch,
+    refuse_unsupported,
+)
 from toolkit.launch.machine import GEFORCE_40, Machine, probe_machine
+from toolkit.launch.mesh import check_mesh
 from toolkit.launch.sections import (
     PARALLEL_SIZES,
     gather_setting,
@@ -64,8 +73,11 @@ def launch_from_yaml(path: Path, gpu_count: int, num_processes: int | None = Non
     if backend == "fsdp":
         fsdp = raw.get("fsdp_config") or {}
         settings = {key.removeprefix("fsdp_"): str(value) for key, value in fsdp.items()}
-        return Launch("fsdp", fsdp_version=int(fsdp.get("fsdp_version", 1)), fsdp_settings=settings, **common)
-    return Launch(backend, **common)
+        launch = Launch(
+            "fsdp", fsdp_version=int(fsdp.get("fsdp_version", 1)), fsdp_settings=settings, **common
+        )
+        return as_tensor_parallel(launch)
+    return as_tensor_parallel(Launch(backend, **common))
 
 
 def _yaml_parallel_sizes(section: dict) -> dict[str, int]:
@@ -97,8 +109,12 @@ def check_launch(
     which must happen before the Accelerator starts NCCL (accelerate only does so for drivers before 550).
     """
     refuse_unsupported(launch)
-    ga = grad_accum_steps(cfg.train, launch.world_size)
+    ga = grad_accum_steps(cfg.train, launch.mesh.data_parallel)
     refuse_parallelism(launch.parallel_sizes, launch.source)
+    if launch.parallel_sizes:
+        check_mesh(launch.mesh, launch.world_size, launch.fsdp_version, launch.backend, launch.source)
+    if launch.mesh.tp > 1:
+        _check_tensor_parallel(launch.mesh.tp, cfg, recipe_source)
     _check_precision(launch, cfg.train, recipe_source, machine)
     if launch.backend == "fsdp":
         refuse_fsdp_settings(launch.fsdp_settings, launch.on_cpu, launch.source)
@@ -116,6 +132,18 @@ def check_launch(
     if cfg.loss.head == "chunked":
         _check_loss_head(cfg.model, recipe_source)
     return _disable_nccl_p2p(machine, env)
+
+
+def _check_tensor_parallel(tp: int, cfg: RecipeConfig, recipe_source: str) -> None:
+    """A model without a tensor-parallel plan, or whose heads or widths do not split `tp` ways, and the
+    methods that cannot be split are refused before any data is prepared."""
+    method = tensor_parallel.method_problem(cfg.model.method, cfg.lora.use_dora)
+    if method:
+        raise UserError(f"{recipe_source}: tensor parallelism (tp {tp}) refuses {method}")
+    config = model_config(cfg.model)
+    problem = tensor_parallel.plan_problem(config, tp) if config is not None else None
+    if problem:
+        raise UserError(f"model.path {cfg.model.path} in {recipe_source}: {problem}")
 
 
 def _check_loss_head(model: ModelConfig, recipe_source: str) -> None:
@@ -255,12 +283,12 @@ def check_config_cli(
     machine = probe_machine()
     launch = launch_from_yaml(Path(accel_yaml), machine.gpu_count, num_processes)
     notes = check_launch(launch, cfg, recipe_path or "the demo config", machine, env)
-    ga = grad_accum_steps(cfg.train, launch.world_size)
+    ga = grad_accum_steps(cfg.train, launch.mesh.data_parallel)
     where = " as gloo CPU processes (no GPU here)" if launch.on_cpu and launch.world_size > 1 else ""
     summary = (
         f"{accel_yaml}: ok: {backend_name(launch)} on {launch.world_size} process(es){where}, global batch "
-        f"{cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x GA {ga} x world "
-        f"{launch.world_size}"
+        f"{cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x GA {ga} x "
+        f"{batch_split(launch)}"
     )
     from toolkit.data.agreement import check_template_cli
 

@@ -16,9 +16,6 @@ UNSUPPORTED_PARALLELISM = {
     "SDPA kernels and a sequence-sharded batch the recipes do not build",
     "sp": "DeepSpeed sequence parallelism (Ulysses/ALST) swaps the model's attention and shards each "
     "sequence across ranks, which the recipes' data loaders and token-weighted loss do not do",
-    "tp": "tensor parallelism through parallelism_config is not supported yet",
-    "dp_replicate": "HSDP (dp_replicate_size with dp_shard_size) through parallelism_config is not "
-    "supported yet",
 }
 PARALLEL_SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 # DeepSpeed accepts both spellings of this ZeRO-3 field, and refuses a config that sets both.

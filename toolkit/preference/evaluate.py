@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.distributed import data_shard
 from toolkit.generation import greedy_answer
 from toolkit.preference.config import DpoConfig
 from toolkit.preference.data import strided_batches
@@ -17,9 +18,7 @@ def evaluate_pairs(model, dataset, collate, accelerator, cfg: DpoConfig, referen
     log-probs of a stacked batch (None for reference-free losses)."""
     model.eval()
     sums = PairSums(accelerator.device)
-    for rows, real in strided_batches(
-        dataset, accelerator.process_index, accelerator.num_processes, batch_size
-    ):
+    for rows, real in strided_batches(dataset, *data_shard(accelerator), batch_size):
         batch = {k: v.to(accelerator.device) for k, v in collate(rows).items()}
         logps, counts = batch_sequence_logps(model, batch)
         sums.add(pair_terms(cfg, logps, counts, reference(batch)), logps, counts, keep=real)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from toolkit import head
 from toolkit.data.collate import model_inputs
+from toolkit.distributed import sum_over_data
 from toolkit.loss import IGNORE
 from toolkit.preference.config import DpoConfig
 
@@ -143,7 +144,7 @@ class PairSums:
 
     def reduce(self, accelerator) -> PairSums:
         """Collective: the sums added over every rank in one reduction, in place; returns self."""
-        stacked = accelerator.reduce(torch.stack([self.sums[name] for name in SUMS]), reduction="sum")
+        stacked = sum_over_data(accelerator, torch.stack([self.sums[name] for name in SUMS]))
         self.sums = dict(zip(SUMS, stacked.unbind(), strict=True))
         return self
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from toolkit.checkpoint.rundir import REFERENCE_LOGPS
 from toolkit.config import LoraConfig, ModelConfig
+from toolkit.distributed import data_shard
 from toolkit.errors import UserError
 from toolkit.model import load_model
 from toolkit.preference.config import precomputes_reference, uses_reference
@@ -74,7 +75,7 @@ def compute(accelerator, model, dataset, collate, batch_size: int, separate=None
     """Collective: every rank scores a strided share of `dataset` (rows carry `pair_index`) and the
     shares are gathered into per-pair tensors."""
     table = torch.zeros(len(dataset), 2, dtype=torch.float64)
-    rank, world = accelerator.process_index, accelerator.num_processes
+    rank, world = data_shard(accelerator)
     for rows, real in strided_batches(dataset, rank, world, batch_size):
         batch = {k: v.to(accelerator.device) for k, v in collate(rows).items()}
         values = torch.stack(live_logps(accelerator, model, batch, separate).double().chunk(2), dim=1)
