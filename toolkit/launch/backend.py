@@ -304,15 +304,24 @@ def _install_mesh(accelerator, mesh: Mesh) -> None:
 
     accelerate's own check of the mesh runs for FSDP2. It refuses a tensor-parallel-only launch on CPU
     processes (MULTI_CPU), although that trains exactly (accelerate puts no DDP wrapper around a split
-    model); `checks.check_launch` has checked its sizes."""
+    model); `checks.check_launch` has checked its sizes.
+
+    Under FSDP x TP accelerate is told of the data-parallel dimensions only: its tensor-parallel preparation
+    (1.15) imports a transformers class that transformers 5 no longer has, and ftkit has split the model
+    itself. FSDP shards over the data-parallel dimensions of the whole mesh, and the loaders read the whole
+    mesh, so tensor-parallel ranks still share their batches."""
     config = ParallelismConfig(
         dp_replicate_size=mesh.dp_replicate, dp_shard_size=mesh.dp_shard, tp_size=mesh.tp
     )
     state = accelerator.state
     state.parallelism_config = config
-    state.device_mesh = config.get_device_mesh("cpu")
+    state.device_mesh = config.get_device_mesh(accelerator.device.type)
     if state.distributed_type == DistributedType.FSDP:
         config._validate_accelerator(accelerator)
+        if mesh.tp > 1:
+            state.parallelism_config = ParallelismConfig(
+                dp_replicate_size=mesh.dp_replicate, dp_shard_size=mesh.dp_shard, tp_size=1
+            )
 
 
 # The accelerate type each backend must end up as; ddp is any MULTI_<device> type.
