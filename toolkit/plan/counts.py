@@ -4,6 +4,7 @@ so no weights are read or downloaded and even a 70B model costs no memory."""
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,12 @@ class ModelCounts:
     kv_heads: int
     head_dim: int
     vocab: int
+    tp_styles: tuple[str, ...] = ()
+    """The split styles of the model's transformers `base_model_tp_plan` (none: it has no such plan)."""
+    tp_split_frozen: int = 0
+    """Frozen parameters of the modules that plan splits (the attention and MLP linears of every layer)."""
+    tp_split_trainable: int = 0
+    """Trainable parameters of those modules: their weights (full fine-tuning) or adapters (LoRA)."""
 
 
 def load_model_config(model: str):
@@ -81,9 +88,11 @@ def count_parameters(config, method: str, lora_r: int, source: str = "") -> Mode
     if method in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 
-        # peft calls a transformers method that is deprecated in this version; the warning is not the user's.
+        # peft calls a transformers method that is deprecated in this version, and notes that GPT-2's Conv1D
+        # layers store their weights transposed: neither warning is the user's.
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
+            warnings.filterwarnings("ignore", "fan_in_fan_out", UserWarning)
             model = get_peft_model(
                 model, LoraConfig(r=lora_r, target_modules="all-linear", task_type="CAUSAL_LM")
             )
@@ -132,6 +141,8 @@ def _counts(model, text, method: str, lora_r: int, source: str) -> ModelCounts:
     layer_names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_names]
     heads = text.num_attention_heads
+    tp_plan = getattr(text, "base_model_tp_plan", None) or {}
+    split_frozen, split_trainable = _tp_split(model, tp_plan)
     return ModelCounts(
         source=source,
         model_type=text.model_type,
@@ -149,12 +160,34 @@ def _counts(model, text, method: str, lora_r: int, source: str) -> ModelCounts:
         lm_head=head.weight.numel() if head is not None else 0,
         layers=text.num_hidden_layers,
         hidden=text.hidden_size,
-        intermediate=text.intermediate_size,
+        intermediate=_mlp_width(text),
         heads=heads,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         vocab=text.vocab_size,
+        tp_styles=tuple(sorted(set(tp_plan.values()))),
+        tp_split_frozen=split_frozen,
+        tp_split_trainable=split_trainable,
     )
+
+
+def _mlp_width(text) -> int:
+    """The MLP's inner width: GPT-2 calls it n_inner and leaves it None for 4 x hidden."""
+    width = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None)
+    return width or 4 * text.hidden_size
+
+
+def _tp_split(model, tp_plan: dict[str, str]) -> tuple[int, int]:
+    """(frozen, trainable) parameters inside the modules a tensor-parallel plan names, adapters included.
+
+    The plan's keys are relative to the base model ("layers.*.self_attn.q_proj"), so they match the end of a
+    module's full name, which peft's wrapping lengthens at the front.
+    """
+    patterns = [re.compile(r"(?:^|\.)" + re.escape(key).replace(r"\*", r"\d+") + "$") for key in tp_plan]
+    modules = [m for name, m in model.named_modules() if any(p.search(name) for p in patterns)]
+    params = {id(p): p for m in modules for p in m.parameters()}.values()
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    return frozen, sum(p.numel() for p in params) - frozen
 
 
 def _config_from_dict(raw: dict, model: str):

@@ -16,7 +16,7 @@ from toolkit.errors import UserError
 from toolkit.fields import NonNegativeFloat, PositiveFloat, PositiveInt, Probability, field_errors
 from toolkit.launch.machine import GIB
 from toolkit.metrics import read_metrics
-from toolkit.plan import GradCkpt, PlanDtype, PlanPrecision, architectures, memory
+from toolkit.plan import GradCkpt, PlanDtype, PlanPrecision, architectures, comm, memory, parallel
 from toolkit.plan.counts import ModelCounts, count_parameters, load_model_config
 from toolkit.plan.memory import Head, MemoryEstimate, Precision
 from toolkit.typed_yaml import flat_dict
@@ -118,6 +118,10 @@ class Plan:
     cost: Cost | None
     full_head: MemoryEstimate | None = None
     """The recommended setup with the full logits instead of the chunked head (None under loss.head full)."""
+    layouts: tuple[parallel.Layout, ...] = ()
+    """The model-parallel layouts (tp, fsdp_tp, hsdp) on more than one GPU, at the rows' micro-batch."""
+    comm: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Bytes each GPU sends per optimizer step under each data-parallel backend, at the rows' micro-batch."""
 
     def fits(self, row: MemoryEstimate) -> bool:
         return fits(row, self.request)
@@ -163,7 +167,20 @@ def make_plan(request: PlanRequest, cost: CostRequest | None = None) -> Plan:
         flops_per_token=flops.flops_per_token(counts, request.seq_len),
         cost=estimate_cost(cost, request.gpus) if cost else None,
         full_head=_with_full_head(choice, counts, request, precision),
+        layouts=parallel.layouts(counts, request, precision, _ckpt_options(request), micro),
+        comm=_data_parallel_comm(counts, request, precision, micro),
     )
+
+
+def _data_parallel_comm(counts, request: PlanRequest, precision, micro: int) -> dict[str, int]:
+    if request.gpus == 1:
+        return {}
+    micro_batches = request.global_batch // (micro * request.gpus)
+    return {
+        backend: comm.data_parallel_bytes(counts, backend, request.gpus, micro_batches, precision)
+        for backend in memory.BACKENDS
+        if backend != "single"
+    }
 
 
 def _with_full_head(

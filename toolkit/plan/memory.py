@@ -9,6 +9,9 @@ backend keeps per rank; activations and overhead are estimates (formulas in thei
     zero2           full         1/N          1/N
     zero3, fsdp     1/N          1/N          1/N
     zero3_offload   1/N          1/N          1/N           all of it in CPU RAM instead of GPU memory
+
+The model-parallel layouts (tp, fsdp_tp, hsdp) are in `plan.parallel`; what each backend sends between GPUs
+is in `plan.comm`.
 """
 
 from __future__ import annotations
@@ -112,7 +115,7 @@ def model_state_bytes(counts, backend: str, n_ranks: int, precision: Precision =
     reduce buckets (hidden^2 elements each; `overhead_bytes` has them).
     """
     ranks = 1 if backend == "single" else n_ranks
-    frozen_b, train_b = _param_bytes(counts.method, backend, precision)
+    frozen_b, train_b = param_bytes(counts.method, backend, precision)
     zero3 = backend in ("zero3", "zero3_offload")
 
     def shard(numel: int, sharded: bool = True) -> int:
@@ -141,7 +144,7 @@ def model_state_bytes(counts, backend: str, n_ranks: int, precision: Precision =
     )
 
 
-def _param_bytes(method: str, backend: str, precision: Precision) -> tuple[int, int]:
+def param_bytes(method: str, backend: str, precision: Precision) -> tuple[int, int]:
     """Bytes per (frozen, trainable) parameter as the backend stores them.
 
     DeepSpeed under bf16 casts every parameter to bf16 and keeps fp32 masters; peft keeps adapters in fp32
@@ -162,6 +165,7 @@ def activation_bytes(
     checkpointing: bool,
     precision: Precision,
     lora_dropout: float = 0.0,
+    tp: int = 1,
 ) -> int:
     """Activation memory of one micro-batch at the peak of the backward pass (an estimate).
 
@@ -179,15 +183,17 @@ def activation_bytes(
     The head adds one RMSNorm (the loss head's own memory is `head_bytes`). With gradient checkpointing only
     each layer's input is kept (r bytes per h, r the weights' dtype size: the residual stream's dtype), plus
     one layer being recomputed.
+    Under tensor parallelism of size `tp` (which divides the heads and i) the attention and MLP terms and the
+    dropped inputs of o_proj and down_proj are split tp ways; the norms and the residual stream stay whole.
     Total = s x b x per-token bytes.
     """
     e = compute_bytes(precision)
     residual = 4 if precision.weights == "float32" or counts.method == "qlora" else 2
-    h, h_a = counts.hidden, counts.heads * counts.head_dim
+    h, h_a, i = counts.hidden, counts.heads * counts.head_dim, counts.intermediate
     norm = 4 * h + 2 * e * h
-    layer = 2 * norm + 5 * e * h_a + 4 * counts.heads + 4 * e * counts.intermediate
+    layer = 2 * norm + (5 * e * h_a + 4 * counts.heads + 4 * e * i) // tp
     if counts.method != "full" and lora_dropout > 0:
-        layer += (e + 1) * (5 * h + h_a + counts.intermediate)
+        layer += (e + 1) * (5 * h + (h_a + i) // tp)
     stored = counts.layers * residual * h + layer if checkpointing else counts.layers * layer
     return (stored + norm) * seq_len * micro_batch
 
@@ -224,7 +230,7 @@ def _head_weight_bytes(counts, backend: str, precision: Precision) -> int:
     """Bytes of a head weight as the forward sees it: gathered in the compute dtype when sharded."""
     if backend in SHARDED_PARAMS:
         return compute_bytes(precision)
-    return _param_bytes(counts.method, backend, precision)[1]
+    return param_bytes(counts.method, backend, precision)[1]
 
 
 def working_weight_bytes(counts, backend: str, precision: Precision) -> int:
@@ -250,7 +256,7 @@ def overhead_bytes(tensor_bytes: int, backend: str, n_gpus: int, counts, precisi
     is hidden^2 elements, two of them with overlap_comm) + allocator fragmentation on the tensors."""
     comm = NCCL_BUFFERS if backend != "single" and n_gpus > 1 else 0
     if backend in DEEPSPEED:
-        comm += 2 * counts.hidden**2 * _param_bytes(counts.method, backend, precision)[1]
+        comm += 2 * counts.hidden**2 * param_bytes(counts.method, backend, precision)[1]
     return CUDA_CONTEXT + comm + int(FRAGMENTATION * tensor_bytes)
 
 

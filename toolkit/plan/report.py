@@ -7,6 +7,7 @@ import dataclasses
 from toolkit.launch.machine import GIB
 from toolkit.plan.estimate import Plan
 from toolkit.plan.memory import MemoryEstimate, qlora_load_bytes
+from toolkit.plan.parallel import Layout
 
 COLUMNS = ("weights", "lora", "grads", "optimizer", "activations", "overhead", "total")
 HEADINGS = ("weights", "lora", "grads", "optim", "activ", "other", "total")
@@ -16,6 +17,7 @@ def render_text(plan: Plan) -> str:
     """The plan as the terminal shows it: model, setup, per-GPU memory by backend, recommendation, cost."""
     lines = [*_header(plan), "", *_table(plan), "", *_recommendation(plan), *_head_note(plan)]
     lines += _qlora_loading(plan)
+    lines += _layouts(plan)
     if plan.cost is not None:
         lines += ["", *_cost(plan)]
     lines += [
@@ -47,14 +49,15 @@ def _table(plan: Plan) -> list[str]:
     limit = f"fits {plan.request.gpu_mem:g} GiB"
     micro = plan.rows[0].micro_batch
     head = f"{'per GPU (GiB), micro-batch ' + str(micro):33}" + "".join(f"{h:>7}" for h in HEADINGS)
-    lines = [head + f"{'CPU RAM':>9}  {limit}"]
-    for row in plan.rows:
-        parts = row.per_gpu()
-        name = f"{row.backend:14}grad ckpt {'on ' if row.checkpointing else 'off'}"
-        cells = "".join(f"{parts[k] / GIB:7.1f}" for k in COLUMNS)
-        note = "  (states in CPU RAM)" if row.states.in_cpu_ram else ""
-        lines.append(f"{name:33}{cells}{row.cpu_ram / GIB:9.1f}  {'yes' if plan.fits(row) else 'no'}{note}")
-    return lines
+    return [head + f"{'CPU RAM':>9}  {limit}", *(_row(plan, row, row.backend) for row in plan.rows)]
+
+
+def _row(plan: Plan, row: MemoryEstimate, name: str, extra: str = "") -> str:
+    parts = row.per_gpu()
+    name = f"{name:14}grad ckpt {'on ' if row.checkpointing else 'off'}"
+    cells = "".join(f"{parts[k] / GIB:7.1f}" for k in COLUMNS)
+    note = "  (states in CPU RAM)" if row.states.in_cpu_ram else ""
+    return f"{name:33}{cells}{row.cpu_ram / GIB:9.1f}{extra}  {'yes' if plan.fits(row) else 'no'}{note}"
 
 
 def _recommendation(plan: Plan) -> list[str]:
@@ -107,6 +110,79 @@ def _qlora_loading(plan: Plan) -> list[str]:
     ]
 
 
+def _layouts(plan: Plan) -> list[str]:
+    """The model-parallel layouts: memory and traffic per GPU, what cannot be split, and the trade-off."""
+    if not plan.layouts:
+        return []
+    micro = plan.rows[0].micro_batch
+    head = f"{'model parallel, micro-batch ' + str(micro):33}" + "".join(f"{h:>7}" for h in HEADINGS)
+    lines = ["", head + f"{'CPU RAM':>9}{'comm/step':>11}  fits {plan.request.gpu_mem:g} GiB"]
+    for layout in plan.layouts:
+        for row, sent in zip(layout.rows, layout.comm):
+            lines.append(_row(plan, row, layout.mesh.label, f"{_size(sent):>11}"))
+    lines += _refusals(plan)
+    lines.append(
+        "  tp T: T GPUs split each layer and share each micro-batch; fsdp_tp DxT: FSDP over D, tp T; "
+        "hsdp RxS: R copies of an S-way FSDP"
+        + ("" if len(plan.layouts) > 1 else " (fsdp_tp and hsdp need an even number of GPUs, 4 or more)")
+    )
+    dp = " | ".join(f"{backend} {_size(sent)}" for backend, sent in plan.comm.items())
+    lines.append(f"comm     per GPU per optimizer step at micro-batch {micro} (toolkit/plan/comm.py): {dp}")
+    return lines + _pcie_note(plan)
+
+
+def _refusals(plan: Plan) -> list[str]:
+    """One line per reason, naming every layout it stops."""
+    reasons: dict[str, list[str]] = {}
+    for layout in plan.layouts:
+        if layout.refusal:
+            reasons.setdefault(layout.refusal, []).append(layout.mesh.label)
+    return [f"{', '.join(labels):33}no numbers: {reason}" for reason, labels in reasons.items()]
+
+
+def _pcie_note(plan: Plan) -> list[str]:
+    """Tensor parallelism's traffic against data parallelism's, and when it is worth it without NVLink."""
+    split = [layout for layout in plan.layouts if layout.mesh.tp > 1 and layout.rows]
+    if not split:
+        return []
+    layout, sent = split[0], split[0].comm[0]
+    ddp, fsdp = plan.comm["ddp"], plan.comm["fsdp"]
+    lines = [
+        f"PCIe     {layout.mesh.label} sends {_size(sent)} per GPU per step, {_ratio(sent, ddp)} ddp's "
+        f"{_size(ddp)} and {_ratio(sent, fsdp)} fsdp's {_size(fsdp)}: its activations cross the link at "
+        "every layer of every micro-batch."
+    ]
+    choice, gpus = plan.choice, plan.request.gpus
+    on_gpu = choice is not None and not choice.states.in_cpu_ram
+    fitting = [lay.mesh.label for lay in plan.layouts if lay.mesh.tp > 1 and any(map(plan.fits, lay.rows))]
+    if on_gpu:
+        lines.append(
+            f"  Without NVLink (e.g. {gpus}x RTX 4090) prefer {choice.backend}, which fits; "
+            "tensor parallelism pays off there only when the weights fit no data-parallel layout."
+        )
+    elif fitting:
+        lines.append(
+            f"  No data-parallel layout fits without offload but {' and '.join(fitting)} does: without "
+            "NVLink keep sequences short and batches small, as its traffic grows with seq x global batch."
+        )
+    return lines
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.1f} {unit}" if value < 100 else f"{value:.0f} {unit}"
+    return f"{n} B"
+
+
+def _ratio(a: int, b: int) -> str:
+    if b == 0:
+        return "n/a x"
+    ratio = a / b
+    return f"{ratio:,.0f}x" if ratio >= 10 else f"{ratio:.2g}x"
+
+
 def _cost(plan: Plan) -> list[str]:
     cost = plan.cost
     lines = [
@@ -138,6 +214,21 @@ def to_json(plan: Plan) -> dict:
             "full_head_per_gpu_bytes": None if plan.full_head is None else plan.full_head.per_gpu()["total"],
         },
         "cost": dataclasses.asdict(plan.cost) if plan.cost is not None else None,
+        "comm_bytes": plan.comm,
+        "model_parallel": [_layout_json(plan, layout) for layout in plan.layouts],
+    }
+
+
+def _layout_json(plan: Plan, layout: Layout) -> dict:
+    mesh = layout.mesh
+    return {
+        "backend": mesh.backend,
+        "tp": mesh.tp,
+        "dp_shard": mesh.shard,
+        "dp_replicate": mesh.replicate,
+        "refusal": layout.refusal,
+        "grad_accum": layout.grad_accum or None,
+        "rows": [{**_row_json(plan, row), "comm_bytes": sent} for row, sent in zip(layout.rows, layout.comm)],
     }
 
 

@@ -1,0 +1,79 @@
+"""Bytes each GPU sends per optimizer step, by backend. Ring collectives: to all-gather or reduce-scatter
+over n ranks each rank sends (n-1)/n of the whole tensor, to all-reduce twice that.
+
+    ddp      all-reduce of the gradients, once a step (accumulation runs under no_sync)
+    zero1    reduce-scatter of the gradients and all-gather of the updated weights, once a step
+    zero2    the same, but DeepSpeed reduces the gradients after every micro-batch
+    fsdp     all-gather of every weight in forward and again in backward, every micro-batch; reduce-scatter
+             of the gradients once a step (FSDP2 skips it while accumulating)
+    zero3    the same gathers, and a reduce-scatter after every micro-batch
+    tp       2 all-reduces of the activations (micro-batch x seq x hidden) per decoder layer in forward and 2
+             in backward, every micro-batch; checkpointing repeats the forward's 2 when it recomputes
+Weights travel as the backend gathers them (FSDP2's param_dtype, the compute dtype under bf16 autocast;
+DeepSpeed's stored dtype), gradients as it reduces them, activations in the compute dtype. Small tensors
+ZeRO-3 keeps whole are counted as gathered.
+"""
+
+from __future__ import annotations
+
+import math
+
+from toolkit.plan.memory import (
+    QLORA_BYTES_PER_PARAM,
+    Precision,
+    compute_bytes,
+    model_state_bytes,
+    param_bytes,
+)
+
+
+def gather(ranks: int, size: int) -> int:
+    """Bytes one rank sends to all-gather or reduce-scatter `size` bytes over `ranks` ranks."""
+    return (ranks - 1) * size // ranks
+
+
+def all_reduce(ranks: int, size: int) -> int:
+    """Bytes one rank sends to all-reduce `size` bytes over `ranks` ranks (reduce-scatter, then gather)."""
+    return 2 * (ranks - 1) * size // ranks
+
+
+def data_parallel_bytes(counts, backend: str, n_gpus: int, micro_batches: int, precision: Precision) -> int:
+    """Bytes one GPU sends per optimizer step of `micro_batches` micro-batches under `backend`."""
+    if backend == "single":
+        return 0
+    if backend == "fsdp":
+        weights, grads = fsdp_sizes(counts, precision)
+        return fsdp_bytes(n_gpus, micro_batches, weights, grads)
+    grads = counts.trainable * param_bytes(counts.method, backend, precision)[1]
+    if backend == "ddp":
+        return all_reduce(n_gpus, grads)
+    if backend == "zero1":
+        return gather(n_gpus, 2 * grads)
+    if backend == "zero2":
+        return gather(n_gpus, (micro_batches + 1) * grads)
+    whole = model_state_bytes(counts, backend, 1, precision)
+    return gather(n_gpus, micro_batches * (2 * (whole.frozen + whole.trainable) + grads))
+
+
+def fsdp_bytes(shards: int, micro_batches: int, weights: int, grads: int) -> int:
+    """FSDP2 over `shards` ranks: two gathers of `weights` a micro-batch, one reduce-scatter of `grads`."""
+    return gather(shards, 2 * micro_batches * weights) + gather(shards, grads)
+
+
+def fsdp_sizes(counts, precision: Precision) -> tuple[int, int]:
+    """(weights, gradients) in bytes that FSDP2 gathers and reduces for `counts` (one TP rank's part of the
+    model under fsdp_tp). bf16 autocast gathers and reduces in bf16; QLoRA's 4-bit weights go as stored."""
+    frozen_b, train_b = (2, 2) if precision.mixed == "bf16" else param_bytes(counts.method, "fsdp", precision)
+    weights = counts.frozen * frozen_b
+    if counts.method == "qlora":
+        quantized = math.ceil(counts.quantizable * QLORA_BYTES_PER_PARAM)
+        weights = quantized + (counts.frozen - counts.quantizable) * frozen_b
+    return weights + counts.trainable * train_b, counts.trainable * train_b
+
+
+def tp_activation_bytes(counts, tp: int, tokens: int, checkpointing: bool, precision: Precision) -> int:
+    """Bytes one GPU sends per step for tensor parallelism's activation all-reduces, its group running
+    `tokens` tokens a step."""
+    per_layer = 6 if checkpointing else 4
+    size = counts.layers * per_layer * tokens * counts.hidden * compute_bytes(precision)
+    return all_reduce(tp, size)

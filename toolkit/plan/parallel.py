@@ -1,0 +1,201 @@
+"""Model-parallel layouts in `ftkit plan`: tensor parallelism (tp), FSDP2 over tensor-parallel ranks (fsdp_tp)
+and FSDP2's hybrid sharding (hsdp), beside the data-parallel backends of `plan.memory`.
+
+    layout          split modules*   the rest**   gradients and optimizer states
+    tp T            1/T              whole        follow their weights
+    fsdp_tp D x T   1/(D x T)        1/D          follow their weights
+    hsdp R x S      1/S              1/S          1/S
+
+*  the attention q/k/v/o and MLP gate/up/down linears of every decoder layer and their LoRA adapters, as the
+   model's transformers `base_model_tp_plan` names them (colwise and rowwise, Megatron-style).
+** embeddings, norms and the output head (the chunked loss head needs it whole).
+TP ranks run the same micro-batch: the residual stream is whole on each, the attention and MLP inner
+activations are split T ways. FSDP gathers a layer across its D (or S) shards only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from toolkit.plan import comm, memory
+from toolkit.plan.memory import Head, MemoryEstimate, Precision
+
+if TYPE_CHECKING:
+    from toolkit.plan.estimate import PlanRequest
+
+TP_STYLES = ("colwise", "rowwise")
+"""The split styles ftkit's tensor parallelism applies."""
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """One layout's device mesh; the product of its sizes is the number of GPUs."""
+
+    backend: str
+    """tp | fsdp_tp | hsdp."""
+    tp: int = 1
+    shard: int = 1
+    """FSDP shards (dp_shard)."""
+    replicate: int = 1
+    """Copies of the sharded model (HSDP's dp_replicate)."""
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.shard * self.replicate
+
+    @property
+    def data_parallel(self) -> int:
+        """Groups of GPUs that run different micro-batches."""
+        return self.shard * self.replicate
+
+    @property
+    def label(self) -> str:
+        if self.backend == "tp":
+            return f"tp {self.tp}"
+        if self.backend == "fsdp_tp":
+            return f"fsdp_tp {self.shard}x{self.tp}"
+        return f"hsdp {self.replicate}x{self.shard}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A mesh's rows (one per checkpointing option), or why it has none."""
+
+    mesh: Mesh
+    refusal: str | None = None
+    rows: tuple[MemoryEstimate, ...] = ()
+    comm: tuple[int, ...] = ()
+    """Bytes each GPU sends per optimizer step, one figure per row."""
+    grad_accum: int = 0
+
+
+def meshes(gpus: int) -> list[Mesh]:
+    """The layouts shown for `gpus` GPUs of one machine: tp across all of them; with an even count of 4 or
+    more, fsdp_tp as dp_shard N/2 x tp 2 (TP stays on pairs of GPUs, whose traffic is the heaviest) and hsdp
+    as 2 replicas of N/2 shards (one machine has no node boundary to replicate across)."""
+    if gpus < 2:
+        return []
+    found = [Mesh("tp", tp=gpus)]
+    if gpus >= 4 and gpus % 2 == 0:
+        found += [Mesh("fsdp_tp", tp=2, shard=gpus // 2), Mesh("hsdp", shard=gpus // 2, replicate=2)]
+    return found
+
+
+def refusal(counts, mesh: Mesh) -> str | None:
+    """Why `mesh` cannot split this model, in one line; None when it can."""
+    if mesh.tp == 1:
+        return None
+    if not counts.tp_styles:
+        return f"{counts.model_type} has no tensor-parallel plan in transformers (base_model_tp_plan)"
+    other = [style for style in counts.tp_styles if style not in TP_STYLES]
+    if other:
+        styles = ", ".join(other)
+        return f"{counts.model_type}'s tensor-parallel plan uses {styles}; ftkit splits colwise/rowwise"
+    if counts.method == "qlora":
+        return "QLoRA's 4-bit weights are not split by tensor parallelism"
+    sizes = {
+        "num_attention_heads": counts.heads,
+        "num_key_value_heads": counts.kv_heads,
+        "intermediate_size": counts.intermediate,
+    }
+    odd = [f"{name} {size}" for name, size in sizes.items() if size % mesh.tp]
+    return f"tp {mesh.tp} does not divide {' or '.join(odd)}" if odd else None
+
+
+def layouts(
+    counts, request: PlanRequest, precision: Precision, ckpt_options, micro: int
+) -> tuple[Layout, ...]:
+    """Every layout for `request.gpus` GPUs at micro-batch `micro`, one row per checkpointing option."""
+    found = []
+    for mesh in meshes(request.gpus):
+        why = refusal(counts, mesh)
+        if why:
+            found.append(Layout(mesh, why))
+            continue
+        rows = tuple(estimate(counts, mesh, request, precision, ckpt, micro) for ckpt in ckpt_options)
+        sent = tuple(comm_bytes(counts, mesh, request, precision, micro, ckpt) for ckpt in ckpt_options)
+        found.append(Layout(mesh, None, rows, sent, request.global_batch // (micro * mesh.data_parallel)))
+    return tuple(found)
+
+
+def rank_counts(counts, tp: int):
+    """The counts of what one TP rank holds: the split modules' parameters 1/tp, the rest whole."""
+    if tp == 1:
+        return counts
+    split = counts.tp_split_frozen + counts.tp_split_trainable
+    frozen = _share(counts.frozen, counts.tp_split_frozen, tp)
+    trainable = _share(counts.trainable, counts.tp_split_trainable, tp)
+    return dataclasses.replace(
+        counts,
+        total=frozen + trainable,
+        frozen=frozen,
+        trainable=trainable,
+        quantizable=_share(counts.quantizable, counts.tp_split_frozen, tp),
+        matmul_frozen=_share(counts.matmul_frozen, counts.tp_split_frozen, tp),
+        matmul_trainable=_share(counts.matmul_trainable, counts.tp_split_trainable, tp),
+        largest_layer=_share(counts.largest_layer, split // counts.layers, tp),
+    )
+
+
+def _share(numel: int, split: int, tp: int) -> int:
+    return numel - split + math.ceil(split / tp)
+
+
+def estimate(
+    counts, mesh: Mesh, request: PlanRequest, precision: Precision, ckpt: bool, micro: int
+) -> MemoryEstimate:
+    """One GPU under `mesh`: FSDP2's rules (`plan.memory`) applied to one TP rank's part of the model, with
+    the attention and MLP activations split; every process still loads the whole model into CPU RAM."""
+    # The data-parallel backend whose working copies, head and loading rules apply: FSDP's gathers when
+    # there are shards, else DDP's whole weights (the states follow FSDP's rules at 1 shard: no DDP buckets).
+    like = "fsdp" if mesh.shard > 1 else "ddp"
+    rank = rank_counts(counts, mesh.tp)
+    dpo = request.objective == "dpo"
+    sequences = micro * (2 if dpo else 1)
+    states = memory.model_state_bytes(rank, "fsdp", mesh.shard, precision)
+    working = memory.working_weight_bytes(rank, like, precision)
+    head = Head(request.loss_head, request.chunk_tokens, log_probs=dpo)
+    loss_head = memory.head_bytes(counts, request.seq_len * sequences, like, precision, head)
+    activations = loss_head + memory.activation_bytes(
+        counts, request.seq_len, sequences, ckpt, precision, request.lora_dropout, tp=mesh.tp
+    )
+    reference = _reference_bytes(rank, mesh, request, precision)
+    tensors = states.total + working + activations + reference
+    return MemoryEstimate(
+        backend=mesh.backend,
+        checkpointing=ckpt,
+        micro_batch=micro,
+        states=states,
+        working=working,
+        activations=activations,
+        head=loss_head,
+        overhead=memory.overhead_bytes(tensors, like, mesh.gpus, counts, precision),
+        cpu_ram=memory.cpu_ram_bytes(counts, like, mesh.gpus, states, precision),
+        reference=reference,
+    )
+
+
+def _reference_bytes(rank, mesh: Mesh, request: PlanRequest, precision: Precision) -> int:
+    """A separate reference model's weights, split and sharded like the policy's."""
+    if not request.reference_model:
+        return 0
+    return math.ceil(rank.total / mesh.shard) * (4 if precision.weights == "float32" else 2)
+
+
+def comm_bytes(counts, mesh: Mesh, request: PlanRequest, precision: Precision, micro: int, ckpt: bool) -> int:
+    """Bytes one GPU sends per optimizer step (`plan.comm`): tp's activation all-reduces, then FSDP's gathers
+    and reduce-scatter over the shards of one TP rank's part; hsdp adds an all-reduce of each gradient shard
+    across the replicas."""
+    micro_batches = request.global_batch // (micro * mesh.data_parallel)
+    weights, grads = comm.fsdp_sizes(rank_counts(counts, mesh.tp), precision)
+    sent = comm.fsdp_bytes(mesh.shard, micro_batches, weights, grads) if mesh.shard > 1 else 0
+    if mesh.replicate > 1:
+        sent += comm.all_reduce(mesh.replicate, math.ceil(grads / mesh.shard))
+    if mesh.tp > 1:
+        sequences = 2 if request.objective == "dpo" else 1
+        tokens = micro_batches * micro * sequences * request.seq_len
+        sent += comm.tp_activation_bytes(counts, mesh.tp, tokens, ckpt, precision)
+    return sent
