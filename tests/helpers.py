@@ -42,7 +42,11 @@ QUICK = [
 
 
 def recipe_command(
-    output_dir: Path, *overrides: str, config: str | None = None, launch: list[str] | None = None
+    output_dir: Path,
+    *overrides: str,
+    config: str | None = None,
+    launch: list[str] | None = None,
+    recipe: Path = RECIPE,
 ) -> tuple[list[str], dict]:
     """The command line and environment: `python recipe ...`, or `accelerate launch <launch> recipe ...`."""
     args = (["--config", config] if config else []) + [f"output_dir={output_dir}", *QUICK, *overrides]
@@ -52,7 +56,7 @@ def recipe_command(
         else [sys.executable]
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    return [*head, str(RECIPE), *args], env
+    return [*head, str(recipe), *args], env
 
 
 def run_ftkit_train(
@@ -80,8 +84,9 @@ def run_recipe(
     config: str | None = None,
     launch: list[str] | None = None,
     check: bool = True,
+    recipe: Path = RECIPE,
 ) -> subprocess.CompletedProcess:
-    command, env = recipe_command(output_dir, *overrides, config=config, launch=launch)
+    command, env = recipe_command(output_dir, *overrides, config=config, launch=launch, recipe=recipe)
     result = run_launched(command, env, keep=output_dir)
     if check and result.returncode != 0:
         raise AssertionError(

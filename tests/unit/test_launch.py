@@ -35,6 +35,9 @@ SHIPPED = {
     "zero3_offload": ("deepspeed", 3),
     "multinode_ddp": ("ddp", 0),
     "multinode_zero3": ("deepspeed", 3),
+    "tp": ("tp", 2),
+    "fsdp_tp": ("fsdp", 2),
+    "hsdp": ("fsdp", 2),
 }
 
 

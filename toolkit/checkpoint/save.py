@@ -109,8 +109,10 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
-    save = split.save_split_state if split.is_split(accelerator) else type(accelerator).save_state
-    error = _attempt(lambda: save(accelerator, str(tmp)))
+    if split.is_split(accelerator):
+        error = _attempt(lambda: split.save_split_state(accelerator, str(tmp)))
+    else:
+        error = _attempt(lambda: accelerator.save_state(str(tmp)))
     _agree_or_raise(accelerator, error, tmp, final, output_dir)
     if accelerator.is_main_process:
         marker = {**state, **layout(accelerator), "step": step}
