@@ -73,10 +73,12 @@ def assert_close(got, expected, what: str) -> None:
     assert ((got - expected).abs().max() / scale).item() < 1e-4, what
 
 
-def assert_same_math(result: dict, out: Path, reference, world: int, per_node: int, ga: int) -> None:
+def assert_same_math(
+    result: dict, out: Path, reference, world: int, per_node: int, ga: int, split: str = ""
+) -> None:
     """Same global batch, clipping and steps as one process: same losses, gradient norms and final weights."""
     line = f"| world {world} | {per_node} per node | device cpu | precision no | "
-    assert line + f"global batch 8 = micro 2 x GA {ga} x world {world}" in result["describe"]
+    assert line + f"global batch 8 = micro 2 x GA {ga} x {split or f'world {world}'}" in result["describe"]
     if result["distributed_type"] == "DEEPSPEED":
         assert [result["deepspeed"][k] for k in DS_RECIPE_KEYS] == [8, 2, ga, 0.3]
     ref, ref_weights = reference
@@ -111,6 +113,17 @@ def test_multinode_configs_match_one_process(config, distributed_type, reference
     result = launch_tiny(path, tmp_path / "out", "--main_process_port", str(free_port()), machines=2)
     assert (result["distributed_type"], result["world_size"]) == (distributed_type, 4)
     assert_same_math(result, tmp_path / "out", reference, world=4, per_node=2, ga=1)
+
+
+@pytest.mark.multiproc
+def test_tensor_parallel_matches_one_process(reference, tmp_path):
+    """Split layers (DTensor weights) beside whole ones (plain tensors): the same losses, the same clipped
+    global gradient norm (clipping at 0.3 acts on every step) and the same weights as the dense model."""
+    args = ("--main_process_port", str(free_port()))
+    result = launch_tiny(REPO / "accelerate_configs" / "tp.yaml", tmp_path / "out", *args)
+    assert (result["distributed_type"], result["world_size"]) == ("MULTI_CPU", 2)
+    split = "data-parallel 1 (world 2 / tp 2)"
+    assert_same_math(result, tmp_path / "out", reference, world=2, per_node=2, ga=4, split=split)
 
 
 @pytest.mark.multiproc

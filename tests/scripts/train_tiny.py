@@ -13,7 +13,8 @@ import torch
 from accelerate import Accelerator
 from transformers import LlamaForCausalLM
 
-from toolkit import batches, distributed
+from toolkit import batches, distributed, tensor_parallel
+from toolkit.checkpoint.export import full_state_dict
 from toolkit.config import TrainConfig
 from toolkit.errors import UserError
 from toolkit.launch import backend
@@ -43,6 +44,8 @@ def build_loader() -> torch.utils.data.DataLoader:
 
 def train(accelerator: Accelerator) -> dict:
     model = build_model()
+    if distributed.tensor_parallel_size(accelerator) > 1:
+        tensor_parallel.parallelize(model, accelerator.torch_device_mesh["tp"], model.config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=TRAIN.learning_rate, weight_decay=0.0)
     model, optimizer, loader = accelerator.prepare(model, optimizer, build_loader())
     losses, norms, micro_losses = [], [], []
@@ -58,7 +61,7 @@ def train(accelerator: Accelerator) -> dict:
         if accelerator.sync_gradients:
             losses.append(accelerator.reduce(torch.stack(micro_losses).mean(), "mean").item())
             micro_losses = []
-    return {"losses": losses, "grad_norms": norms, "state_dict": accelerator.get_state_dict(model)}
+    return {"losses": losses, "grad_norms": norms, "state_dict": full_state_dict(accelerator, model)}
 
 
 def main() -> None:
