@@ -58,6 +58,10 @@ def eval_losses(out) -> list[float]:
     return [r["eval_loss"] for r in read_metrics(out / "metrics.jsonl") if "eval_loss" in r]
 
 
+def logged(out, key: str) -> list:
+    return [r[key] for r in read_metrics(out / "metrics.jsonl") if key in r]
+
+
 def marker(out, step: int) -> dict:
     return json.loads((out / "checkpoints" / f"step-{step}" / MARKER).read_text())
 
@@ -75,13 +79,14 @@ def runs(tmp_path_factory):
         "hsdp-full": lambda out: run_recipe(out, *FULL, *MICRO_2, launch=launch("hsdp", 4)),
     }
 
-    def dpo(out, *launcher):
+    def dpo(out, launcher=None, *extra):
         adapter = f"model.adapter={get('single-lora')[0] / 'final'}"
-        return run_recipe(out, adapter, *DPO, config=DPO_CONFIG, recipe=DPO_RECIPE, launch=launcher or None)
+        return run_recipe(out, adapter, *DPO, *extra, config=DPO_CONFIG, recipe=DPO_RECIPE, launch=launcher)
 
     recipes["single-dpo"] = dpo
-    recipes["tp-dpo"] = lambda out: dpo(out, *launch("tp"))
-    recipes["fsdp_tp-dpo"] = lambda out: dpo(out, *launch("fsdp_tp", 4))
+    recipes["tp-dpo"] = lambda out: dpo(out, launch("tp"))
+    recipes["fsdp_tp-dpo"] = lambda out: dpo(out, launch("fsdp_tp", 4))
+    recipes["hsdp-dpo"] = lambda out: dpo(out, launch("hsdp", 4), *MICRO_2)
 
     def get(name: str):
         if name not in done:
@@ -107,6 +112,10 @@ def test_mesh_trains_saves_exports_like_one_process(name, runs):
     reference, _ = runs(twin)
     assert line in result.stdout
     assert step_losses(out) == pytest.approx(step_losses(reference), rel=1e-3)
+    # Adam would hide a gradient scaled by the TP size; the norm and the counted tokens would not.
+    assert logged(out, "grad_norm") == pytest.approx(logged(reference, "grad_norm"), rel=1e-3)
+    assert logged(out, "eval_tokens") == logged(reference, "eval_tokens")
+    assert logged(out, "tokens_seen") == logged(reference, "tokens_seen")
     for step in (2, 4):
         saved = marker(out, step)
         assert (saved["world_size"], saved["tp_size"]) == (world, tp)
@@ -167,7 +176,7 @@ def test_one_process_checkpoint_continues_under_tp(runs, tmp_path):
     assert rows[0]["lr"] == pytest.approx(expected[0]["lr"], rel=1e-6)
 
 
-@pytest.mark.parametrize("config", ["tp", "fsdp_tp"])
+@pytest.mark.parametrize("config", ["tp", "fsdp_tp", "hsdp"])
 def test_preference_recipe_under_tensor_parallel(config, runs):
     """DPO with LoRA (reference = adapter off) from the SFT adapter, as one process computes it."""
     out, result = runs(f"{config}-dpo")
