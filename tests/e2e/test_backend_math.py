@@ -127,6 +127,22 @@ def test_tensor_parallel_matches_one_process(reference, tmp_path):
 
 
 @pytest.mark.multiproc
+def test_split_layers_give_the_dense_gradients_in_float64(tmp_path):
+    """Every adapter and base gradient of a LoRA model split 2 ways equals the whole model's, to rounding."""
+    out = tmp_path / "grads.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+    command += [str(free_port()), str(REPO / "tests" / "scripts" / "tp_gradients.py"), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = run_launched(command, env, keep=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    # 2 layers x 7 linears: the frozen weight and one adapter piece split, the other piece whole
+    assert result["split_params"] == 2 * 7 * 2
+    assert result["grads"] == 2 * 7 * 2  # every adapter matrix, split or whole
+    assert result["loss_diff"] < 1e-12 and result["grad_diff"] < 1e-12, result
+
+
+@pytest.mark.multiproc
 def test_stock_accelerate_on_cpu_is_caught_by_verify(tmp_path):
     args = ("--num_processes", "2", "--main_process_port", str(free_port()))
     result = launch_tiny(REPO / "accelerate_configs/ddp.yaml", tmp_path, *args, script_args=("--stock",))
