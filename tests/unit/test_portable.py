@@ -26,6 +26,12 @@ def marker(backend: str, world_size: int, zero_stage: int = 0) -> dict:
         (marker("MULTI_GPU", 2), marker("DEEPSPEED", 2, 3), "weights"),
         ({"backend": "DEEPSPEED", "world_size": 2}, marker("DEEPSPEED", 2, 2), "weights"),
         ({"backend": "FSDP", "world_size": 2}, marker("FSDP", 2), "exact"),
+        # split models: exact only onto the same mesh; whole-tensor layouts go through the portable path
+        ({**marker("MULTI_CPU", 2), "tp_size": 2}, {**marker("MULTI_CPU", 2), "tp_size": 2}, "exact"),
+        ({**marker("MULTI_CPU", 2), "tp_size": 2}, marker("MULTI_CPU", 2), "weights"),
+        (marker("NO", 1), {**marker("MULTI_CPU", 2), "tp_size": 2}, "weights"),
+        ({**marker("FSDP", 4), "tp_size": 2}, marker("FSDP", 4), "weights"),
+        ({**marker("FSDP", 4), "dp_replicate_size": 2}, marker("FSDP", 4), "weights"),
     ],
 )
 def test_resume_plan_loads_exactly_only_what_accelerate_can_load(saved, now, plan):

@@ -98,7 +98,8 @@ def resume_plan(marker: dict, current: dict) -> str:
     # Markers written before the ZeRO stage (mesh) was recorded: unknown under DeepSpeed, 0 (1) elsewhere.
     saved = {"zero_stage": None if marker["backend"] == "DEEPSPEED" else 0, **MESH_DEFAULTS, **marker}
     keys = ("backend", "world_size", "zero_stage", *MESH_DEFAULTS)
-    return "exact" if all(saved[key] == current[key] for key in keys) else "weights"
+    now = {**MESH_DEFAULTS, **current}
+    return "exact" if all(saved[key] == now[key] for key in keys) else "weights"
 
 
 def restore_portable(path: Path, model, optimizer, scheduler, current: dict) -> str:
