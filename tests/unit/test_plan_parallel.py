@@ -74,9 +74,10 @@ def test_split_counts_are_the_attention_and_mlp_linears():
         0,
         18_432,
     )
-    # LoRA r=4 puts an adapter on every split linear and none on the head: all 4,096 adapter weights split.
+    # LoRA r=4 puts an adapter on every split linear; one piece of each splits with it (B of q/k/v/gate/up:
+    # 4 x (32 + 16 + 16 + 64 + 64), A of o/down: 4 x (32 + 64)), 1,152 a layer; the other piece stays whole.
     lora = count_parameters(tiny_llama_config(), "lora", 4)
-    assert (lora.tp_split_frozen, lora.tp_split_trainable, lora.trainable) == (18_432, 4_096, 4_096)
+    assert (lora.tp_split_frozen, lora.tp_split_trainable, lora.trainable) == (18_432, 2_304, 4_096)
 
 
 def test_tp_halves_the_split_linears_but_not_the_embeddings_or_head(tiny):
@@ -101,8 +102,9 @@ def test_tp_halves_the_split_linears_but_not_the_embeddings_or_head(tiny):
 
 def test_lora_adapters_split_with_their_linears(tiny):
     tp = _row(_fp32_plan(tiny(), gpus=2, method="lora", lora_r=4), "tp")[0]
-    assert (tp.states.frozen, tp.states.trainable) == (17_568 * 4, 2_048 * 4)
-    assert tp.per_gpu()["lora"] == 2_048 * 4
+    # 1,792 whole adapter weights + 2,304 / 2 split ones
+    assert (tp.states.frozen, tp.states.trainable) == (17_568 * 4, 2_944 * 4)
+    assert tp.per_gpu()["lora"] == 2_944 * 4
 
 
 def test_tp_splits_the_attention_and_mlp_activations_only(tiny):

@@ -4,7 +4,6 @@ so no weights are read or downloaded and even a 70B model costs no memory."""
 from __future__ import annotations
 
 import json
-import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,14 +177,12 @@ def _mlp_width(text) -> int:
 
 
 def _tp_split(model, tp_plan: dict[str, str]) -> tuple[int, int]:
-    """(frozen, trainable) parameters inside the modules a tensor-parallel plan names, adapters included.
+    """(frozen, trainable) parameters that tensor parallelism splits: the linear layers the plan names and,
+    under LoRA, the one adapter piece split with each (`toolkit.tensor_parallel`); the other stays whole."""
+    from toolkit.tensor_parallel import split_styles
 
-    The plan's keys are relative to the base model ("layers.*.self_attn.q_proj"), so they match the end of a
-    module's full name, which peft's wrapping lengthens at the front.
-    """
-    patterns = [re.compile(r"(?:^|\.)" + re.escape(key).replace(r"\*", r"\d+") + "$") for key in tp_plan]
-    modules = [m for name, m in model.named_modules() if any(p.search(name) for p in patterns)]
-    params = {id(p): p for m in modules for p in m.parameters()}.values()
+    modules = dict(model.named_modules())
+    params = {id(p): p for name in split_styles(model, tp_plan) for p in modules[name].parameters()}.values()
     frozen = sum(p.numel() for p in params if not p.requires_grad)
     return frozen, sum(p.numel() for p in params) - frozen
 
