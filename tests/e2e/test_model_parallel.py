@@ -137,15 +137,17 @@ def test_tp_batch_split_is_by_data_parallel_size(runs):
     assert "global batch 8 = micro 4 x GA 1 x data-parallel 2 (world 4 / tp 2)" in result.stdout
 
 
-def test_tp_resumes_exactly(runs, tmp_path):
-    source, _ = runs("tp-full")
+@pytest.mark.parametrize("name, config, processes", [("tp-full", "tp", 2), ("fsdp_tp-full", "fsdp_tp", 4)])
+def test_mesh_resumes_exactly(name, config, processes, runs, tmp_path):
+    source, _ = runs(name)
     out = tmp_path / "run"
     shutil.copytree(source, out)
     shutil.rmtree(out / "checkpoints" / "step-4")
     shutil.rmtree(out / "final")
-    result = run_recipe(out, *FULL, "train.resume=auto", launch=launch("tp"))
+    result = run_recipe(out, *FULL, "train.resume=auto", launch=launch(config, processes))
     assert "resumed from" in result.stdout and "step-2 at step 2" in result.stdout
     assert step_losses(out) == pytest.approx(step_losses(source), rel=1e-6)
+    assert logged(out, "grad_norm") == pytest.approx(logged(source, "grad_norm"), rel=1e-6)
     assert_same_weights(final_weights(out), final_weights(source))
 
 
