@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from toolkit.checkpoint import MARKER, portable
 from toolkit.checkpoint.export import verify_export
+from toolkit.commands import cli
 from toolkit.metrics import read_metrics
 
 pytestmark = pytest.mark.multiproc
@@ -187,3 +188,10 @@ def test_preference_recipe_under_tensor_parallel(config, runs):
     assert step_losses(out) == pytest.approx(step_losses(reference), rel=1e-3)
     assert verify_export(out / "final") > 0
     assert eval_losses(out) == pytest.approx(eval_losses(reference), rel=1e-5)
+
+
+def test_ftkit_export_of_a_split_checkpoint_gives_the_final_adapter(runs, tmp_path):
+    out, _ = runs("tp-lora")
+    assert cli.main(["export", str(out / "checkpoints" / "step-4"), "--out", str(tmp_path / "export")]) == 0
+    exported, final = load_file(tmp_path / "export" / "adapter_model.safetensors"), final_weights(out)
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
