@@ -27,7 +27,7 @@ from toolkit.checkpoint.split import DCP_MODEL, DCP_OPTIMIZER
 from toolkit.errors import UserError
 from toolkit.nonfinite import nonfinite_names, refuse_nonfinite
 
-REPLICATED_MODEL = "model.safetensors"
+REPLICATED_MODEL, REPLICATED_OPTIMIZER = "model.safetensors", "optimizer.bin"
 DEEPSPEED_TAG = "pytorch_model"
 SCHEDULER = "scheduler.bin"
 MESH_DEFAULTS = {"tp_size": 1, "dp_replicate_size": 1}
@@ -72,18 +72,39 @@ def check_pickles(path: Path) -> None:
                 safe_load.check_dcp(directory)
 
 
-def read_optimizer_moments(path: Path) -> dict[str, dict[str, torch.Tensor]] | None:
-    """Per-parameter optimizer state by parameter name, where the layout keeps it by name (dcp), else None.
+def read_optimizer_moments(path: Path, model, optimizer) -> dict[str, dict[str, torch.Tensor]] | None:
+    """Per-parameter optimizer state by parameter name for `optimizer` (built for `model`, not yet
+    prepared), or None where the checkpoint's cannot be told apart by name.
 
-    A replicated checkpoint's optimizer.bin is keyed by position and loads as it is (an exact resume);
-    DeepSpeed keeps its moments in flat partitions that only DeepSpeed at the same world size can read.
+    dcp keeps it by name. A replicated optimizer.bin keeps it by position, which names it when `optimizer`
+    was built the same way (checked: every group's size, every moment's shape). DeepSpeed keeps its moments
+    in flat partitions that only DeepSpeed at the same world size can read.
     """
-    if checkpoint_layout(path) != "dcp":
+    layout = checkpoint_layout(path)
+    if layout == "replicated" and (path / REPLICATED_OPTIMIZER).is_file():
+        saved = torch.load(path / REPLICATED_OPTIMIZER, weights_only=True, map_location="cpu")
+        return _positional_moments(saved, model, optimizer)
+    if layout != "dcp":
         return None
     moments: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in _read_dcp(path / DCP_OPTIMIZER, "optimizer.state.").items():
         name, _, field = key.rpartition(".")
         moments.setdefault(name, {})[field] = tensor
+    return moments
+
+
+def _positional_moments(saved: dict, model, optimizer) -> dict[str, dict[str, torch.Tensor]] | None:
+    groups = [group["params"] for group in optimizer.param_groups]
+    if [len(group["params"]) for group in saved["param_groups"]] != [len(group) for group in groups]:
+        return None
+    names = {id(param): name for name, param in model.named_parameters()}
+    positions = [index for group in saved["param_groups"] for index in group["params"]]
+    moments = {}
+    for index, param in zip(positions, [param for group in groups for param in group]):
+        state = saved["state"].get(index, {})
+        if any(value.dim() and value.shape != param.shape for value in state.values()):
+            return None
+        moments[names[id(param)]] = state
     return moments
 
 
@@ -113,7 +134,7 @@ def restore_portable(path: Path, model, optimizer, scheduler, current: dict) -> 
     restore_schedule(scheduler, optimizer, torch.load(path / SCHEDULER, weights_only=True))
     source = f"a {describe(marker)} checkpoint"
     # Before `prepare` the optimizer holds the parameters it will train, unless FSDP or DeepSpeed swap them.
-    moments = read_optimizer_moments(path) if _replicated(current["backend"]) else None
+    moments = read_optimizer_moments(path, model, optimizer) if _replicated(current["backend"]) else None
     if moments is None:
         return (
             f"warning: optimizer moments restart: the optimizer state of {source} does not load under "
