@@ -152,27 +152,22 @@ def test_mesh_resumes_exactly(name, config, processes, runs, tmp_path):
     assert_same_weights(final_weights(out), final_weights(source))
 
 
-def test_tp_checkpoint_continues_under_ddp_with_its_optimizer(runs, tmp_path):
-    source, _ = runs("tp-full")
+@pytest.mark.parametrize(
+    "name, config, saved_as",
+    [("tp-full", "ddp", "MULTI_CPU world 2 tp 2"), ("single-full", "tp", "NO world 1")],
+    ids=["tp-to-ddp", "single-to-tp"],
+)
+def test_checkpoint_continues_on_another_layout_with_its_optimizer(name, config, saved_as, runs, tmp_path):
+    """Through the portable path: weights whole or cut into the split model's parts, the moments by name
+    (a whole-tensor optimizer.bin keeps them by position, named through the optimizer built the same way),
+    the schedule at its step."""
+    source, _ = runs(name)
     out = tmp_path / "run"
-    resume = f"train.resume={source / 'checkpoints' / 'step-2'}"
-    result = run_recipe(out, *FULL, resume, launch=launch("ddp"))
-    assert (
-        "resumed weights, optimizer and learning-rate schedule from a MULTI_CPU world 2 tp 2" in result.stdout
+    result = run_recipe(
+        out, *FULL, f"train.resume={source / 'checkpoints' / 'step-2'}", launch=launch(config)
     )
-    assert step_losses(out) == pytest.approx(step_losses(source)[2:], rel=1e-3)
-    assert_same_weights(final_weights(out), final_weights(source))
-
-
-def test_one_process_checkpoint_continues_under_tp_with_its_optimizer(runs, tmp_path):
-    """A whole-tensor checkpoint's weights and moments (kept by position, named through the optimizer built
-    the same way) are cut into the split model's parts; its schedule continues."""
-    source, _ = runs("single-full")
-    out = tmp_path / "run"
-    resume = f"train.resume={source / 'checkpoints' / 'step-2'}"
-    result = run_recipe(out, *FULL, resume, launch=launch("tp"))
     assert (
-        "resumed weights, optimizer and learning-rate schedule from a NO world 1 checkpoint" in result.stdout
+        f"resumed weights, optimizer and learning-rate schedule from a {saved_as} checkpoint" in result.stdout
     )
     assert step_losses(out) == pytest.approx(step_losses(source)[2:], rel=1e-3)
     assert logged(out, "lr") == pytest.approx(logged(source, "lr")[2:], rel=1e-6)
