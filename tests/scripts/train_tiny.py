@@ -110,4 +110,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        distributed.close()  # as the recipes do: a live gloo group can abort the process at exit
