@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import REPO, launch, run_ftkit_train, run_recipe, step_losses
+from helpers import REPO, free_port, launch, run_ftkit_train, run_recipe, step_losses, write_yaml
 from safetensors.torch import load_file
 
 from toolkit.checkpoint import MARKER, portable
@@ -29,6 +29,18 @@ DPO_CONFIG = str(REPO / "recipes" / "configs" / "demo-dpo.yaml")
 DPO_RECIPE = REPO / "recipes" / "dpo_llm.py"
 # The global batch of 8 split over 4 data-parallel processes (hsdp) needs micro-batches of 2.
 MICRO_2 = ["train.micro_batch_size=2"]
+
+
+PLAIN_FSDP_MESH = {
+    "distributed_type": "FSDP",
+    "num_processes": 2,
+    "fsdp_config": {"fsdp_version": 2},
+    "parallelism_config": {"parallelism_config_dp_shard_size": 2},
+}
+
+
+def yaml_launch(folder, content: dict) -> list[str]:
+    return ["--config_file", str(write_yaml(folder, content)), "--main_process_port", str(free_port())]
 
 
 def final_weights(out) -> dict[str, torch.Tensor]:
@@ -78,6 +90,8 @@ def runs(tmp_path_factory):
         "tp-lora": lambda out: run_ftkit_train(out, "tp", *LORA),
         "fsdp_tp-full": lambda out: run_recipe(out, *FULL, launch=launch("fsdp_tp", 4)),
         "hsdp-full": lambda out: run_recipe(out, *FULL, *MICRO_2, launch=launch("hsdp", 4)),
+        # plain FSDP2 written with a parallelism_config, as `accelerate config` may write it
+        "fsdp_mesh-full": lambda out: run_recipe(out, *FULL, launch=yaml_launch(out.parent, PLAIN_FSDP_MESH)),
     }
 
     def dpo(out, launcher=None, *extra):
@@ -103,6 +117,7 @@ CASES = {  # run -> (its one-process twin, the start-up line's backend, world si
     "tp-lora": ("single-lora", "backend tp 2 (gloo) | world 2 |", 2, 2),
     "fsdp_tp-full": ("single-full", "backend fsdp2 2 x tp 2 (gloo) | world 4 |", 4, 2),
     "hsdp-full": ("single-full", "backend hsdp 2 x 2 (gloo) | world 4 |", 4, 1),
+    "fsdp_mesh-full": ("single-full", "backend fsdp2 (gloo) | world 2 |", 2, 1),
 }
 
 

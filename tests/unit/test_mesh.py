@@ -135,3 +135,19 @@ def test_a_user_yaml_of_the_same_shape_runs_as_the_shipped_one(tmp_path):
     )
     launch = checks.launch_from_yaml(path, 0)
     assert (launch.backend, launch.mesh) == ("fsdp", Mesh(dp_shard=2, tp=2))
+
+
+def test_plain_fsdp_written_as_a_mesh_is_plain_fsdp(tmp_path):
+    """dp_shard alone: the mesh accelerate is given (on CPU too), and the name and batch split of fsdp."""
+    path = write_yaml(
+        tmp_path,
+        {
+            "distributed_type": "FSDP",
+            "num_processes": 2,
+            "fsdp_config": {"fsdp_version": 2},
+            "parallelism_config": {"parallelism_config_dp_shard_size": 2},
+        },
+    )
+    launch = checks.launch_from_yaml(path, 0)
+    assert launch.uses_mesh and launch.mesh == Mesh(dp_shard=2)
+    assert (backend.backend_name(launch), backend.batch_split(launch)) == ("fsdp2", "world 2")

@@ -94,8 +94,8 @@ class Launch:
 
     @property
     def uses_mesh(self) -> bool:
-        """A parallelism_config beyond plain data parallel (tensor parallel or HSDP) was asked for."""
-        return bool(self.mesh.describe(""))
+        """A parallelism_config with a size above 1 was given (ftkit then installs accelerate's mesh)."""
+        return any(size > 1 for size in self.parallel_sizes.values())
 
 
 def detect_launch(env: Mapping[str, str] | None = None, gpu_count: int | None = None) -> Launch:
@@ -371,7 +371,7 @@ def batch_split(launch: Launch) -> str:
 
 def backend_name(launch: Launch) -> str:
     fsdp = f"fsdp{launch.fsdp_version}"
-    if launch.uses_mesh:
+    if launch.mesh.describe(fsdp):
         return launch.mesh.describe(fsdp)
     if launch.backend == "deepspeed":
         return f"deepspeed ZeRO-{launch.zero_stage}" + (" + offload" if _offloads(launch) else "")
