@@ -50,9 +50,13 @@ def train(run: Run, cfg) -> int:
             batch = cfg.train.micro_batch_size
             eval_loader = data.eval_loader(eval_set, rank, world, batch, tokenizer.pad_token_id)
         model = run.load_model()
+        # pipeline.size > 1: this process keeps its stages' layers only, and a schedule runs each step.
+        pipeline = run.pipeline(model, tokenizer.pad_token_id, loss.summed_logps_loss)
     optimizer, scheduler = run.optimizer(model)
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
-    evaluator = evaluate.Evaluator(accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, run.log)
+    evaluator = evaluate.Evaluator(
+        accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, run.log, pipeline
+    )
     start_step = run.begin(model, evaluator)  # a checkpoint's state, or the starting point measured
 
     # The loop: one iteration per optimizer step, `grad_accum` micro-batches each, the loss summed over
@@ -67,12 +71,15 @@ def train(run: Run, cfg) -> int:
             ]
         )
         scale = loss.backward_scale(step_targets, run.grad_accum, run.data_parallel)
-        loss_sum = torch.zeros((), device=accelerator.device)
-        for batch in micro_batches:
-            with accelerator.accumulate(model):
-                micro_loss = loss.batch_loss(model, batch)
-                accelerator.backward(micro_loss * scale)
-                loss_sum += micro_loss.detach()
+        if pipeline is not None:
+            loss_sum = pipeline.step(micro_batches, scale)
+        else:
+            loss_sum = torch.zeros((), device=accelerator.device)
+            for batch in micro_batches:
+                with accelerator.accumulate(model):
+                    micro_loss = loss.batch_loss(model, batch)
+                    accelerator.backward(micro_loss * scale)
+                    loss_sum += micro_loss.detach()
         step_loss = run.global_sum(loss_sum).item() / max(step_targets, 1)
         grad_norm = run.update(model, optimizer, scheduler, step, step_loss)
         run.log_step(step, scheduler, step_tokens, step_rows, loss=step_loss, grad_norm=grad_norm)

@@ -28,6 +28,7 @@ DEMO_CONFIG = Path(__file__).resolve().parent / "assets" / "demo.yaml"
 
 # The words a key accepts, declared once: the config check, the command line and the docs read them here.
 Method = Literal["full", "lora", "qlora"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]
 QuantStorage = Literal["auto", "float32", "bfloat16", "float16"]
 Attention = Literal["sdpa", "eager", "flash_attention_2"]
@@ -177,6 +178,21 @@ class LossConfig:
 
 
 @dataclass
+class PipelineConfig:
+    size: PositiveInt = 1
+    """Processes one pipeline spans, each holding consecutive decoder layers (1: no pipeline); the launch's
+    processes divided by this are the data-parallel replicas (accelerate_configs/pp.yaml, pp_ddp.yaml)."""
+    schedule: PipelineSchedule = "1f1b"
+    """Order of the micro-batches' forward and backward passes: gpipe (all forwards, then all backwards),
+    1f1b (one forward, one backward: fewer activations held) or interleaved_1f1b (a smaller bubble)."""
+    chunks_per_process: PositiveInt = 1
+    """Model chunks (stages) each process holds; interleaved_1f1b needs 2 or more, the others 1."""
+    layers: list[PositiveInt] = field(default_factory=list)
+    """Decoder layers of each stage, first to last (size x chunks_per_process numbers); empty: balanced
+    by parameter count."""
+
+
+@dataclass
 class EvalConfig:
     max_batches: NonNegativeInt = 0
     """Cap on eval micro-batches per evaluation (0: the whole eval set)."""
@@ -215,6 +231,7 @@ class RecipeConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     log: LogConfig = field(default_factory=LogConfig)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -18,7 +19,8 @@ class Evaluator:
     """Everything a run's evaluations need, gathered once after `accelerator.prepare`.
 
     `loader` and `dataset` are the held-out rows (each None when the run has none): the loader is this
-    rank's share for the loss, the dataset the rows whose answers are generated.
+    rank's share for the loss, the dataset the rows whose answers are generated. With a `pipeline` the
+    loss runs through its stages, and no answers are generated (no process holds the whole model).
     """
 
     def __init__(
@@ -30,9 +32,11 @@ class Evaluator:
         dataset,
         cfg: EvalConfig,
         log: MetricsLog,
+        pipeline=None,
     ):
         self.accelerator, self.model, self.tokenizer = accelerator, model, tokenizer
         self.loader, self.dataset, self.cfg, self.log = loader, dataset, cfg, log
+        self.pipeline = pipeline
 
     def evaluate(self, step: int) -> dict:
         """Collective: eval loss and perplexity, logged at `step`; {} when the run holds no eval rows."""
@@ -43,6 +47,14 @@ class Evaluator:
     def report(self, step: int, label: str) -> None:
         """Collective: eval loss, exact match and one sample answer, shown (tagged `label`) and logged."""
         results = self._loss() if self.loader is not None else {}
+        if self.pipeline is not None:
+            self._show(step, label, results)
+            if self.dataset is not None and self.cfg.exact_match_samples and label == "before":
+                self.accelerator.print(
+                    "eval.exact_match_samples: not measured under pipeline parallelism (no process holds "
+                    "the whole model to generate with); `ftkit generate --model <output_dir>/final` can"
+                )
+            return
         cfg, synced = self.cfg, self.accelerator.num_processes > 1
         generator = self.accelerator.unwrap_model(self.model)
         if self.dataset is not None and cfg.exact_match_samples:
@@ -56,9 +68,7 @@ class Evaluator:
                     cfg.max_new_tokens,
                     synced,
                 )
-        if results:
-            self.log.write(step, **results)
-            self.accelerator.print(f"[{label}] " + "  ".join(f"{k}={v:.4g}" for k, v in results.items()))
+        self._show(step, label, results)
         prompt_ids = self._sample_prompt()
         if prompt_ids is not None:
             with root_params_gathered(self.model), self.accelerator.autocast():
@@ -66,7 +76,14 @@ class Evaluator:
             question = " ".join(self.tokenizer.decode(prompt_ids, skip_special_tokens=True).split())
             self.accelerator.print(f"[{label}] sample: {question!r} -> {answer!r}")
 
+    def _show(self, step: int, label: str, results: dict) -> None:
+        if results:
+            self.log.write(step, **results)
+            self.accelerator.print(f"[{label}] " + "  ".join(f"{k}={v:.4g}" for k, v in results.items()))
+
     def _loss(self) -> dict:
+        if self.pipeline is not None:
+            return pipeline_eval_loss(self.pipeline, self.loader, self.accelerator, self.cfg.max_batches)
         return eval_loss(self.model, self.loader, self.accelerator, self.cfg.max_batches)
 
     def _sample_prompt(self) -> list[int] | None:
@@ -75,6 +92,17 @@ class Evaluator:
             return chat_prompt_ids(self.tokenizer, self.cfg.sample_prompt)
         pair = split_prompt(self.dataset[0]) if self.dataset is not None else None
         return pair[0] if pair else None
+
+
+def pipeline_eval_loss(pipeline, loader: DataLoader, accelerator, max_batches: int = 0) -> dict:
+    """Collective: `eval_loss` through a pipeline's stages, its micro-batches a schedule step at a time."""
+    batches = list(itertools.islice(loader, max_batches or None))
+    loss_sum, tokens = 0.0, 0
+    for start in range(0, len(batches), pipeline.grad_accum):
+        group = batches[start : start + pipeline.grad_accum]
+        loss_sum += pipeline.eval_sum(group).item()
+        tokens += sum(count_targets(batch["labels"]) for batch in group)
+    return _loss_result(accelerator, torch.tensor([loss_sum, float(tokens)], dtype=torch.float64))
 
 
 @torch.no_grad()
@@ -94,6 +122,11 @@ def eval_loss(model, loader: DataLoader, accelerator, max_batches: int = 0) -> d
             ]
         )
     model.train()
-    loss_sum, tokens = sum_over_data(accelerator, totals).tolist()
+    return _loss_result(accelerator, totals)
+
+
+def _loss_result(accelerator, totals: torch.Tensor) -> dict:
+    """Collective: the eval loss and perplexity from this rank's (summed loss, target tokens)."""
+    loss_sum, tokens = sum_over_data(accelerator, totals.to(accelerator.device)).tolist()
     loss = loss_sum / max(tokens, 1)
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50)), "eval_tokens": int(tokens)}

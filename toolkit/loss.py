@@ -32,6 +32,11 @@ def batch_loss(model, batch: dict) -> torch.Tensor:
     return summed_token_loss(model(**model_inputs(batch)).logits, batch["labels"])
 
 
+def summed_logps_loss(logps: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """`summed_token_loss` from per-position target log-probs (a pipeline's last stage gives those)."""
+    return -logps.sum()
+
+
 def backward_scale(step_targets: int, grad_accum_steps: int, world_size: int) -> float:
     """Factor for each micro-batch's summed loss so that the gradients the backend produces equal the
     gradient of (sum of token losses in the step / tokens in the step).

@@ -34,6 +34,7 @@ from toolkit.errors import UserError, run_main
 from toolkit.launch import backend, checks, machine
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE, StopRequest
 from toolkit.nonfinite import NonFiniteGuard
+from toolkit.pipeline import runtime as pipeline_runtime
 from toolkit.steps import apply_update, every, export_final
 from toolkit.typed_yaml import flat_dict
 from toolkit.watchdog import Watchdog
@@ -51,6 +52,7 @@ class Run:
             cfg.train.nonfinite, cfg.train.nonfinite_patience, can_skip=launch.backend != "deepspeed"
         )
         self._stopping = False
+        self.pipe = None
 
     def __enter__(self) -> Run:
         return self
@@ -64,7 +66,7 @@ class Run:
         """Collective: the stop handler first (a stop while loading exits cleanly), then the checked launch,
         the Accelerator, the seed, output_dir claimed and prepared, resume found, trackers and metrics log."""
         stop = StopRequest()
-        launch = backend.detect_launch()
+        launch = backend.with_pipeline(backend.detect_launch(), cfg.pipeline.size, config_source)
         notes = checks.check_launch(launch, cfg, config_source, machine.probe_machine(), os.environ)
         grad_accum = batches.grad_accum_steps(cfg.train, launch.mesh.data_parallel)
         accelerator = backend.setup(
@@ -124,6 +126,29 @@ class Run:
         )
         model.register_forward_pre_hook(lambda module, args: self.watchdog.touch())
         return model
+
+    def pipeline(self, model, pad_id: int, loss_fn):
+        """The Pipeline `model` runs under when the recipe asks for one (pipeline.size), `model` trimmed to
+        this process's stages; else None. `loss_fn(logps, labels)`: a micro-batch's summed loss from the
+        last stage's per-token log-probs."""
+        if self.launch.mesh.pp == 1:
+            return None
+        cfg = self.cfg
+        model.to(self.accelerator.device)
+        self.pipe = pipeline_runtime.build(
+            model,
+            cfg.pipeline,
+            self.accelerator,
+            self.grad_accum,
+            cfg.train.micro_batch_size,
+            cfg.data.max_length,
+            pad_id,
+            loss_fn,
+        )
+        for module in self.pipe.modules:
+            module.register_forward_pre_hook(lambda module, args: self.watchdog.touch())
+        self.accelerator.print(self.pipe.describe())
+        return self.pipe
 
     def optimizer(self, model):
         """(optimizer, scheduler) for `model`, with what a checkpoint restores before `prepare` held."""
@@ -193,6 +218,7 @@ class Run:
             step,
             loss,
             self.cfg.train.max_grad_norm,
+            self.pipe.clip_grad_norm if self.pipe else None,
         )
 
     def log_step(self, step: int, scheduler, tokens: int, rows: int, per_second=None, **values) -> None:

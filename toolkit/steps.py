@@ -11,11 +11,21 @@ from toolkit.nonfinite import NonFiniteGuard
 
 
 def apply_update(
-    accelerator, model, optimizer, scheduler, guard: NonFiniteGuard, step: int, loss: float, max_norm: float
+    accelerator,
+    model,
+    optimizer,
+    scheduler,
+    guard: NonFiniteGuard,
+    step: int,
+    loss: float,
+    max_norm: float,
+    clip=None,
 ) -> float:
     """Clip (returning the norm before clipping), then step optimizer and scheduler unless the guard
-    drops this step; gradients are cleared either way."""
-    grad_norm = float(distributed.clip_grad_norm(accelerator, model, max_norm))
+    drops this step; gradients are cleared either way. `clip(max_norm)`: the clipping of a model split
+    in a way the backend does not know (a pipeline), else the backend's."""
+    norm = clip(max_norm) if clip else distributed.clip_grad_norm(accelerator, model, max_norm)
+    grad_norm = float(norm)
     if guard.allows_update(step, loss, grad_norm):
         optimizer.step()
         scheduler.step()

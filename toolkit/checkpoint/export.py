@@ -17,6 +17,7 @@ from toolkit.checkpoint import split
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
 from toolkit.model import DTYPES
+from toolkit.pipeline import runtime, stages
 
 ADAPTER_CONFIG = "adapter_config.json"
 # A run that began from a trained adapter (model.adapter) folded it into its base, so the adapter it trains
@@ -66,7 +67,8 @@ def full_state_dict(accelerator, model) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=False)
-        return get_model_state_dict(model, options=options)
+        state = get_model_state_dict(model, options=options)
+        return runtime.whole_state_dict(accelerator, state) if stages.is_part(model) else state
     return accelerator.get_state_dict(model)
 
 

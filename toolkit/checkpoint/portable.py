@@ -26,11 +26,12 @@ from toolkit.checkpoint import read_marker, safe_load
 from toolkit.checkpoint.split import DCP_MODEL, DCP_OPTIMIZER
 from toolkit.errors import UserError
 from toolkit.nonfinite import nonfinite_names, refuse_nonfinite
+from toolkit.pipeline import stages
 
 REPLICATED_MODEL, REPLICATED_OPTIMIZER = "model.safetensors", "optimizer.bin"
 DEEPSPEED_TAG = "pytorch_model"
 SCHEDULER = "scheduler.bin"
-MESH_DEFAULTS = {"tp_size": 1, "dp_replicate_size": 1}
+MESH_DEFAULTS = {"tp_size": 1, "dp_replicate_size": 1, "pp_size": 1}
 
 
 def checkpoint_layout(path: Path) -> str:
@@ -130,7 +131,10 @@ def restore_portable(path: Path, model, optimizer, scheduler, current: dict) -> 
     the one line to print: what was carried over, or a warning that the optimizer moments restart.
     """
     marker = read_marker(path)
-    load_weights(model, read_weights(path, lambda weights: quant.packed_names(model)))
+    weights = read_weights(path, lambda weights: quant.packed_names(model))
+    if stages.is_part(model):  # a pipeline stage takes its own layers from the whole model's weights
+        weights = {name: weights[name] for name in model.state_dict() if name in weights}
+    load_weights(model, weights)
     restore_schedule(scheduler, optimizer, torch.load(path / SCHEDULER, weights_only=True))
     source = f"a {describe(marker)} checkpoint"
     # Before `prepare` the optimizer holds the parameters it will train, unless FSDP or DeepSpeed swap them.
@@ -222,7 +226,7 @@ def _replicated(backend: str) -> bool:
 
 def _whole(layout: dict) -> bool:
     """Every weight and optimizer state whole on rank 0 (single process, DDP): loads at any world size."""
-    return _replicated(layout["backend"]) and layout.get("tp_size", 1) == 1
+    return _replicated(layout["backend"]) and layout.get("tp_size", 1) == layout.get("pp_size", 1) == 1
 
 
 def _read_dcp(directory: Path, prefix: str) -> dict[str, torch.Tensor]:

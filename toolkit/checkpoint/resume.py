@@ -76,7 +76,7 @@ class Resume:
         self._held = (model, optimizer, scheduler, optim.hyperparameters(optimizer))
         if self.checkpoint is None:
             return
-        current = checkpoint.layout(accelerator)
+        current = checkpoint.layout(accelerator, model)
         self._exact = portable.resume_plan(self.marker, current) == "exact"
         if not self._exact:
             accelerator.print(

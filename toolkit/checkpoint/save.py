@@ -16,6 +16,7 @@ from toolkit.checkpoint.rundir import CONFIG
 from toolkit.config import RecipeConfig
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
+from toolkit.pipeline import stages
 from toolkit.typed_yaml import save_config
 
 MARKER = "ftkit_checkpoint.json"
@@ -115,7 +116,7 @@ def save_checkpoint(
         error = _attempt(lambda: accelerator.save_state(str(tmp)))
     _agree_or_raise(accelerator, error, tmp, final, output_dir)
     if accelerator.is_main_process:
-        marker = {**state, **layout(accelerator), "step": step}
+        marker = {**state, **layout(accelerator, accelerator._models[0]), "step": step}
         error = _attempt(lambda: _finalize(tmp, final, marker, config))
     _agree_or_raise(accelerator, error if accelerator.is_main_process else "", tmp, final, output_dir)
     return final
@@ -210,17 +211,21 @@ def read_marker(path: Path) -> dict:
     return json.loads((path / MARKER).read_text())
 
 
-def layout(accelerator) -> dict:
-    """How this launch lays out the states it saves; a checkpoint with another layout needs portable.py."""
+def layout(accelerator, model) -> dict:
+    """How this launch lays out the states it saves (`model`: the trained one, as built or prepared); a
+    checkpoint with another layout needs portable.py."""
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     mesh = accelerator.state.device_mesh
     sizes = dict(zip(mesh.mesh_dim_names, mesh.shape)) if mesh is not None else {}
+    # A pipeline's processes are accelerate's `tp` dimension (toolkit/launch/backend.py).
+    pp = sizes.get("tp", 1) if stages.is_part(model) else 1
     return {
         "backend": accelerator.distributed_type.value,
         "world_size": accelerator.num_processes,
         "zero_stage": accelerator.state.deepspeed_plugin.zero_stage if deepspeed else 0,
-        "tp_size": sizes.get("tp", 1),
+        "tp_size": sizes.get("tp", 1) if pp == 1 else 1,
         "dp_replicate_size": sizes.get("dp_replicate", 1),
+        "pp_size": pp,
     }
 
 

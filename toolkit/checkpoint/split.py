@@ -1,5 +1,6 @@
-"""Checkpoints of a tensor-parallel model without FSDP, which accelerate's save_state cannot write (it
-saves whole tensors from rank 0, and each rank holds only its part of the split weights).
+"""Checkpoints of a tensor-parallel or pipelined model without FSDP, which accelerate's save_state cannot
+write (it saves whole tensors from rank 0, and each rank holds only its part of the split weights or its
+stages' layers).
 
 They are written in the layout FSDP checkpoints already have (portable.py's `dcp`): the model and the
 optimizer through torch.distributed.checkpoint, every rank writing its part and whole tensors once, keyed by
@@ -15,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
+from accelerate.utils import DistributedType
 from accelerate.checkpointing import load_accelerator_state, save_accelerator_state
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -28,9 +30,11 @@ DCP_MODEL, DCP_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
 
 
 def is_split(accelerator) -> bool:
-    """Whether this run's model is split by tensor parallelism with no FSDP around it."""
+    """Whether this run's model is split across processes with no FSDP around it: by tensor parallelism,
+    or into pipeline stages (whose processes accelerate's mesh holds as its `tp` dimension)."""
     mesh = accelerator.state.device_mesh
-    return mesh is not None and mesh.mesh_dim_names == ("tp",)
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    return mesh is not None and "tp" in mesh.mesh_dim_names and not fsdp
 
 
 def save_split_state(accelerator, output_dir: str) -> None:

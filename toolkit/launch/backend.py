@@ -61,7 +61,8 @@ class Launch:
     """What the launcher asked for, read from the environment `accelerate launch` sets or from its YAML."""
 
     backend: str
-    """single | ddp | fsdp | deepspeed | tp (tensor parallel across every process, no FSDP)."""
+    """single | ddp | fsdp | deepspeed | tp (tensor parallel across every process, no FSDP) | pp (pipeline
+    stages, replicated by data parallel when there are more processes than stages)."""
     world_size: int
     """Processes on all machines together."""
     procs_per_node: int
@@ -142,6 +143,26 @@ def as_tensor_parallel(launch: Launch) -> Launch:
     return launch
 
 
+def with_pipeline(launch: Launch, size: int, where: str) -> Launch:
+    """`launch` as backend `pp` when the recipe asks for a pipeline of `size` processes (pipeline.size):
+    its processes form world / size pipelines, each one data-parallel replica. accelerate has no pipeline
+    of its own, so the launch is a plain multi-process one (accelerate_configs/pp.yaml, pp_ddp.yaml)."""
+    if size == 1:
+        return launch
+    if launch.backend not in ("ddp", "single") or launch.parallel_sizes:
+        raise UserError(
+            f"{where}: pipeline.size {size} runs on a plain multi-process launch (accelerate_configs/pp.yaml "
+            f"or pp_ddp.yaml), not under {backend_name(launch)} from {launch.source}"
+        )
+    if launch.world_size % size or launch.world_size < size:
+        raise UserError(
+            f"{where}: pipeline.size {size} does not divide the {launch.world_size} launched process(es): "
+            f"launch a multiple of {size} (accelerate_configs/pp.yaml starts 2, pp_ddp.yaml 4)"
+        )
+    sizes = {"dp_replicate": launch.world_size // size, "pp": size}
+    return dataclasses.replace(launch, backend="pp", parallel_sizes=sizes)
+
+
 def deepspeed_launch(config_file: str, settings: dict, **common) -> Launch:
     """A DeepSpeed Launch from its JSON (if any) and accelerate-native settings (stage 2 unless given)."""
     ds_config = read_ds_config(config_file, common["source"]) if config_file else {}
@@ -190,7 +211,7 @@ def accelerator_kwargs(launch: Launch, train: TrainConfig, grad_accum_steps: int
             num_steps=grad_accum_steps, sync_with_dataloader=False
         ),
     }
-    if launch.on_cpu and launch.backend in ("ddp", "fsdp", "tp"):
+    if launch.on_cpu and launch.backend in ("ddp", "fsdp", "tp", "pp"):
         # Without cpu=True, accelerate finds no GPU and gives each launched process a world of its own.
         kwargs["cpu"] = True
     if launch.on_cpu and launch.backend == "fsdp":
@@ -302,6 +323,10 @@ def _without_fsdp(state) -> None:
 def _install_mesh(accelerator, mesh: Mesh) -> None:
     """Give accelerate the launch's device mesh, now that the state has its final type.
 
+    A pipeline's processes are given as its `tp` dimension: like tensor-parallel ranks they share their
+    batches (accelerate's loaders then shard by replica) and take no DDP wrapper (toolkit/pipeline
+    averages each stage's gradients over the replicas, accelerate's `dp_shard` dimension).
+
     accelerate's own check of the mesh runs for FSDP2. It refuses a tensor-parallel-only launch on CPU
     processes (MULTI_CPU), although that trains exactly (accelerate puts no DDP wrapper around a split
     model); `checks.check_launch` has checked its sizes.
@@ -310,9 +335,13 @@ def _install_mesh(accelerator, mesh: Mesh) -> None:
     (1.15) imports a transformers class that transformers 5 no longer has, and ftkit has split the model
     itself. FSDP shards over the data-parallel dimensions of the whole mesh, and the loaders read the whole
     mesh, so tensor-parallel ranks still share their batches."""
-    config = ParallelismConfig(
-        dp_replicate_size=mesh.dp_replicate, dp_shard_size=mesh.dp_shard, tp_size=mesh.tp
-    )
+    if mesh.pp > 1:
+        # accelerate takes tp only with a dp_shard dimension; nothing is sharded, it names the replicas.
+        config = ParallelismConfig(dp_replicate_size=1, dp_shard_size=mesh.data_parallel, tp_size=mesh.pp)
+    else:
+        config = ParallelismConfig(
+            dp_replicate_size=mesh.dp_replicate, dp_shard_size=mesh.dp_shard, tp_size=mesh.tp
+        )
     state = accelerator.state
     state.parallelism_config = config
     state.device_mesh = config.get_device_mesh(accelerator.device.type)
@@ -340,7 +369,7 @@ def verify(accelerator, launch: Launch) -> None:
             f"{launch.world_size} processes were launched ({launch.backend}, WORLD_SIZE) but accelerate "
             f"joined {accelerator.num_processes} ({got.value}): each process would train alone"
         )
-    if launch.backend in ("ddp", "tp"):
+    if launch.backend in ("ddp", "tp", "pp"):
         matches = got.value.startswith("MULTI_")
     else:
         matches = got == DISTRIBUTED_TYPE[launch.backend]
@@ -364,6 +393,8 @@ def setup_summary(accelerator, launch: Launch, train: TrainConfig, grad_accum_st
 def batch_split(launch: Launch) -> str:
     """`world 4`, or where tensor-parallel ranks share batches `data-parallel 2 (world 4 / tp 2)`."""
     mesh = launch.mesh
+    if mesh.pp > 1:
+        return f"data-parallel {mesh.data_parallel} (world {launch.world_size} / pp {mesh.pp})"
     if mesh.tp == 1:
         return f"world {launch.world_size}"
     return f"data-parallel {mesh.data_parallel} (world {launch.world_size} / tp {mesh.tp})"

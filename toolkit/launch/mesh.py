@@ -2,7 +2,8 @@
 model, and from that how many different batches a step sees (the data-parallel size).
 
 Processes are laid out as accelerate lays them out (dp_replicate, dp_shard, tp; tp innermost): the ranks
-of one tensor-parallel group are neighbours and share a batch, every other split sees its own batches.
+of one tensor-parallel group are neighbours and share a batch, every other split sees its own batches. The
+processes of one pipeline (pp, from the recipe's pipeline.size) are neighbours too and share their batches.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ class Mesh:
     """Processes FSDP shards parameters, gradients and optimizer states across."""
     tp: int = 1
     """Processes each decoder layer's linear weights are split across (Megatron-style tensor parallel)."""
+    pp: int = 1
+    """Processes one pipeline spans, each holding consecutive decoder layers (pipeline parallel)."""
 
     @classmethod
     def of(cls, sizes: dict[str, int], world_size: int, fsdp: bool) -> Mesh:
@@ -29,23 +32,28 @@ class Mesh:
         across every process."""
         if not any(size > 1 for size in sizes.values()):
             return cls(dp_shard=world_size) if fsdp else cls(dp_replicate=world_size)
-        return cls(sizes.get("dp_replicate", 1), sizes.get("dp_shard", 1), sizes.get("tp", 1))
+        return cls(
+            sizes.get("dp_replicate", 1), sizes.get("dp_shard", 1), sizes.get("tp", 1), sizes.get("pp", 1)
+        )
 
     @property
     def data_parallel(self) -> int:
-        """Processes that see different batches; tensor-parallel ranks share theirs."""
+        """Processes that see different batches; tensor-parallel and pipeline ranks share theirs."""
         return self.dp_replicate * self.dp_shard
 
     @property
     def size(self) -> int:
-        return self.data_parallel * self.tp
+        return self.data_parallel * self.tp * self.pp
 
     def data_rank(self, process_index: int) -> int:
         """Which of the data-parallel batches process `process_index` trains on."""
-        return process_index // self.tp
+        return process_index // (self.tp * self.pp)
 
     def describe(self, fsdp_name: str) -> str:
-        """e.g. `tp 2`, `fsdp2 2 x tp 2`, `hsdp 2 x 2`; "" where the backend's own name says it all."""
+        """e.g. `tp 2`, `fsdp2 2 x tp 2`, `hsdp 2 x 2`, `pp 2 x ddp 2`; "" where the backend's own name says
+        it all."""
+        if self.pp > 1:
+            return f"pp {self.pp}" + (f" x ddp {self.dp_replicate}" if self.dp_replicate > 1 else "")
         if self.tp > 1:
             parts = [str(n) for n in (self.dp_replicate, self.dp_shard) if n > 1]
             sharded = f"{fsdp_name} {' x '.join(parts)} x " if parts else ""

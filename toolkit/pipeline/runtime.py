@@ -1,0 +1,162 @@
+"""The Pipeline a recipe steps: this process's stages under a torch.distributed.pipelining schedule, one
+schedule step per optimizer step (its micro-batches are the step's `grad_accum` micro-batches), the
+gradients of each stage averaged over its data-parallel replicas, and the norm taken over every stage.
+
+The processes of one pipeline are neighbours (accelerate's mesh dimension `tp` holds them: ranks that share
+their batches and need no DDP wrapper), replicas of a stage sit `pipeline.size` ranks apart (`dp_shard`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.utils._pytree import tree_map
+
+from toolkit.pipeline import stages as stage_split
+from toolkit.pipeline.batches import pipeline_width, stacked
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+class Pipeline:
+    """This process's part of the pipeline. `loss_fn(logps, labels)` turns the last stage's per-token
+    log-probs of one micro-batch into its summed loss (the step's scale is applied here)."""
+
+    def __init__(self, model, cfg, accelerator, grad_accum: int, rows: int, width: int, pad_id: int, loss_fn):
+        mesh = accelerator.torch_device_mesh
+        self.accelerator, self.model, self.cfg = accelerator, model, cfg
+        self.group = mesh["tp"].get_group()
+        self.replicas = mesh["dp_shard"].get_group() if "dp_shard" in mesh.mesh_dim_names else None
+        self.rank, self.size = mesh["tp"].get_local_rank(), cfg.size
+        self.rows, self.width, self.pad_id, self.grad_accum = rows, width, pad_id, grad_accum
+        self.loss_fn = loss_fn
+        n_stages = cfg.size * cfg.chunks_per_process
+        self.stage_ids = [self.rank + k * cfg.size for k in range(cfg.chunks_per_process)]
+        self.split = stage_split.layer_split(model, n_stages, cfg.layers)
+        self.modules = stage_split.trim(model, self.split, self.stage_ids)
+        self.first, self.last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
+        # What accelerate reads to accept, without a DDP wrapper, a model split before `prepare`.
+        stage_split.causal_lm(model)._tp_size = cfg.size
+        self.schedule = self._schedule(grad_accum, self._scaled_loss)
+        self.eval_schedule = None
+        self._scale, self._sums = 1.0, []
+
+    def _schedule(self, n_microbatches: int, loss_fn):
+        device = self.accelerator.device
+        n_stages = self.size * self.cfg.chunks_per_process
+        built = [
+            PipelineStage(module, i, n_stages, device, group=self.group)
+            for module, i in zip(self.modules, self.stage_ids)
+        ]
+        kind = SCHEDULES[self.cfg.schedule]
+        stages = built if kind is ScheduleInterleaved1F1B else built[0]
+        # The loss is already normalised over the step's target tokens: no division by micro-batches.
+        return kind(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def describe(self) -> str:
+        chunks = self.cfg.chunks_per_process
+        per = f", {chunks} chunks per process" if chunks > 1 else ""
+        return (
+            f"pipeline: {self.size} processes{per}, {self.cfg.schedule}, {self.grad_accum} micro-batches per "
+            f"step; decoder layers per stage {self.split}"
+        )
+
+    def step(self, micro_batches: list[dict], scale: float) -> torch.Tensor:
+        """Collective: forward and backward of the step's micro-batches (each loss times `scale`, the factor
+        the recipe gives a micro-batch's summed loss); returns the step's summed loss on every rank of
+        the pipeline. Gradients are then averaged over the replicas."""
+        inputs = self._inputs(micro_batches)
+        # The recipe's scale counts on a backend dividing by the accumulation steps; the schedule does not.
+        self._scale, self._sums = scale / self.grad_accum, []
+        with self.accelerator.autocast():
+            self._run(self.schedule, inputs)
+        self._average_over_replicas()
+        return self._pipeline_sum(self._sums)
+
+    @torch.no_grad()
+    def eval_sum(self, batches: list[dict]) -> torch.Tensor:
+        """Collective: summed token loss of `batches` (at most `grad_accum`, padded up with empty ones),
+        forward only, on every rank of the pipeline."""
+        if self.eval_schedule is None:
+            self.eval_schedule = self._schedule(self.grad_accum, None)
+        empty = {key: value[:0] for key, value in batches[0].items()}
+        inputs = self._inputs(batches + [empty] * (self.grad_accum - len(batches)))
+        self.model.eval()
+        try:
+            with self.accelerator.autocast():
+                outputs = self._run(self.eval_schedule, inputs)
+        finally:
+            self.model.train()
+        sums = [-outputs.sum().float()] if self.last else []
+        return self._pipeline_sum(sums)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip every stage's gradients by the norm over all stages (as torch clips one model); returns the
+        norm before clipping."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
+        for grad in grads:
+            squares += grad.double().pow(2).sum()
+        dist.all_reduce(squares, group=self.group)
+        norm = squares.sqrt()
+        limit = max_norm if max_norm > 0 else math.inf
+        coef = torch.clamp(limit / (norm + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coef.to(grad.dtype))
+        return norm.float()
+
+    def _inputs(self, micro_batches):
+        tensors = stacked(micro_batches, self.rows, self.width, self.pad_id)
+        return tree_map(lambda t: t.to(self.accelerator.device), tensors)
+
+    def _run(self, schedule, inputs):
+        ids, positions, attention, labels = inputs
+        if self.first:
+            return schedule.step(ids, positions, attention, labels)
+        if self.last:
+            return schedule.step(target=labels, losses=[] if schedule is self.schedule else None)
+        return schedule.step()
+
+    def _scaled_loss(self, logps, labels):
+        summed = -logps.sum()
+        self._sums.append(summed.detach().float())
+        return self.loss_fn(logps, labels) * self._scale
+
+    def _pipeline_sum(self, sums: list[torch.Tensor]) -> torch.Tensor:
+        total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.accelerator.device)
+        total = total.float()
+        dist.all_reduce(total, group=self.group)
+        return total
+
+    def _average_over_replicas(self) -> None:
+        if self.replicas is None:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.replicas)
+        flat /= dist.get_world_size(self.replicas)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+
+def whole_state_dict(accelerator, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Collective: the whole model's state dict on every process of a pipeline, from each one's `own`
+    stages' part (on CPU: it is for writing files)."""
+    group = accelerator.torch_device_mesh["tp"].get_group()
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, {name: t.detach().cpu() for name, t in own.items()}, group=group)
+    return {name: t for part in parts for name, t in part.items()}
+
+
+def build(model, cfg, accelerator, grad_accum: int, micro_batch: int, max_length: int, pad_id: int, loss_fn):
+    """The Pipeline over `model` (trimmed to this process's stages), micro-batches of `micro_batch` rows
+    of data.max_length tokens."""
+    return Pipeline(
+        model, cfg, accelerator, grad_accum, micro_batch, pipeline_width(max_length), pad_id, loss_fn
+    )
+
