@@ -76,14 +76,16 @@ def saver(accelerator, model) -> torch.nn.Module:
     """The model whose save_pretrained writes the gathered state dict.
 
     PEFT picks adapter weights by the module names it sees, and FSDP1's wrapped layers insert
-    `_fsdp_wrapped_module` into them: an adapter saved from the unwrapped model would come out empty, so
-    it is saved from the same adapter on a weightless copy of the base model.
+    `_fsdp_wrapped_module` into them, and a pipeline stage holds some layers only: an adapter saved from
+    the unwrapped model would come out empty or partial, so it is saved from the same adapter on a
+    weightless copy of the base model.
     """
     from peft import PeftModel, get_peft_model
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     unwrapped = accelerator.unwrap_model(model)
-    if not (isinstance(model, FullyShardedDataParallel) and isinstance(unwrapped, PeftModel)):
+    renamed = isinstance(model, FullyShardedDataParallel) or stages.is_part(unwrapped)
+    if not (renamed and isinstance(unwrapped, PeftModel)):
         return unwrapped
     base = unwrapped.get_base_model()
     name = unwrapped.active_adapter

@@ -74,7 +74,8 @@ class Pipeline:
         with self.accelerator.autocast():
             self._run(self.schedule, inputs)
         self._average_over_replicas()
-        return self._pipeline_sum(self._sums)
+        # The first step also scores the shape-inference pass on unfilled buffers: keep the real ones.
+        return self._pipeline_sum(self._sums[-self.grad_accum :])
 
     @torch.no_grad()
     def eval_sum(self, batches: list[dict]) -> torch.Tensor:

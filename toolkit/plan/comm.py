@@ -9,9 +9,13 @@ over n ranks each rank sends (n-1)/n of the whole tensor, to all-reduce twice th
     zero3    the same gathers, and a reduce-scatter after every micro-batch
     tp       2 all-reduces of the activations (micro-batch x seq x hidden) per decoder layer in forward and 2
              in backward, every micro-batch; checkpointing repeats the forward's 2 when it recomputes
+    pp       per micro-batch, every stage boundary carries the hidden states forward (micro-batch x seq x
+             hidden) and their gradient back, each sent by one GPU: a middle stage sends 2, the first and
+             the last 1; interleaved, each of a GPU's chunks sends to its neighbours. pp x ddp adds an
+             all-reduce of each stage's gradients across the copies, once a step
 Weights travel as the backend gathers them (FSDP2's param_dtype, the compute dtype under bf16 autocast;
-DeepSpeed's stored dtype), gradients as it reduces them, activations in the compute dtype. Small tensors
-ZeRO-3 keeps whole are counted as gathered.
+DeepSpeed's stored dtype), gradients as it reduces them, activations in the compute dtype (the pipeline's
+hidden states in the residual stream's). Small tensors ZeRO-3 keeps whole are counted as gathered.
 """
 
 from __future__ import annotations
@@ -77,3 +81,13 @@ def tp_activation_bytes(counts, tp: int, tokens: int, checkpointing: bool, preci
     per_layer = 6 if checkpointing else 4
     size = counts.layers * per_layer * tokens * counts.hidden * compute_bytes(precision)
     return all_reduce(tp, size)
+
+
+def pipeline_bytes(stages: int, chunks: int, index: int, micro_batches: int, boundary: int) -> int:
+    """Bytes process `index` of a pipeline of `stages` processes sends per step of `micro_batches`, each
+    boundary tensor (hidden states or their gradient) `boundary` bytes. It holds chunks index + k x stages
+    (k < chunks, torch.distributed.pipelining's loop order); each sends forward unless it is the last chunk
+    and backward unless it is the first."""
+    last = stages * chunks - 1
+    sends = sum((chunk < last) + (chunk > 0) for chunk in range(index, last + 1, stages))
+    return sends * micro_batches * boundary

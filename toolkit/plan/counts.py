@@ -53,6 +53,9 @@ class ModelCounts:
     """Frozen parameters of the modules that plan splits (the attention and MLP linears of every layer)."""
     tp_split_trainable: int = 0
     """Trainable parameters of those modules: their weights (full fine-tuning) or adapters (LoRA)."""
+    pipeline_parts: tuple[tuple[int, int], ...] = ()
+    """(parameters, trainable) of what a pipeline splits, in order: what comes before the decoder layers (the
+    input embeddings), each decoder layer (adapters included), what comes after them (final norm, head)."""
 
 
 def load_model_config(model: str):
@@ -167,6 +170,7 @@ def _counts(model, text, method: str, lora_r: int, source: str) -> ModelCounts:
         tp_styles=tuple(sorted(set(tp_plan.values()))),
         tp_split_frozen=split_frozen,
         tp_split_trainable=split_trainable,
+        pipeline_parts=_pipeline_parts(params, layers),
     )
 
 
@@ -174,6 +178,21 @@ def _mlp_width(text) -> int:
     """The MLP's inner width: GPT-2 calls it n_inner and leaves it None for 4 x hidden."""
     width = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None)
     return width or 4 * text.hidden_size
+
+
+def _pipeline_parts(params: list, layers: list) -> tuple[tuple[int, int], ...]:
+    """`ModelCounts.pipeline_parts`: a parameter outside the decoder layers goes with the first stage when
+    the model registers it before them, else with the last."""
+    layer_of = {id(p): i for i, layer in enumerate(layers) for p in layer.parameters()}
+    parts = [[0, 0] for _ in range(len(layers) + 2)]
+    past_layers = False
+    for p in params:
+        index = layer_of.get(id(p))
+        past_layers = past_layers or index is not None
+        slot = index + 1 if index is not None else (-1 if past_layers else 0)
+        parts[slot][0] += p.numel()
+        parts[slot][1] += p.numel() if p.requires_grad else 0
+    return tuple((numel, trainable) for numel, trainable in parts)
 
 
 def _tp_split(model, tp_plan: dict[str, str]) -> tuple[int, int]:

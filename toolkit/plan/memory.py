@@ -10,8 +10,8 @@ backend keeps per rank; activations and overhead are estimates (formulas in thei
     zero3, fsdp     1/N          1/N          1/N
     zero3_offload   1/N          1/N          1/N           all of it in CPU RAM instead of GPU memory
 
-The model-parallel layouts (tp, fsdp_tp, hsdp) are in `plan.parallel`; what each backend sends between GPUs
-is in `plan.comm`.
+The model-parallel layouts (tp, fsdp_tp, hsdp) are in `plan.parallel`, the pipelines (pp, pp x ddp) in
+`plan.pipeline`; what each backend sends between GPUs is in `plan.comm`.
 """
 
 from __future__ import annotations
@@ -187,15 +187,29 @@ def activation_bytes(
     dropped inputs of o_proj and down_proj are split tp ways; the norms and the residual stream stay whole.
     Total = s x b x per-token bytes.
     """
+    layer, kept, norm = token_activation_bytes(counts, precision, lora_dropout, tp)
+    stored = counts.layers * kept + layer if checkpointing else counts.layers * layer
+    return (stored + norm) * seq_len * micro_batch
+
+
+def token_activation_bytes(
+    counts, precision: Precision, lora_dropout: float = 0.0, tp: int = 1
+) -> tuple[int, int, int]:
+    """Per token, as `activation_bytes` counts them: (a decoder layer's activations, what checkpointing keeps
+    of a layer, one RMSNorm's)."""
     e = compute_bytes(precision)
-    residual = 4 if precision.weights == "float32" or counts.method == "qlora" else 2
     h, h_a, i = counts.hidden, counts.heads * counts.head_dim, counts.intermediate
     norm = 4 * h + 2 * e * h
     layer = 2 * norm + (5 * e * h_a + 4 * counts.heads + 4 * e * i) // tp
     if counts.method != "full" and lora_dropout > 0:
         layer += (e + 1) * (5 * h + (h_a + i) // tp)
-    stored = counts.layers * residual * h + layer if checkpointing else counts.layers * layer
-    return (stored + norm) * seq_len * micro_batch
+    return layer, residual_bytes(counts, precision) * h, norm
+
+
+def residual_bytes(counts, precision: Precision) -> int:
+    """Bytes of one element of the residual stream (the hidden states between decoder layers): the weights'
+    dtype, fp32 under QLoRA."""
+    return 4 if precision.weights == "float32" or counts.method == "qlora" else 2
 
 
 def head_bytes(counts, tokens: int, backend: str, precision: Precision, head: Head) -> int:

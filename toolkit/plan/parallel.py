@@ -35,16 +35,18 @@ class Mesh:
     """One layout's device mesh; the product of its sizes is the number of GPUs."""
 
     backend: str
-    """tp | fsdp_tp | hsdp."""
+    """tp | fsdp_tp | hsdp | pp | pp_ddp."""
     tp: int = 1
     shard: int = 1
     """FSDP shards (dp_shard)."""
     replicate: int = 1
-    """Copies of the sharded model (HSDP's dp_replicate)."""
+    """Copies of the sharded model (HSDP's dp_replicate), or of the whole pipeline (pp_ddp)."""
+    pp: int = 1
+    """Pipeline stages, one process each (`plan.pipeline`)."""
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.shard * self.replicate
+        return self.tp * self.shard * self.replicate * self.pp
 
     @property
     def data_parallel(self) -> int:
@@ -53,6 +55,8 @@ class Mesh:
 
     @property
     def label(self) -> str:
+        if self.pp > 1:
+            return f"pp {self.pp}" + (f" x ddp {self.replicate}" if self.replicate > 1 else "")
         if self.backend == "tp":
             return f"tp {self.tp}"
         if self.backend == "fsdp_tp":
@@ -70,6 +74,10 @@ class Layout:
     comm: tuple[int, ...] = ()
     """Bytes each GPU sends per optimizer step, one figure per row."""
     grad_accum: int = 0
+
+    @property
+    def label(self) -> str:
+        return self.mesh.label
 
 
 def meshes(gpus: int) -> list[Mesh]:
