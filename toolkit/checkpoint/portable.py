@@ -95,6 +95,9 @@ def read_optimizer_moments(path: Path, model, optimizer) -> dict[str, dict[str, 
 
 
 def _positional_moments(saved: dict, model, optimizer) -> dict[str, dict[str, torch.Tensor]] | None:
+    whole = getattr(model, "pipeline_whole_trained", None)
+    if whole is not None:
+        return _whole_model_moments(saved, whole)
     groups = [group["params"] for group in optimizer.param_groups]
     if [len(group["params"]) for group in saved["param_groups"]] != [len(group) for group in groups]:
         return None
@@ -106,6 +109,24 @@ def _positional_moments(saved: dict, model, optimizer) -> dict[str, dict[str, to
         if any(value.dim() and value.shape != param.shape for value in state.values()):
             return None
         moments[names[id(param)]] = state
+    return moments
+
+
+def _whole_model_moments(saved: dict, whole: list[tuple[str, tuple]]) -> dict | None:
+    """Moments by name for a pipeline stage, from the order the optimizer gives the whole model's trained
+    parameters (`optim.build_optimizer`: matrices, then vectors; `whole` as `stages.trim` recorded it)."""
+    groups = [[n for n, shape in whole if len(shape) >= 2], [n for n, shape in whole if len(shape) < 2]]
+    groups = [group for group in groups if group]
+    if [len(group["params"]) for group in saved["param_groups"]] != [len(group) for group in groups]:
+        return None
+    shapes = dict(whole)
+    positions = [index for group in saved["param_groups"] for index in group["params"]]
+    moments = {}
+    for index, name in zip(positions, [name for group in groups for name in group]):
+        state = saved["state"].get(index, {})
+        if any(value.dim() and tuple(value.shape) != shapes[name] for value in state.values()):
+            return None
+        moments[name] = state
     return moments
 
 

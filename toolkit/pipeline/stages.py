@@ -105,6 +105,8 @@ def trim(model, split: list[int], stage_ids: list[int]) -> list[Stage]:
     Stage modules, in the order of `stage_ids`."""
     base = causal_lm(model)
     inner = base.model
+    # A replicated checkpoint numbers the optimizer's moments by position in the whole model's order.
+    model.pipeline_whole_trained = [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
     bounds = [sum(split[:i]) for i in range(len(split) + 1)]
     last = len(split) - 1
     stages = [

@@ -83,11 +83,11 @@ def tp_activation_bytes(counts, tp: int, tokens: int, checkpointing: bool, preci
     return all_reduce(tp, size)
 
 
-def pipeline_bytes(stages: int, chunks: int, index: int, micro_batches: int, boundary: int) -> int:
-    """Bytes process `index` of a pipeline of `stages` processes sends per step of `micro_batches`, each
-    boundary tensor (hidden states or their gradient) `boundary` bytes. It holds chunks index + k x stages
-    (k < chunks, torch.distributed.pipelining's loop order); each sends forward unless it is the last chunk
-    and backward unless it is the first."""
+def pipeline_bytes(stages: int, chunks: int, index: int, micro_batches: int, forward: int, backward: int) -> int:
+    """Bytes process `index` of a pipeline of `stages` processes sends per step of `micro_batches`: `forward`
+    bytes from each chunk that has a next one, `backward` bytes (the gradient) from each that has a previous
+    one. It holds chunks index + k x stages (k < chunks, torch.distributed.pipelining's loop order)."""
     last = stages * chunks - 1
-    sends = sum((chunk < last) + (chunk > 0) for chunk in range(index, last + 1, stages))
-    return sends * micro_batches * boundary
+    held = range(index, last + 1, stages)
+    sends = sum(forward for chunk in held if chunk < last) + sum(backward for chunk in held if chunk > 0)
+    return sends * micro_batches
