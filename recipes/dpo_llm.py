@@ -16,6 +16,7 @@ from toolkit.preference import config as pref
 from toolkit.preference import data as pairs
 from toolkit.preference import evaluate, reference
 from toolkit.preference import loss as pref_loss
+from toolkit.preference import pipeline as pref_pipeline
 from toolkit.run import Run, exit_with, recipe_args
 
 
@@ -45,6 +46,8 @@ def train(run: Run, cfg) -> int:
             train_set, cfg.data, cfg.train, tokenizer.pad_token_id, cfg.seed, False, collate, lengths
         )
         model = run.load_model()
+        # pipeline.size > 1: this process keeps its stages' layers only; pairs are two rows each.
+        pipeline = run.pipeline(model, tokenizer.pad_token_id, None, rows_per_example=2, uniform=False)
     optimizer, scheduler = run.optimizer(model)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
@@ -57,8 +60,11 @@ def train(run: Run, cfg) -> int:
         {"train": train_set, "eval": eval_set},
         collate,
         fresh=run.resume.checkpoint is None,
+        pipeline=pipeline,
     )
-    evaluator = evaluate.PairEvaluator(accelerator, model, tokenizer, eval_set, collate, cfg, ref, run.log)
+    evaluator = evaluate.PairEvaluator(
+        accelerator, model, tokenizer, eval_set, collate, cfg, ref, run.log, pipeline
+    )
     start_step = run.begin(model, evaluator)  # a checkpoint's state, or the starting point measured
 
     # The loop: one iteration per optimizer step, `grad_accum` micro-batches of pairs each; pair terms are
@@ -74,14 +80,17 @@ def train(run: Run, cfg) -> int:
         )
         pair_scale = loss.backward_scale(step_pairs, run.grad_accum, run.data_parallel)
         token_scale = loss.backward_scale(chosen_tokens, run.grad_accum, run.data_parallel)
-        sums = pref_loss.PairSums(accelerator.device)
-        for batch in micro_batches:
-            ref_logps = ref.logps(batch)
-            with accelerator.accumulate(model):
-                logps, counts = pref_loss.batch_sequence_logps(model, batch)
-                terms = pref_loss.pair_terms(cfg.dpo, logps, counts, ref_logps)
-                accelerator.backward(pref_loss.micro_objective(terms, pair_scale, token_scale))
-                sums.add(terms, logps, counts)
+        if pipeline is not None:
+            sums = pref_pipeline.pair_step(pipeline, micro_batches, ref, cfg.dpo, pair_scale, token_scale)
+        else:
+            sums = pref_loss.PairSums(accelerator.device)
+            for batch in micro_batches:
+                ref_logps = ref.logps(batch)
+                with accelerator.accumulate(model):
+                    logps, counts = pref_loss.batch_sequence_logps(model, batch)
+                    terms = pref_loss.pair_terms(cfg.dpo, logps, counts, ref_logps)
+                    accelerator.backward(pref_loss.micro_objective(terms, pair_scale, token_scale))
+                    sums.add(terms, logps, counts)
         step_metrics = sums.reduce(accelerator).metrics()
         grad_norm = run.update(model, optimizer, scheduler, step, step_metrics["loss"])
         rows, per_second = 2 * step_pairs, {"pairs": step_pairs}

@@ -127,10 +127,11 @@ class Run:
         model.register_forward_pre_hook(lambda module, args: self.watchdog.touch())
         return model
 
-    def pipeline(self, model, pad_id: int, loss_fn):
+    def pipeline(self, model, pad_id: int, loss_fn, rows_per_example: int = 1, uniform: bool = True):
         """The Pipeline `model` runs under when the recipe asks for one (pipeline.size), `model` trimmed to
         this process's stages; else None. `loss_fn(logps, labels)`: a micro-batch's summed loss from the
-        last stage's per-token log-probs."""
+        last stage's per-token log-probs; `rows_per_example`: rows a batch holds per example (2 for
+        pairs); `uniform`: the loss weighs every token alike."""
         if self.launch.mesh.pp == 1:
             return None
         cfg = self.cfg
@@ -140,10 +141,11 @@ class Run:
             cfg.pipeline,
             self.accelerator,
             self.grad_accum,
-            cfg.train.micro_batch_size,
+            cfg.train.micro_batch_size * rows_per_example,
             cfg.data.max_length,
             pad_id,
             loss_fn,
+            uniform,
         )
         for module in self.pipe.modules:
             module.register_forward_pre_hook(lambda module, args: self.watchdog.touch())

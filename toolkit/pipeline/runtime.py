@@ -23,9 +23,12 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": S
 
 class Pipeline:
     """This process's part of the pipeline. `loss_fn(logps, labels)` turns the last stage's per-token
-    log-probs of one micro-batch into its summed loss (the step's scale is applied here)."""
+    log-probs of one micro-batch into its summed loss (the step's scale is applied here): the loss of
+    `step`; `run_step` takes any other."""
 
-    def __init__(self, model, cfg, accelerator, grad_accum: int, rows: int, width: int, pad_id: int, loss_fn):
+    def __init__(
+        self, model, cfg, accelerator, grad_accum: int, rows: int, width: int, pad_id: int, loss_fn, uniform
+    ):
         mesh = accelerator.torch_device_mesh
         self.accelerator, self.model, self.cfg = accelerator, model, cfg
         self.group = mesh["tp"].get_group()
@@ -42,7 +45,9 @@ class Pipeline:
         stage_split.causal_lm(model)._tp_size = cfg.size
         self.schedule = self._schedule(grad_accum, self._scaled_loss)
         self.eval_schedule = None
-        self._scale, self._sums = 1.0, []
+        self._loss, self._scale, self._records = loss_fn, 1.0, []
+        for module in self.modules:
+            module.uniform = uniform
 
     def _schedule(self, n_microbatches: int, loss_fn):
         device = self.accelerator.device
@@ -65,22 +70,32 @@ class Pipeline:
         )
 
     def step(self, micro_batches: list[dict], scale: float) -> torch.Tensor:
-        """Collective: forward and backward of the step's micro-batches (each loss times `scale`, the factor
-        the recipe gives a micro-batch's summed loss); returns the step's summed loss on every rank of
-        the pipeline. Gradients are then averaged over the replicas."""
+        """Collective: forward and backward of the step's micro-batches under the Pipeline's `loss_fn`
+        (each micro-batch's loss times `scale`, the factor the recipe gives it); returns the step's summed
+        loss on every rank of the pipeline."""
+        records = self.run_step(micro_batches, self.loss_fn, scale)
+        total = sum((-row_sums.sum() for row_sums, _ in records), self._zeros(()))
+        return self.share(total).float()
+
+    def run_step(self, micro_batches: list[dict], loss_fn, scale: float = 1.0, targets=None) -> list[tuple]:
+        """Collective: forward and backward of the step's micro-batches, each micro-batch's loss
+        `loss_fn(token_logps, target)` times `scale` (`targets`: one tensor of per-row values per
+        micro-batch, else its labels). Gradients are then averaged over the replicas. Returns, on the last
+        stage, each micro-batch's (per-row summed log-probs, target), detached; elsewhere []."""
         inputs = self._inputs(micro_batches)
+        target = inputs[3] if targets is None else torch.cat(targets).to(self.accelerator.device)
         # The recipe's scale counts on a backend dividing by the accumulation steps; the schedule does not.
-        self._scale, self._sums = scale / self.grad_accum, []
+        self._loss, self._scale, self._records = loss_fn, scale / self.grad_accum, []
         with self.accelerator.autocast():
-            self._run(self.schedule, inputs)
+            self._run(self.schedule, inputs, target)
         self._average_over_replicas()
         # The first step also scores the shape-inference pass on unfilled buffers: keep the real ones.
-        return self._pipeline_sum(self._sums[-self.grad_accum :])
+        return self._records[-self.grad_accum :] if self.last else []
 
     @torch.no_grad()
-    def eval_sum(self, batches: list[dict]) -> torch.Tensor:
-        """Collective: summed token loss of `batches` (at most `grad_accum`, padded up with empty ones),
-        forward only, on every rank of the pipeline."""
+    def forward_logps(self, batches: list[dict]) -> list[torch.Tensor]:
+        """Collective, forward only in eval mode: each batch's per-row summed log-probs of its label tokens
+        (float64), on every rank of the pipeline; at most `grad_accum` batches a call."""
         if self.eval_schedule is None:
             self.eval_schedule = self._schedule(self.grad_accum, None)
         empty = {key: value[:0] for key, value in batches[0].items()}
@@ -88,11 +103,25 @@ class Pipeline:
         self.model.eval()
         try:
             with self.accelerator.autocast():
-                outputs = self._run(self.eval_schedule, inputs)
+                outputs = self._run(self.eval_schedule, inputs, inputs[3])
         finally:
             self.model.train()
-        sums = [-outputs.sum().float()] if self.last else []
-        return self._pipeline_sum(sums)
+        row_sums = outputs.double().sum(dim=1) if self.last else self._zeros((len(inputs[0]),))
+        row_sums = self.share(row_sums)
+        return [row_sums[i * self.rows : i * self.rows + len(b["input_ids"])] for i, b in enumerate(batches)]
+
+    def eval_sum(self, batches: list[dict]) -> torch.Tensor:
+        """Collective: summed token loss of `batches` (at most `grad_accum`), on every rank of the pipeline."""
+        return -torch.cat(self.forward_logps(batches)).sum()
+
+    def share(self, values: torch.Tensor) -> torch.Tensor:
+        """Collective: `values` summed over the pipeline's processes (the last stage's, where only it has
+        them)."""
+        dist.all_reduce(values, group=self.group)
+        return values
+
+    def _zeros(self, shape) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.float64, device=self.accelerator.device)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip every stage's gradients by the norm over all stages (as torch clips one model); returns the
@@ -113,24 +142,16 @@ class Pipeline:
         tensors = stacked(micro_batches, self.rows, self.width, self.pad_id)
         return tree_map(lambda t: t.to(self.accelerator.device), tensors)
 
-    def _run(self, schedule, inputs):
-        ids, positions, attention, labels = inputs
+    def _run(self, schedule, inputs, target):
         if self.first:
-            return schedule.step(ids, positions, attention, labels)
+            return schedule.step(*inputs)
         if self.last:
-            return schedule.step(target=labels, losses=[] if schedule is self.schedule else None)
+            return schedule.step(target=target, losses=[] if schedule is self.schedule else None)
         return schedule.step()
 
-    def _scaled_loss(self, logps, labels):
-        summed = -logps.sum()
-        self._sums.append(summed.detach().float())
-        return self.loss_fn(logps, labels) * self._scale
-
-    def _pipeline_sum(self, sums: list[torch.Tensor]) -> torch.Tensor:
-        total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.accelerator.device)
-        total = total.float()
-        dist.all_reduce(total, group=self.group)
-        return total
+    def _scaled_loss(self, logps, target):
+        self._records.append((logps.detach().double().sum(dim=1), target))
+        return self._loss(logps, target) * self._scale
 
     def _average_over_replicas(self) -> None:
         if self.replicas is None:
@@ -154,10 +175,10 @@ def whole_state_dict(accelerator, own: dict[str, torch.Tensor]) -> dict[str, tor
     return {name: t for part in parts for name, t in part.items()}
 
 
-def build(model, cfg, accelerator, grad_accum: int, micro_batch: int, max_length: int, pad_id: int, loss_fn):
-    """The Pipeline over `model` (trimmed to this process's stages), micro-batches of `micro_batch` rows
-    of data.max_length tokens."""
+def build(model, cfg, accelerator, grad_accum: int, rows: int, max_length: int, pad_id: int, loss_fn, uniform):
+    """The Pipeline over `model` (trimmed to this process's stages), micro-batches of `rows` rows of
+    data.max_length tokens; `uniform`: the loss weighs every token alike (see `stages.Stage`)."""
     return Pipeline(
-        model, cfg, accelerator, grad_accum, micro_batch, pipeline_width(max_length), pad_id, loss_fn
+        model, cfg, accelerator, grad_accum, rows, pipeline_width(max_length), pad_id, loss_fn, uniform
     )
 

@@ -83,7 +83,9 @@ def tp_activation_bytes(counts, tp: int, tokens: int, checkpointing: bool, preci
     return all_reduce(tp, size)
 
 
-def pipeline_bytes(stages: int, chunks: int, index: int, micro_batches: int, forward: int, backward: int) -> int:
+def pipeline_bytes(
+    stages: int, chunks: int, index: int, micro_batches: int, forward: int, backward: int
+) -> int:
     """Bytes process `index` of a pipeline of `stages` processes sends per step of `micro_batches`: `forward`
     bytes from each chunk that has a next one, `backward` bytes (the gradient) from each that has a previous
     one. It holds chunks index + k x stages (k < chunks, torch.distributed.pipelining's loop order)."""

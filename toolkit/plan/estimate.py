@@ -16,7 +16,7 @@ from toolkit.errors import UserError
 from toolkit.fields import NonNegativeFloat, PositiveFloat, PositiveInt, Probability, field_errors
 from toolkit.launch.machine import GIB
 from toolkit.metrics import read_metrics
-from toolkit.plan import GradCkpt, PlanDtype, PlanPrecision, architectures, comm, memory, parallel
+from toolkit.plan import GradCkpt, PlanDtype, PlanPrecision, architectures, comm, memory, parallel, pipeline
 from toolkit.plan.counts import ModelCounts, count_parameters, load_model_config
 from toolkit.plan.memory import Head, MemoryEstimate, Precision
 from toolkit.typed_yaml import flat_dict
@@ -119,7 +119,8 @@ class Plan:
     full_head: MemoryEstimate | None = None
     """The recommended setup with the full logits instead of the chunked head (None under loss.head full)."""
     layouts: tuple[parallel.Layout, ...] = ()
-    """The model-parallel layouts (tp, fsdp_tp, hsdp) on more than one GPU, at the rows' micro-batch."""
+    """The model-parallel layouts (tp, fsdp_tp, hsdp, then the pipelines pp and pp_ddp) on more than one GPU,
+    at the rows' micro-batch."""
     comm: dict[str, int] = dataclasses.field(default_factory=dict)
     """Bytes each GPU sends per optimizer step under each data-parallel backend, at the rows' micro-batch."""
 
@@ -167,7 +168,8 @@ def make_plan(request: PlanRequest, cost: CostRequest | None = None) -> Plan:
         flops_per_token=flops.flops_per_token(counts, request.seq_len),
         cost=estimate_cost(cost, request.gpus) if cost else None,
         full_head=_with_full_head(choice, counts, request, precision),
-        layouts=parallel.layouts(counts, request, precision, _ckpt_options(request), micro),
+        layouts=parallel.layouts(counts, request, precision, _ckpt_options(request), micro)
+        + pipeline.layouts(config, counts, request, precision, _ckpt_options(request), micro),
         comm=_data_parallel_comm(counts, request, precision, micro),
     )
 

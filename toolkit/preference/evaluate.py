@@ -9,18 +9,23 @@ from toolkit.distributed import data_shard
 from toolkit.generation import greedy_answer
 from toolkit.preference.config import DpoConfig
 from toolkit.preference.data import strided_batches
-from toolkit.preference.loss import PairSums, batch_sequence_logps, pair_terms
+from toolkit.preference.loss import PairSums, batch_sequence_logps, pair_terms, target_counts
 
 
 @torch.no_grad()
-def evaluate_pairs(model, dataset, collate, accelerator, cfg: DpoConfig, reference, batch_size: int) -> dict:
+def evaluate_pairs(
+    model, dataset, collate, accelerator, cfg: DpoConfig, reference, batch_size: int, pipeline=None
+) -> dict:
     """Collective: eval_* metrics over every pair of `dataset`; `reference(batch)` gives the reference
-    log-probs of a stacked batch (None for reference-free losses)."""
+    log-probs of a stacked batch (None for reference-free losses); through `pipeline`'s stages if any."""
     model.eval()
     sums = PairSums(accelerator.device)
     for rows, real in strided_batches(dataset, *data_shard(accelerator), batch_size):
         batch = {k: v.to(accelerator.device) for k, v in collate(rows).items()}
-        logps, counts = batch_sequence_logps(model, batch)
+        if pipeline is not None:
+            logps, counts = pipeline.forward_logps([batch])[0], target_counts(batch["labels"])
+        else:
+            logps, counts = batch_sequence_logps(model, batch)
         sums.add(pair_terms(cfg, logps, counts, reference(batch)), logps, counts, keep=real)
     model.train()
     return sums.reduce(accelerator).metrics(prefix="eval_")
@@ -30,7 +35,8 @@ class PairEvaluator:
     """The held-out pairs' evaluations, gathered once: metrics at `evaluate`, plus exact match and the
     printed before/after line at `report`."""
 
-    def __init__(self, accelerator, model, tokenizer, dataset, collate, cfg, reference, log):
+    def __init__(self, accelerator, model, tokenizer, dataset, collate, cfg, reference, log, pipeline=None):
+        self.pipeline = pipeline
         self.accelerator = accelerator
         self.model = model
         self.tokenizer = tokenizer
@@ -49,6 +55,7 @@ class PairEvaluator:
             self.cfg.dpo,
             lambda batch: self.reference.logps(batch, "eval"),
             self.cfg.train.micro_batch_size,
+            self.pipeline,
         )
 
     def evaluate(self, step: int) -> dict:
@@ -60,7 +67,8 @@ class PairEvaluator:
         if self.dataset is None:
             return
         results = self._metrics()
-        if self.cfg.eval.exact_match_samples:
+        # Under a pipeline no process holds the whole model to generate with.
+        if self.cfg.eval.exact_match_samples and self.pipeline is None:
             results["exact_match"] = pair_exact_match(
                 self.accelerator.unwrap_model(self.model),
                 self.tokenizer,

@@ -35,7 +35,12 @@ def batch_sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor
     """`sequence_logps` of `model` on `batch`, through the chunked head when the model has one."""
     if head.chunked_head(model) is None:
         return sequence_logps(model(**model_inputs(batch)).logits, batch["labels"])
-    return head.target_logps(model, batch).sum(dim=1), (batch["labels"][:, 1:] != IGNORE).sum(dim=1)
+    return head.target_logps(model, batch).sum(dim=1), target_counts(batch["labels"])
+
+
+def target_counts(labels: torch.Tensor) -> torch.Tensor:
+    """Label tokens of each row after the shift."""
+    return (labels[:, 1:] != IGNORE).sum(dim=1)
 
 
 @dataclass

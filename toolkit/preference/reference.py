@@ -45,17 +45,28 @@ def adapter_off(accelerator, model):
     return accelerator.unwrap_model(model).disable_adapter()
 
 
-def live_logps(accelerator, model, batch: dict, separate=None) -> torch.Tensor:
+def live_logps(accelerator, model, batch: dict, separate=None, pipeline=None) -> torch.Tensor:
     """Reference log-probs of a stacked batch: from `separate` (a prepared frozen model) when given, else
     from `model` with its adapter switched off (a model without adapter is used as it is: only right
-    before training does that make it the reference)."""
+    before training does that make it the reference); through `pipeline`'s stages when there is one."""
+    return pipeline_logps(accelerator, model, [batch], pipeline)[0] if pipeline else _live(accelerator, model, batch, separate)
+
+
+def _live(accelerator, model, batch: dict, separate) -> torch.Tensor:
     source = separate if separate is not None else model
-    has_adapter = hasattr(accelerator.unwrap_model(model), "disable_adapter")
-    context = (
-        adapter_off(accelerator, model) if separate is None and has_adapter else contextlib.nullcontext()
-    )
-    with frozen(source), context:
+    with frozen(source), _adapter_off_if_any(accelerator, model, separate):
         return batch_sequence_logps(source, batch)[0]
+
+
+def pipeline_logps(accelerator, model, batches: list[dict], pipeline) -> list[torch.Tensor]:
+    """Collective: the reference log-probs of `batches` (at most a step's) through a pipeline's stages."""
+    with _adapter_off_if_any(accelerator, model, None):
+        return pipeline.forward_logps(batches)
+
+
+def _adapter_off_if_any(accelerator, model, separate):
+    has_adapter = hasattr(accelerator.unwrap_model(model), "disable_adapter")
+    return adapter_off(accelerator, model) if separate is None and has_adapter else contextlib.nullcontext()
 
 
 class Precomputed:
@@ -71,14 +82,15 @@ class Precomputed:
         return torch.cat([self.chosen[index], self.rejected[index]]).to(device)
 
 
-def compute(accelerator, model, dataset, collate, batch_size: int, separate=None) -> Precomputed:
+def compute(accelerator, model, dataset, collate, batch_size: int, separate=None, pipeline=None) -> Precomputed:
     """Collective: every rank scores a strided share of `dataset` (rows carry `pair_index`) and the
     shares are gathered into per-pair tensors."""
     table = torch.zeros(len(dataset), 2, dtype=torch.float64)
     rank, world = data_shard(accelerator)
     for rows, real in strided_batches(dataset, rank, world, batch_size):
         batch = {k: v.to(accelerator.device) for k, v in collate(rows).items()}
-        values = torch.stack(live_logps(accelerator, model, batch, separate).double().chunk(2), dim=1)
+        logps = live_logps(accelerator, model, batch, separate, pipeline)
+        values = torch.stack(logps.double().chunk(2), dim=1)
         # Padding rows (copies of pair 0) are marked -1 and dropped after the gather.
         marks = torch.tensor(
             [r["pair_index"] if ok else -1 for r, ok in zip(rows, real)], device=values.device
@@ -155,25 +167,35 @@ class Reference:
     """Where a run's reference log-probs come from: nothing (reference-free losses), precomputed tables,
     a separate frozen model, or the policy with its adapter off."""
 
-    def __init__(self, accelerator, model, tables=None, separate=None, needed: bool = True):
+    def __init__(self, accelerator, model, tables=None, separate=None, needed: bool = True, pipeline=None):
         self.accelerator = accelerator
         self.model = model
         self.tables = tables
         self.separate = separate
         self.needed = needed
+        self.pipeline = pipeline
 
     @classmethod
-    def build(cls, accelerator, model, cfg, features, datasets: dict, collate, fresh: bool) -> Reference:
-        """Collective: the reference `cfg` asks for; tables are computed now (fresh run) or read back."""
+    def build(
+        cls, accelerator, model, cfg, features, datasets: dict, collate, fresh: bool, pipeline=None
+    ) -> Reference:
+        """Collective: the reference `cfg` asks for; tables are computed now (fresh run) or read back.
+        With a `pipeline` the policy's forward passes run through its stages (no separate model)."""
         if not uses_reference(cfg):
             return cls(accelerator, model, needed=False)
         separate = load_separate(accelerator, cfg, features) if cfg.dpo.reference_model else None
         if not precomputes_reference(cfg):
-            return cls(accelerator, model, separate=separate)
+            return cls(accelerator, model, separate=separate, pipeline=pipeline)
         tables = precompute_or_load(
-            accelerator, model, separate, datasets, collate, cfg, Path(cfg.output_dir), fresh
+            accelerator, model, separate, datasets, collate, cfg, Path(cfg.output_dir), fresh, pipeline
         )
         return cls(accelerator, model, tables=tables)
+
+    def step_logps(self, batches: list[dict]) -> list[torch.Tensor] | None:
+        """Reference log-probs of each of a step's stacked batches (a pipeline scores them in one pass)."""
+        if self.needed and self.tables is None and self.pipeline is not None:
+            return pipeline_logps(self.accelerator, self.model, batches, self.pipeline)
+        return [self.logps(batch) for batch in batches] if self.needed else None
 
     def logps(self, batch: dict, split: str = "train") -> torch.Tensor | None:
         """Reference log-probs of a stacked batch of `split` pairs (None for reference-free losses)."""
@@ -181,10 +203,12 @@ class Reference:
             return None
         if self.tables is not None:
             return self.tables[split].lookup(batch)
-        return live_logps(self.accelerator, self.model, batch, self.separate)
+        return live_logps(self.accelerator, self.model, batch, self.separate, self.pipeline)
 
 
-def precompute_or_load(accelerator, model, separate, datasets: dict, collate, cfg, output_dir, fresh: bool):
+def precompute_or_load(
+    accelerator, model, separate, datasets: dict, collate, cfg, output_dir, fresh: bool, pipeline=None
+):
     """Collective: the reference tables of every dataset in `datasets` (None entries skipped), computed
     now on a fresh run and saved beside it, or read back when resuming."""
     present = {name: data for name, data in datasets.items() if data is not None}
@@ -203,7 +227,7 @@ def precompute_or_load(accelerator, model, separate, datasets: dict, collate, cf
             f"{output_dir / FILE}: missing; the run cannot resume without its reference log-probs"
         )
     tables = {
-        name: compute(accelerator, model, data, collate, cfg.train.micro_batch_size, separate)
+        name: compute(accelerator, model, data, collate, cfg.train.micro_batch_size, separate, pipeline)
         for name, data in present.items()
     }
     if accelerator.is_main_process:

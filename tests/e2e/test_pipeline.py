@@ -1,0 +1,200 @@
+"""Pipeline parallelism (pipeline.size=2 on pp.yaml, and on pp_ddp.yaml: 2 stages x 2 replicas) runs the real
+recipe on gloo CPU processes: one process's per-step loss under each schedule, exact resume, resume across
+layouts, plain Hugging Face exports of the whole model.
+
+Each run trains once for the module (a fixture several tests read): the LoRA runs on pp.yaml feed the
+export, resume and cross-layout tests as well as the loss comparison."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from helpers import launch, run_recipe, step_losses
+from safetensors.torch import load_file
+
+from toolkit.checkpoint import MARKER, portable
+from toolkit.checkpoint.export import verify_export
+from toolkit.commands import cli
+from toolkit.metrics import read_metrics
+
+pytestmark = pytest.mark.multiproc
+
+# The whole held-out set (eval.max_batches caps each rank's batches, so a capped set depends on the mesh).
+STEPS = ["train.max_steps=4", "train.save_every_steps=2", "eval.max_batches=0"]
+FULL = ["model.method=full", "train.learning_rate=1e-4", *STEPS]
+LORA = ["model.method=lora", "train.learning_rate=1e-3", *STEPS]
+PP = ["pipeline.size=2"]
+GPIPE = [*PP, "pipeline.schedule=gpipe"]
+INTERLEAVED = [*PP, "pipeline.schedule=interleaved_1f1b", "pipeline.chunks_per_process=2"]
+# The global batch of 8 over 2 replicas in micro-batches of 2: each pipeline steps 2 micro-batches (1F1B
+# needs at least as many as stages).
+MICRO_2 = ["train.micro_batch_size=2"]
+
+# name -> (recipe overrides, accelerate config and processes, or None for one plain process)
+RUNS = {
+    "single-full": (FULL, None),
+    "single-lora": (LORA, None),
+    "pp-full": ([*FULL, *PP], ("pp", 2)),
+    "pp_gpipe-full": ([*FULL, *GPIPE], ("pp", 2)),
+    "pp_interleaved-lora": ([*LORA, *INTERLEAVED], ("pp", 2)),
+    "pp_ddp-lora": ([*LORA, *PP, *MICRO_2], ("pp_ddp", 4)),
+}
+
+
+def final_weights(out) -> dict[str, torch.Tensor]:
+    final = out / "final"
+    name = "adapter_model.safetensors" if (final / "adapter_config.json").is_file() else "model.safetensors"
+    return load_file(final / name)
+
+
+def assert_same_weights(got: dict, expected: dict) -> None:
+    """Relative to each tensor's scale (Adam turns rounding in near-zero gradients into whole steps)."""
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert got[name].shape == tensor.shape, name
+        scale = tensor.abs().max().clamp_min(1e-12)
+        assert ((got[name] - tensor).abs().max() / scale) < 1e-2, name
+
+
+def assert_export_is_the_trained_state(out) -> None:
+    """final/ holds, whole and bit for bit, the weights of the run's last checkpoint (read on one process:
+    each stage's layers from its own process's files)."""
+    saved = portable.read_weights(out / "checkpoints" / "step-4")
+    exported = final_weights(out)
+    for name, tensor in exported.items():
+        key = re.sub(r"\.(lora_[AB])\.", r".\1.default.", name)
+        assert torch.equal(tensor, saved[key]), name
+
+
+def logged(out, key: str) -> list:
+    return [r[key] for r in read_metrics(out / "metrics.jsonl") if key in r]
+
+
+def marker(out, step: int) -> dict:
+    return json.loads((out / "checkpoints" / f"step-{step}" / MARKER).read_text())
+
+
+def launcher(where: tuple[str, int] | None) -> list[str] | None:
+    return None if where is None else launch(*where)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """name -> (output_dir, result), each trained once for the module when first asked for."""
+    done = {}
+
+    def get(name: str):
+        if name not in done:
+            overrides, where = RUNS[name]
+            out = tmp_path_factory.mktemp(name) / "run"
+            done[name] = (out, run_recipe(out, *overrides, launch=launcher(where)))
+        return done[name]
+
+    return get
+
+
+CASES = {  # run -> (its one-process twin, the start-up line's backend, the pipeline's line, world size)
+    "pp-full": (
+        "single-full",
+        "backend pp 2 (gloo) | world 2 |",
+        "pipeline: 2 processes, 1f1b, 2 micro-batches per step; decoder layers per stage [2, 2]",
+        2,
+    ),
+    "pp_gpipe-full": (
+        "single-full",
+        "backend pp 2 (gloo) | world 2 |",
+        "pipeline: 2 processes, gpipe, 2 micro-batches per step; decoder layers per stage [2, 2]",
+        2,
+    ),
+    "pp_interleaved-lora": (
+        "single-lora",
+        "backend pp 2 (gloo) | world 2 |",
+        "pipeline: 2 processes, 2 chunks per process, interleaved_1f1b, 2 micro-batches per step; "
+        "decoder layers per stage [1, 1, 1, 1]",
+        2,
+    ),
+    "pp_ddp-lora": (
+        "single-lora",
+        "backend pp 2 x dp 2 (gloo) | world 4 |",
+        "pipeline: 2 processes, 1f1b, 2 micro-batches per step; decoder layers per stage [2, 2]",
+        4,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipeline_trains_saves_exports_like_one_process(name, runs):
+    twin, backend_line, pipeline_line, world = CASES[name]
+    out, result = runs(name)
+    reference, _ = runs(twin)
+    assert backend_line in result.stdout and pipeline_line in result.stdout
+    assert step_losses(out) == pytest.approx(step_losses(reference), rel=1e-3)
+    # A gradient scaled by the micro-batches or the stages would hide under Adam; not in the norm.
+    assert logged(out, "grad_norm") == pytest.approx(logged(reference, "grad_norm"), rel=1e-3)
+    assert logged(out, "eval_tokens") == logged(reference, "eval_tokens")
+    assert logged(out, "tokens_seen") == logged(reference, "tokens_seen")
+    assert logged(out, "eval_loss") == pytest.approx(logged(reference, "eval_loss"), rel=1e-5)
+    for step in (2, 4):
+        saved = marker(out, step)
+        assert (saved["world_size"], saved["pp_size"], saved["tp_size"]) == (world, 2, 1)
+    assert verify_export(out / "final") > 0  # plain files from_pretrained loads, every layer's tensors
+    assert_export_is_the_trained_state(out)
+    assert_same_weights(final_weights(out), final_weights(reference))
+
+
+def test_pipeline_batch_split_is_by_replicas(runs):
+    """The processes of one pipeline share their batches: only the replicas split the global batch."""
+    _, result = runs("pp-full")
+    assert "global batch 8 = micro 4 x GA 2 x data-parallel 1 (world 2 / pp 2)" in result.stdout
+    _, result = runs("pp_ddp-lora")
+    assert "global batch 8 = micro 2 x GA 2 x data-parallel 2 (world 4 / pp 2)" in result.stdout
+
+
+@pytest.mark.parametrize("name", ["pp-full", "pp_interleaved-lora", "pp_ddp-lora"])
+def test_pipeline_resumes_exactly(name, runs, tmp_path):
+    source, _ = runs(name)
+    overrides, where = RUNS[name]
+    out = tmp_path / "run"
+    shutil.copytree(source, out)
+    shutil.rmtree(out / "checkpoints" / "step-4")
+    shutil.rmtree(out / "final")
+    result = run_recipe(out, *overrides, "train.resume=auto", launch=launcher(where))
+    assert "resumed from" in result.stdout and "step-2 at step 2" in result.stdout
+    assert step_losses(out) == pytest.approx(step_losses(source), rel=1e-6)
+    assert logged(out, "grad_norm") == pytest.approx(logged(source, "grad_norm"), rel=1e-6)
+    assert_same_weights(final_weights(out), final_weights(source))
+
+
+CROSS = {  # id -> (checkpoint's run, the continuing run's overrides and launch, how its marker reads)
+    "pp-to-single": ("pp_interleaved-lora", (LORA, None), "MULTI_CPU world 2 pp 2"),
+    "pp-full-to-single": ("pp-full", (FULL, None), "MULTI_CPU world 2 pp 2"),
+    "single-to-pp": ("single-lora", ([*LORA, *INTERLEAVED], ("pp", 2)), "NO world 1"),
+    "single-full-to-pp": ("single-full", ([*FULL, *PP], ("pp", 2)), "NO world 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(CROSS))
+def test_checkpoint_continues_on_another_layout_with_its_optimizer(case, runs, tmp_path):
+    """Through the portable path: a stage's layers from the whole weights, the moments by name (a
+    one-process optimizer.bin keeps them by position, named in the whole model's order), the schedule at
+    its step."""
+    name, (overrides, where), saved_as = CROSS[case]
+    source, _ = runs(name)
+    out = tmp_path / "run"
+    resume = f"train.resume={source / 'checkpoints' / 'step-2'}"
+    result = run_recipe(out, *overrides, resume, launch=launcher(where))
+    assert (
+        f"resumed weights, optimizer and learning-rate schedule from a {saved_as} checkpoint" in result.stdout
+    )
+    assert step_losses(out) == pytest.approx(step_losses(source)[2:], rel=1e-3)
+    assert logged(out, "lr") == pytest.approx(logged(source, "lr")[2:], rel=1e-6)
+    assert_same_weights(final_weights(out), final_weights(source))
+
+
+def test_ftkit_export_of_a_pipeline_checkpoint_gives_the_final_adapter(runs, tmp_path):
+    out, _ = runs("pp_interleaved-lora")
+    assert cli.main(["export", str(out / "checkpoints" / "step-4"), "--out", str(tmp_path / "export")]) == 0
+    exported, final = load_file(tmp_path / "export" / "adapter_model.safetensors"), final_weights(out)
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
