@@ -117,7 +117,7 @@ CASES = {  # run -> (its one-process twin, the start-up line's backend, the pipe
     ),
     "pp_ddp-lora": (
         "single-lora",
-        "backend pp 2 x dp 2 (gloo) | world 4 |",
+        "backend pp 2 x ddp 2 (gloo) | world 4 |",
         "pipeline: 2 processes, 1f1b, 2 micro-batches per step; decoder layers per stage [2, 2]",
         4,
     ),
@@ -162,9 +162,11 @@ def test_pipeline_resumes_exactly(name, runs, tmp_path):
     shutil.rmtree(out / "final")
     result = run_recipe(out, *overrides, "train.resume=auto", launch=launcher(where))
     assert "resumed from" in result.stdout and "step-2 at step 2" in result.stdout
-    assert step_losses(out) == pytest.approx(step_losses(source), rel=1e-6)
-    assert logged(out, "grad_norm") == pytest.approx(logged(source, "grad_norm"), rel=1e-6)
-    assert_same_weights(final_weights(out), final_weights(source))
+    # The same processes redo the same sums in the same order: steps 3 and 4, bit for bit.
+    assert step_losses(out)[2:] == step_losses(source)[2:]
+    assert logged(out, "grad_norm")[2:] == logged(source, "grad_norm")[2:]
+    exported, expected = final_weights(out), final_weights(source)
+    assert exported.keys() == expected.keys() and all(torch.equal(exported[k], expected[k]) for k in expected)
 
 
 CROSS = {  # id -> (checkpoint's run, the continuing run's overrides and launch, how its marker reads)

@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
-from accelerate.utils import DistributedType
 from accelerate.checkpointing import load_accelerator_state, save_accelerator_state
+from accelerate.utils import DistributedType
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,

@@ -25,6 +25,9 @@ REPO = Path(__file__).resolve().parent.parent.parent
 RECIPES = {"sft": "recipes/finetune_llm.py", "dpo": "recipes/dpo_llm.py"}
 CPU_PROCESSES = 2  # without GPUs: a dry run of the same command on gloo CPU processes
 DEFAULT_PORT = 29500
+# Launch files whose recipe needs pipeline.size (accelerate takes no such key): the size they imply, None
+# for every launched process.
+PIPELINE_SIZE = {"pp": None, "pp_ddp": 2}
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class LaunchPlan:
     """Processes on this machine."""
     reason: str = ""
     """Why `auto` chose this backend (empty for a named one)."""
+    overrides: list[str] = dataclasses.field(default_factory=list)
+    """The recipe's key=value overrides, with what the backend adds (pipeline.size for pp)."""
 
     def display(self) -> str:
         return shlex.join(self.argv)
@@ -149,12 +154,14 @@ def plan_launch(
     if backend not in backend_names():
         raise UserError(f"--backend {backend}: not one of auto, {', '.join(backend_names())}")
     per_node = 1 if backend == "single" else per_node
+    if backend in PIPELINE_SIZE and not any(item.startswith("pipeline.size=") for item in overrides):
+        extra.append(f"pipeline.size={PIPELINE_SIZE[backend] or per_node * nodes.count}")
     config_file = REPO / "accelerate_configs" / f"{backend}.yaml"
     argv = ["accelerate", "launch", "--config_file", shown(config_file)]
     argv += ["--num_processes", str(per_node * nodes.count)]
     argv += _machine_args(nodes, backend) + _deepspeed_json_args(config_file) + list(args.accelerate_args)
     argv += [shown(recipe), *(["--config", args.config] if args.config else []), *overrides, *extra]
-    return LaunchPlan(argv, backend, per_node * nodes.count, per_node, reason)
+    return LaunchPlan(argv, backend, per_node * nodes.count, per_node, reason, [*overrides, *extra])
 
 
 def _machine_args(nodes: Nodes, backend: str) -> list[str]:
@@ -193,9 +200,12 @@ def preflight(plan: LaunchPlan, cfg: RecipeConfig, config_source: str, findings,
     if failed:
         fix = f" ({failed[0].fix})" if failed[0].fix else ""
         raise UserError(f"ftkit doctor: {failed[0].check}: {failed[0].message}{fix}")
+    from toolkit.launch.backend import with_pipeline
+
     config_file = REPO / "accelerate_configs" / f"{plan.backend}.yaml"
     launch = launch_from_yaml(config_file, machine.gpu_count, plan.processes)
     launch = dataclasses.replace(launch, procs_per_node=plan.per_node, source=shown(config_file))
+    launch = with_pipeline(launch, cfg.pipeline.size, config_source)
     # A copy: what the check sets for NCCL belongs to the launched processes, which set it themselves.
     check_launch(launch, cfg, config_source, machine, dict(env))
 
@@ -210,6 +220,7 @@ def train_cli(args) -> int:
     nodes = resolve_nodes(args, os.environ)
     machine = probe_machine()
     plan = plan_launch(args, overrides, cfg, machine, nodes, recipe)
+    cfg = recipe_config(name, args.config, plan.overrides)
     if plan.reason:
         print(plan.reason)
     print(plan.display(), flush=True)

@@ -22,6 +22,7 @@ from toolkit.launch.backend import (
     batch_split,
     deepspeed_launch,
     refuse_unsupported,
+    with_pipeline,
 )
 from toolkit.launch.machine import GEFORCE_40, Machine, probe_machine
 from toolkit.launch.mesh import check_mesh
@@ -34,6 +35,7 @@ from toolkit.launch.sections import (
     refuse_unknown_wrap_classes,
 )
 from toolkit.model import model_config, model_module_classes
+from toolkit.pipeline import stages
 from toolkit.typed_yaml import dotted, read_yaml_mapping
 
 # What each accelerate distributed_type starts, in ftkit's words. Others are refused: MULTI_CPU starts one
@@ -115,6 +117,8 @@ def check_launch(
         check_mesh(launch.mesh, launch.world_size, launch.fsdp_version, launch.backend, launch.source)
     if launch.mesh.tp > 1:
         _check_tensor_parallel(launch.mesh.tp, cfg, recipe_source)
+    if launch.mesh.pp > 1:
+        _check_pipeline(cfg, ga, recipe_source)
     _check_precision(launch, cfg.train, recipe_source, machine)
     if launch.backend == "fsdp":
         refuse_fsdp_settings(launch.fsdp_settings, launch.on_cpu, launch.source)
@@ -142,6 +146,42 @@ def _check_tensor_parallel(tp: int, cfg: RecipeConfig, recipe_source: str) -> No
         raise UserError(f"{recipe_source}: tensor parallelism (tp {tp}) refuses {method}")
     config = model_config(cfg.model)
     problem = tensor_parallel.plan_problem(config, tp) if config is not None else None
+    if problem:
+        raise UserError(f"model.path {cfg.model.path} in {recipe_source}: {problem}")
+
+
+def _check_pipeline(cfg: RecipeConfig, ga: int, recipe_source: str) -> None:
+    """What a pipeline cannot run, refused before any data is prepared, naming the key."""
+    pipe, where = cfg.pipeline, f"{recipe_source}: pipeline.size {cfg.pipeline.size}"
+    refusals = {
+        "model.method qlora": cfg.model.method == "qlora",
+        "train.mixed_precision fp16 (use bf16)": cfg.train.mixed_precision == "fp16",
+        "dpo.reference_model (a separate reference model)": bool(
+            getattr(getattr(cfg, "dpo", None), "reference_model", None)
+        ),
+    }
+    for what, refused in refusals.items():
+        if refused:
+            raise UserError(f"{where} refuses {what}: use ddp, fsdp or zero3 for it")
+    interleaved = pipe.schedule == "interleaved_1f1b"
+    if interleaved != (pipe.chunks_per_process > 1):
+        raise UserError(
+            f"{recipe_source}: pipeline.schedule {pipe.schedule} with pipeline.chunks_per_process "
+            f"{pipe.chunks_per_process}: interleaved_1f1b needs 2 or more chunks per process, the others 1"
+        )
+    if ga < pipe.size:
+        raise UserError(
+            f"{recipe_source}: a pipeline of {pipe.size} processes needs at least {pipe.size} micro-batches "
+            f"per step, and train.global_batch_size {cfg.train.global_batch_size} / train.micro_batch_size "
+            f"{cfg.train.micro_batch_size} / replicas gives {ga}: lower train.micro_batch_size"
+        )
+    config = model_config(cfg.model)
+    if config is None:
+        return
+    stage_count = pipe.size * pipe.chunks_per_process
+    problem = stages.model_problem(config, stage_count) or stages.layers_problem(
+        pipe.layers, stage_count, config.num_hidden_layers
+    )
     if problem:
         raise UserError(f"model.path {cfg.model.path} in {recipe_source}: {problem}")
 
@@ -282,6 +322,7 @@ def check_config_cli(
     cfg = load_config(recipe_path)
     machine = probe_machine()
     launch = launch_from_yaml(Path(accel_yaml), machine.gpu_count, num_processes)
+    launch = with_pipeline(launch, cfg.pipeline.size, recipe_path or "the demo config")
     notes = check_launch(launch, cfg, recipe_path or "the demo config", machine, env)
     ga = grad_accum_steps(cfg.train, launch.mesh.data_parallel)
     where = " as gloo CPU processes (no GPU here)" if launch.on_cpu and launch.world_size > 1 else ""

@@ -111,7 +111,7 @@ class Pipeline:
         return [row_sums[i * self.rows : i * self.rows + len(b["input_ids"])] for i, b in enumerate(batches)]
 
     def eval_sum(self, batches: list[dict]) -> torch.Tensor:
-        """Collective: summed token loss of `batches` (at most `grad_accum`), on every rank of the pipeline."""
+        """Collective: summed token loss of `batches` (at most `grad_accum`), on every pipeline rank."""
         return -torch.cat(self.forward_logps(batches)).sum()
 
     def share(self, values: torch.Tensor) -> torch.Tensor:
@@ -175,10 +175,11 @@ def whole_state_dict(accelerator, own: dict[str, torch.Tensor]) -> dict[str, tor
     return {name: t for part in parts for name, t in part.items()}
 
 
-def build(model, cfg, accelerator, grad_accum: int, rows: int, max_length: int, pad_id: int, loss_fn, uniform):
+def build(
+    model, cfg, accelerator, grad_accum: int, rows: int, max_length: int, pad_id: int, loss_fn, uniform
+):
     """The Pipeline over `model` (trimmed to this process's stages), micro-batches of `rows` rows of
     data.max_length tokens; `uniform`: the loss weighs every token alike (see `stages.Stage`)."""
     return Pipeline(
         model, cfg, accelerator, grad_accum, rows, pipeline_width(max_length), pad_id, loss_fn, uniform
     )
-

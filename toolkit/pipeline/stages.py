@@ -86,7 +86,9 @@ def layer_split(model, stages: int, given: list[int]) -> list[int]:
     base = causal_lm(model)
     numel = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
     layer_params = [numel(layer) for layer in base.model.layers]
-    return balanced(layer_params, numel(base.model.embed_tokens), numel(base.model.norm) + numel(base.lm_head), stages)
+    return balanced(
+        layer_params, numel(base.model.embed_tokens), numel(base.model.norm) + numel(base.lm_head), stages
+    )
 
 
 def is_part(model) -> bool:
@@ -106,12 +108,12 @@ def trim(model, split: list[int], stage_ids: list[int]) -> list[Stage]:
     base = causal_lm(model)
     inner = base.model
     # A replicated checkpoint numbers the optimizer's moments by position in the whole model's order.
-    model.pipeline_whole_trained = [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
+    model.pipeline_whole_trained = [
+        (n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad
+    ]
     bounds = [sum(split[:i]) for i in range(len(split) + 1)]
     last = len(split) - 1
-    stages = [
-        Stage(base, range(bounds[i], bounds[i + 1]), first=i == 0, last=i == last) for i in stage_ids
-    ]
+    stages = [Stage(base, range(bounds[i], bounds[i + 1]), first=i == 0, last=i == last) for i in stage_ids]
     kept = {str(i): inner.layers[i] for s in stage_ids for i in range(bounds[s], bounds[s + 1])}
     inner.layers = nn.ModuleDict(kept)  # the kept layers keep their names: model.layers.<index>
     if 0 not in stage_ids:

@@ -49,7 +49,11 @@ def live_logps(accelerator, model, batch: dict, separate=None, pipeline=None) ->
     """Reference log-probs of a stacked batch: from `separate` (a prepared frozen model) when given, else
     from `model` with its adapter switched off (a model without adapter is used as it is: only right
     before training does that make it the reference); through `pipeline`'s stages when there is one."""
-    return pipeline_logps(accelerator, model, [batch], pipeline)[0] if pipeline else _live(accelerator, model, batch, separate)
+    return (
+        pipeline_logps(accelerator, model, [batch], pipeline)[0]
+        if pipeline
+        else _live(accelerator, model, batch, separate)
+    )
 
 
 def _live(accelerator, model, batch: dict, separate) -> torch.Tensor:
@@ -82,7 +86,9 @@ class Precomputed:
         return torch.cat([self.chosen[index], self.rejected[index]]).to(device)
 
 
-def compute(accelerator, model, dataset, collate, batch_size: int, separate=None, pipeline=None) -> Precomputed:
+def compute(
+    accelerator, model, dataset, collate, batch_size: int, separate=None, pipeline=None
+) -> Precomputed:
     """Collective: every rank scores a strided share of `dataset` (rows carry `pair_index`) and the
     shares are gathered into per-pair tensors."""
     table = torch.zeros(len(dataset), 2, dtype=torch.float64)
