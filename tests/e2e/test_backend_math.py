@@ -143,6 +143,32 @@ def test_split_layers_give_the_dense_gradients_in_float64(tmp_path):
 
 
 @pytest.mark.multiproc
+def test_pipeline_stages_give_the_whole_model_gradients_in_float64(tmp_path):
+    """Every schedule (GPipe, 1F1B, interleaved with 2 chunks per process) on stacked micro-batches with
+    right padding, packed rows and filler rows: each parameter's gradient equals the whole model's on the
+    examples run alone, to rounding, each parameter held by one stage. The full head's log-probs are float32
+    (as the one-process loss it is compared with), so its loss agrees to float32 rounding."""
+    out = tmp_path / "grads.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+    command += [str(free_port()), str(REPO / "tests" / "scripts" / "pp_gradients.py"), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = run_launched(command, env, keep=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    cases = {  # case -> (layers per stage, largest loss difference)
+        "gpipe": ([2, 2], 1e-12),
+        "1f1b": ([2, 2], 1e-12),
+        "interleaved_1f1b": ([1, 1, 1, 1], 1e-12),
+        "1f1b_full_head": ([2, 2], 1e-6),
+    }
+    assert result.keys() == cases.keys()
+    for case, (split, loss_diff) in cases.items():
+        got = result[case]
+        assert got["split"] == split and got["grads"] == got["params"] == 4 * 9 + 3, (case, got)
+        assert got["grad_diff"] < 1e-12 and got["loss_diff"] < loss_diff, (case, got)
+
+
+@pytest.mark.multiproc
 def test_stock_accelerate_on_cpu_is_caught_by_verify(tmp_path):
     args = ("--num_processes", "2", "--main_process_port", str(free_port()))
     result = launch_tiny(REPO / "accelerate_configs/ddp.yaml", tmp_path, *args, script_args=("--stock",))

@@ -2,8 +2,12 @@
 stages (toolkit.pipeline.stages) and stepped by each schedule (GPipe, 1F1B, interleaved 1F1B with 2 chunks
 per process) on micro-batches stacked by toolkit.pipeline.batches, against the same model whole on each
 process running every example alone. The micro-batches mix right padding, packed rows (position ids
-restarting) and rows added to fill a micro-batch. Writes, per schedule, the largest difference of the
-loss and of every parameter's gradient to --out as JSON."""
+restarting) and rows added to fill a micro-batch. The loss is the summed token NLL over the target count.
+
+With the chunked head (loss.head: chunked, the recipe's default, float64 for a float64 model) the reference
+is float64 cross-entropy on the model's logits; with the full head (log-probs in float32) it is the
+recipe's one-process loss, `toolkit.loss.summed_token_loss`, float32 as well. Writes, per case, the largest
+difference of the loss and of every parameter's gradient to --out as JSON."""
 
 import argparse
 import copy
@@ -13,9 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 from transformers import LlamaForCausalLM
 
+from toolkit import head
 from toolkit.data.collate import Collator, PackedCollator
 from toolkit.data.encode import IGNORE
 from toolkit.loss import summed_token_loss
@@ -27,7 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import tiny_llama_config  # noqa: E402
 
 PAD, ROWS, WIDTH = 3, 2, 40
-CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
+CHUNK_TOKENS = 16  # several chunks of label tokens per micro-batch
+CASES = {  # name -> (schedule, chunks per process, head)
+    "gpipe": ("gpipe", 1, "chunked"),
+    "1f1b": ("1f1b", 1, "chunked"),
+    "interleaved_1f1b": ("interleaved_1f1b", 2, "chunked"),
+    "1f1b_full_head": ("1f1b", 1, "full"),
+}
 
 
 def examples(vocab: int) -> list[dict]:
@@ -51,7 +63,8 @@ def packed(rows: list[dict]) -> dict:
 
 
 def micro_batches(rows: list[dict]) -> list[dict]:
-    """Right padding; a packed row; one row (the other added as padding); packed rows of unequal length."""
+    """Right padding; a packed row; one row (the other added as padding); packed rows of unequal length.
+    Every example once."""
     plain, pack = Collator(PAD), PackedCollator(PAD)
     return [
         plain(rows[0:2]),
@@ -65,24 +78,28 @@ def targets(rows: list[dict]) -> int:
     return sum(sum(label != IGNORE for label in row["labels"][1:]) for row in rows)
 
 
-def whole_model_loss(model, rows: list[dict]) -> torch.Tensor:
-    """The one-process loss of the recipe (summed token NLL, over the target count) with every example run
-    alone, no padding, no packing; then backward."""
+def reference_gradients(whole, rows: list[dict], head_kind: str):
+    """(loss, gradient by name) of the whole model, every example run alone: no padding, no packing."""
+    model = copy.deepcopy(whole)
     total = 0
     for row in rows:
         logits = model(input_ids=torch.tensor([row["input_ids"]])).logits
-        total = total + summed_token_loss(logits, torch.tensor([row["labels"]]))
+        labels = torch.tensor([row["labels"]])
+        if head_kind == "full":
+            total = total + summed_token_loss(logits, labels)
+        else:
+            total = total + F.cross_entropy(logits[0, :-1], labels[0, 1:], reduction="sum")
     loss = total / targets(rows)
     loss.backward()
-    return loss.detach()
+    return loss.detach(), {name: param.grad for name, param in model.named_parameters()}
 
 
-def pipeline_loss(whole, schedule_name: str, batches: list[dict], n_targets: int):
-    """The pipeline's loss (on the process with the last stage, else None) and this process's part of
-    the model, its gradients filled by one schedule step."""
+def pipeline_gradients(whole, case: str, batches: list[dict], n_targets: int):
+    """This process's part of the model, its gradients filled by one schedule step, and the step's loss
+    (on the process with the last stage, else None)."""
+    schedule_name, chunks, _ = CASES[case]
     model = copy.deepcopy(whole)
     size, rank = dist.get_world_size(), dist.get_rank()
-    chunks = CHUNKS[schedule_name]
     n_stages = size * chunks
     stage_ids = [rank + k * size for k in range(chunks)]
     split = stages.layer_split(model, n_stages, [])
@@ -103,7 +120,7 @@ def pipeline_loss(whole, schedule_name: str, batches: list[dict], n_targets: int
         schedule.step(ids, positions, attention, labels)
     else:
         schedule.step(target=labels, losses=losses)
-    return (torch.stack(losses).sum() if losses else None), model, split
+    return model, split, torch.stack(losses).sum() if losses else None
 
 
 def main() -> None:
@@ -112,28 +129,29 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    whole = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=4)).double()
-    rows = examples(whole.config.vocab_size)
+    plain_head = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=4)).double()
+    chunked_head = copy.deepcopy(plain_head)
+    head.install(chunked_head, CHUNK_TOKENS)
+    rows = examples(plain_head.config.vocab_size)
     batches = micro_batches(rows)
     assert all(len(b["input_ids"]) <= ROWS and b["input_ids"].shape[1] < WIDTH for b in batches)
-    # Every example of the micro-batches, once each, in any order: the whole model's loss on them.
-    reference = copy.deepcopy(whole)
-    expected_loss = whole_model_loss(reference, rows)
-    expected = {name: param.grad for name, param in reference.named_parameters()}
-    result = {"params": len(expected)}
-    for name in CHUNKS:
-        loss, part, split = pipeline_loss(whole, name, batches, targets(rows))
-        # Each process checks the parameters it holds: the whole model's names, each held once.
-        diffs = [(param.grad - expected[n]).abs().max() for n, param in part.named_parameters()]
+    result = {}
+    for case, (_, _, head_kind) in CASES.items():
+        whole = chunked_head if head_kind == "chunked" else plain_head
+        expected_loss, expected = reference_gradients(whole, rows, head_kind)
+        part, split, loss = pipeline_gradients(whole, case, batches, targets(rows))
+        # Each process checks the parameters it holds: the whole model's names, each held by one process.
+        diffs = [(param.grad - expected[name]).abs().max() for name, param in part.named_parameters()]
         loss_diff = (loss - expected_loss).abs() if loss is not None else torch.zeros((), dtype=torch.float64)
-        worst = torch.stack([max(diffs), loss_diff])
+        worst = torch.stack([max(diffs), loss_diff.double()])
         held = torch.tensor(len(diffs))
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         dist.all_reduce(held)
-        result[name] = {
+        result[case] = {
             "grad_diff": worst[0].item(),
             "loss_diff": worst[1].item(),
             "grads": held.item(),
+            "params": len(expected),
             "split": split,
         }
     if dist.get_rank() == 0:

@@ -38,6 +38,9 @@ SHIPPED = {
     "tp": ("tp", 2),
     "fsdp_tp": ("fsdp", 2),
     "hsdp": ("fsdp", 2),
+    # Plain multi-process launches: the recipe's pipeline.size makes them pipelines (test_pipeline_launch).
+    "pp": ("ddp", 0),
+    "pp_ddp": ("ddp", 0),
 }
 
 
@@ -457,3 +460,69 @@ def test_check_config_command(tmp_path, monkeypatch, capsys):
         f"ftkit check-config: error: train_batch_size 32 in {tmp_path / 'ds.json'} != 8 "
         f"(train.global_batch_size in {recipe_yaml})"
     )
+
+
+# --- pipelines: pipeline.size turns a plain multi-process launch into pp / pp x ddp ---------------------
+
+
+def pipeline_recipe(size: int = 2, **keys) -> RecipeConfig:
+    from toolkit.config import load_config
+
+    return load_config(None, [f"pipeline.size={size}", *(f"{k}={v}" for k, v in keys.items())])
+
+
+def pipeline_launch(yaml_name: str, cfg: RecipeConfig) -> Launch:
+    launch = checks.launch_from_yaml(REPO / "accelerate_configs" / yaml_name, 0)
+    return backend.with_pipeline(launch, cfg.pipeline.size, RECIPE)
+
+
+def test_pipeline_size_makes_pp_and_pp_x_ddp_meshes():
+    pp = pipeline_launch("pp.yaml", pipeline_recipe())
+    assert (pp.backend, pp.mesh.pp, pp.mesh.data_parallel, pp.mesh.size) == ("pp", 2, 1, 2)
+    both = pipeline_launch("pp_ddp.yaml", pipeline_recipe(**{"train.micro_batch_size": 4}))
+    assert (both.backend, both.mesh.pp, both.mesh.data_parallel) == ("pp", 2, 2)
+    # Ranks of one pipeline are neighbours and read the same batches.
+    assert [both.mesh.data_rank(rank) for rank in range(4)] == [0, 0, 1, 1]
+    assert backend.backend_name(both) == "pp 2 x ddp 2"
+    assert "data-parallel 2 (world 4 / pp 2)" in backend.batch_split(both)
+    assert backend.with_pipeline(pp, 1, RECIPE) is pp
+
+
+@pytest.mark.parametrize(
+    "yaml_name, size, message",
+    [
+        ("zero2.yaml", 2, "runs on a plain multi-process launch"),
+        ("tp.yaml", 2, "runs on a plain multi-process launch"),
+        ("pp.yaml", 4, "pipeline.size 4 does not divide the 2 launched"),
+        ("single.yaml", 2, "does not divide the 1 launched"),
+    ],
+)
+def test_pipeline_size_refuses_launches_it_cannot_run_on(yaml_name, size, message):
+    with pytest.raises(UserError, match=message):
+        pipeline_launch(yaml_name, pipeline_recipe(size))
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"model.method": "qlora"}, "refuses model.method qlora"),
+        ({"train.mixed_precision": "fp16"}, "refuses train.mixed_precision fp16"),
+        ({"pipeline.schedule": "interleaved_1f1b"}, "interleaved_1f1b needs 2 or more chunks"),
+        ({"pipeline.chunks_per_process": 2}, "interleaved_1f1b needs 2 or more chunks"),
+        ({"train.micro_batch_size": 16}, "needs at least 2 micro-batches per step"),
+        ({"pipeline.layers": "[1,2]"}, r"pipeline.layers \[1, 2\] gives 2 stages of 3 layers"),
+        (
+            {"pipeline.schedule": "interleaved_1f1b", "pipeline.chunks_per_process": 4},
+            "4 decoder layers, fewer than 8",
+        ),
+    ],
+)
+def test_pipeline_checks_name_what_the_pipeline_refuses(keys, message):
+    cfg = pipeline_recipe(**keys)
+    with pytest.raises(UserError, match=message):
+        checks.check_launch(pipeline_launch("pp.yaml", cfg), cfg, RECIPE, CPU, {})
+
+
+def test_a_pipeline_the_model_fits_passes_the_checks():
+    cfg = pipeline_recipe(**{"pipeline.schedule": "interleaved_1f1b", "pipeline.chunks_per_process": 2})
+    assert checks.check_launch(pipeline_launch("pp.yaml", cfg), cfg, RECIPE, CPU, {}) == []

@@ -202,6 +202,17 @@ def test_bytes_sent_per_step(tiny):
     assert _layout(four, "pp 2 x ddp 2 1f1b").comm == (4 * FORWARD + 22_656 * 4,)
 
 
+def test_preference_pairs_run_two_rows_an_example(tiny):
+    """DPO: 128-token micro-batches; the head recomputes its chunk in backward (a 128 x 128 chunk and its
+    gradient, 8 bytes an entry), keeping nothing else."""
+    plan = _plan(tiny(), gpus=2, objective="dpo")
+    assert _layout(plan, "pp 2 1f1b").comm == (2 * 77_824,)
+    assert [gpu.activations for gpu in _gpus(plan, "pp 2 1f1b")] == [
+        2 * LAYER * 128,
+        (LAYER + NORM) * 128 + 128 * 128 * 8,
+    ]
+
+
 def test_pp_rows_for_two_and_four_gpus(tiny):
     two = render_text(_plan(tiny(), gpus=2)).splitlines()
     assert any(line.startswith("pp 2          grad ckpt off") and "1f1b  11.1%" in line for line in two)
@@ -245,7 +256,14 @@ def test_the_trade_off_names_the_pipeline_against_fsdp_and_zero3():
             "the model ties its output head to its input embeddings",
         ),
         (4, {}, {}, "pp 4", "the model has 2 decoder layers, fewer than 4 stages"),
-        (2, {}, {"objective": "dpo"}, "pp 2", "only the SFT recipe (finetune_llm.py) runs a pipeline"),
+        (2, {}, {"method": "qlora"}, "pp 2", "a pipeline refuses QLoRA (model.method qlora)"),
+        (
+            2,
+            {},
+            {"objective": "dpo", "reference_model": True},
+            "pp 2",
+            "a pipeline refuses a separate reference model (dpo.reference_model)",
+        ),
     ],
 )
 def test_what_the_runtime_cannot_split_is_refused(tiny, gpus, shape, options, refused, reason):

@@ -45,8 +45,16 @@ def test_every_backend_name_builds_its_launch_on_gloo_processes(backend):
     assert plan.argv[:2] == ["accelerate", "launch"]
     assert option(plan, "--config_file").endswith(f"accelerate_configs/{backend}.yaml")
     assert option(plan, "--num_processes") == ("1" if backend == "single" else "2")
-    assert plan.argv[-2:] == [train.shown(train.REPO / "recipes/finetune_llm.py"), "train.max_steps=3"]
+    recipe = plan.argv.index(train.shown(train.REPO / "recipes/finetune_llm.py"))
+    pipeline = ["pipeline.size=2"] if backend in ("pp", "pp_ddp") else []
+    assert plan.argv[recipe + 1 :] == ["train.max_steps=3", *pipeline] == plan.overrides
     assert plan.reason == ""
+
+
+def test_pipeline_backends_give_the_recipe_its_pipeline_size_unless_it_has_one():
+    assert build("--backend", "pp", "--gpus", "4").overrides == ["pipeline.size=4"]
+    assert build("--backend", "pp_ddp", "--gpus", "4").overrides == ["pipeline.size=2"]
+    assert build("--backend", "pp", "pipeline.size=2", "--gpus", "4").overrides == ["pipeline.size=2"]
 
 
 def test_gpus_config_and_accelerate_args_land_where_accelerate_expects_them():

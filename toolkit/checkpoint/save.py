@@ -116,7 +116,8 @@ def save_checkpoint(
         error = _attempt(lambda: accelerator.save_state(str(tmp)))
     _agree_or_raise(accelerator, error, tmp, final, output_dir)
     if accelerator.is_main_process:
-        marker = {**state, **layout(accelerator, accelerator._models[0]), "step": step}
+        trained = accelerator._models[0] if accelerator._models else None
+        marker = {**state, **layout(accelerator, trained), "step": step}
         error = _attempt(lambda: _finalize(tmp, final, marker, config))
     _agree_or_raise(accelerator, error if accelerator.is_main_process else "", tmp, final, output_dir)
     return final

@@ -4,9 +4,10 @@ them.
 
 The split is the runtime's (`toolkit.pipeline.stages`): consecutive decoder layers balanced by parameter
 count, the first stage also holding the input embeddings, the last the final norm and the output head, where
-the loss is computed; tied embeddings and model types it does not split are refused. A copy trains on
-global_batch / D examples a step: m = global_batch / (micro x D) micro-batches of micro rows x seq tokens (seq
-rounded up to 8, the runtime's fixed shape) through one schedule step.
+the loss is computed; what it refuses (tied embeddings, model types it does not split, QLoRA, a separate
+reference model) has no rows. A copy trains on global_batch / D examples a step: m = global_batch /
+(micro x D) micro-batches of micro rows (2 x micro under DPO: chosen and rejected) x seq tokens (seq rounded
+up to 8, the runtime's fixed shape) through one schedule step.
 
 Per GPU, the largest of the P (the worst GPU):
     model states   `plan.memory`'s per-parameter costs for its stages' parameters (full or LoRA); under
@@ -137,9 +138,12 @@ def layouts(
 
 
 def refusal(config, mesh: Mesh, request: PlanRequest) -> str | None:
-    """Why no schedule runs this model on `mesh`, in one line; None when one can."""
-    if request.objective != "sft":
-        return "only the SFT recipe (finetune_llm.py) runs a pipeline"
+    """Why no schedule runs this model on `mesh`, in one line, as the launch checks say it; None when one
+    can."""
+    if request.method == "qlora":
+        return "a pipeline refuses QLoRA (model.method qlora): use ddp, fsdp or zero3 for it"
+    if request.reference_model:
+        return "a pipeline refuses a separate reference model (dpo.reference_model): use ddp, fsdp or zero3"
     return runtime.model_problem(config, mesh.pp)
 
 
@@ -202,10 +206,10 @@ def estimate(
     held = gpu_counts(counts, pipe, index)
     states = memory.model_state_bytes(held, "single", 1, precision)
     working = memory.working_weight_bytes(held, "single", precision)
-    tokens = micro * pipeline_width(request.seq_len)
+    tokens = _tokens(request, micro)
     last = index == pipe.mesh.pp - 1
     heads = pipe.micro_batches if pipe.schedule == "gpipe" else 1
-    head = Head(request.loss_head, request.chunk_tokens)
+    head = Head(request.loss_head, request.chunk_tokens, log_probs=request.objective == "dpo")
     loss_head = heads * memory.head_bytes(held, tokens, "single", precision, head) if last else 0
     activations = loss_head + _layer_activations(held, pipe, index, tokens, ckpt, precision, request)
     if pipe.mesh.replicate > 1:
@@ -224,6 +228,13 @@ def estimate(
     )
 
 
+def _tokens(request: PlanRequest, micro: int) -> int:
+    """Tokens of one micro-batch as the runtime shapes it: micro rows (two per pair under DPO) of seq rounded
+    up to 8."""
+    rows = micro * (2 if request.objective == "dpo" else 1)
+    return rows * pipeline_width(request.seq_len)
+
+
 def _layer_activations(held, pipe: Pipe, index: int, tokens: int, ckpt: bool, precision, request) -> int:
     layer, kept, norm = memory.token_activation_bytes(held, precision, request.lora_dropout)
     last = index == pipe.mesh.pp - 1
@@ -236,7 +247,7 @@ def comm_bytes(counts, pipe: Pipe, request: PlanRequest, precision: Precision, m
     """Bytes the busiest GPU of `pipe` sends per optimizer step: the hidden states forward (with their
     riders) and their gradient back at every boundary it has, and under pp x ddp the all-reduce of its
     stage's gradients across the copies."""
-    tokens = micro * pipeline_width(request.seq_len)
+    tokens = _tokens(request, micro)
     gradient = tokens * counts.hidden * memory.residual_bytes(counts, precision)
     forward = gradient + tokens * RIDERS
     grad_b = memory.param_bytes(counts.method, "ddp", precision)[1]
