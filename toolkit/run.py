@@ -234,6 +234,8 @@ class Run:
         measured = self.meter.measure(tokens, rows, elapsed, self._data_wait)
         rates = {f"{name}_per_s": count / elapsed for name, count in (per_second or {}).items()}
         lr = scheduler.get_last_lr()[0]
+        if self.pipe is not None:
+            values = {**values, "pipeline_idle_frac": self.pipe.idle_fraction}
         self.log.write(
             step,
             **values,

@@ -9,6 +9,7 @@ their batches and need no DDP wrapper), replicas of a stage sit `pipeline.size` 
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,7 @@ class Pipeline:
         self.schedule = self._schedule(grad_accum, self._scaled_loss)
         self.eval_schedule = None
         self._loss, self._scale, self._records = loss_fn, 1.0, []
+        self._busy = self._wall = 0.0
         for module in self.modules:
             module.uniform = uniform
 
@@ -56,10 +58,34 @@ class Pipeline:
             PipelineStage(module, i, n_stages, device, group=self.group)
             for module, i in zip(self.modules, self.stage_ids)
         ]
+        for stage in built:
+            self._timed(stage)
         kind = SCHEDULES[self.cfg.schedule]
         stages = built if kind is ScheduleInterleaved1F1B else built[0]
         # The loss is already normalised over the step's target tokens: no division by micro-batches.
         return kind(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def _timed(self, stage) -> None:
+        """Count the time `stage` computes (its forward and backward chunks): the rest of a step is the
+        pipeline's bubble and its communication."""
+
+        def timed(run):
+            def wrapper(*args, **kwargs):
+                started = time.perf_counter()
+                try:
+                    return run(*args, **kwargs)
+                finally:
+                    self._busy += time.perf_counter() - started
+
+            return wrapper
+
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            setattr(stage, name, timed(getattr(stage, name)))
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of the last training step this process spent not computing (bubble, sends, waits)."""
+        return max(0.0, 1 - self._busy / self._wall) if self._wall else 0.0
 
     def describe(self) -> str:
         chunks = self.cfg.chunks_per_process
@@ -86,8 +112,10 @@ class Pipeline:
         target = inputs[3] if targets is None else torch.cat(targets).to(self.accelerator.device)
         # The recipe's scale counts on a backend dividing by the accumulation steps; the schedule does not.
         self._loss, self._scale, self._records = loss_fn, scale / self.grad_accum, []
+        self._busy, started = 0.0, time.perf_counter()
         with self.accelerator.autocast():
             self._run(self.schedule, inputs, target)
+        self._wall = time.perf_counter() - started
         self._average_over_replicas()
         # The first step also scores the shape-inference pass on unfilled buffers: keep the real ones.
         return self._records[-self.grad_accum :] if self.last else []
