@@ -13,14 +13,15 @@ from toolkit.distributed import root_params_gathered, sum_over_data
 from toolkit.generation import chat_prompt_ids, exact_match, greedy_answer, split_prompt
 from toolkit.loss import batch_loss, count_targets
 from toolkit.metrics import MetricsLog
+from toolkit.pipeline.generate import PipelineGenerator
 
 
 class Evaluator:
     """Everything a run's evaluations need, gathered once after `accelerator.prepare`.
 
     `loader` and `dataset` are the held-out rows (each None when the run has none): the loader is this
-    rank's share for the loss, the dataset the rows whose answers are generated. With a `pipeline` the
-    loss runs through its stages, and no answers are generated (no process holds the whole model).
+    rank's share for the loss, the dataset the rows whose answers are generated. With a `pipeline` both
+    run through its stages.
     """
 
     def __init__(
@@ -47,16 +48,10 @@ class Evaluator:
     def report(self, step: int, label: str) -> None:
         """Collective: eval loss, exact match and one sample answer, shown (tagged `label`) and logged."""
         results = self._loss() if self.loader is not None else {}
-        if self.pipeline is not None:
-            self._show(step, label, results)
-            if self.dataset is not None and self.cfg.exact_match_samples and label == "before":
-                self.accelerator.print(
-                    "eval.exact_match_samples: not measured under pipeline parallelism (no process holds "
-                    "the whole model to generate with); `ftkit generate --model <output_dir>/final` can"
-                )
-            return
         cfg, synced = self.cfg, self.accelerator.num_processes > 1
         generator = self.accelerator.unwrap_model(self.model)
+        if self.pipeline is not None:
+            generator = PipelineGenerator(self.pipeline)
         if self.dataset is not None and cfg.exact_match_samples:
             # FSDP1 casts its inner units to bf16 but not the gathered root: autocast joins the two.
             with root_params_gathered(self.model), self.accelerator.autocast():

@@ -124,19 +124,40 @@ class Pipeline:
     def forward_logps(self, batches: list[dict]) -> list[torch.Tensor]:
         """Collective, forward only in eval mode: each batch's per-row summed log-probs of its label tokens
         (float64), on every rank of the pipeline; at most `grad_accum` batches a call."""
+        row_sums = self._forward(batches, "target").double().sum(dim=1)
+        return [row_sums[i * self.rows : i * self.rows + len(b["input_ids"])] for i, b in enumerate(batches)]
+
+    @torch.no_grad()
+    def next_tokens(self, rows: list[list[int]]) -> list[int]:
+        """Collective, forward only: the greedy next token after each of `rows` (token ids, at most one
+        micro-batch), on every rank of the pipeline."""
+        ids = torch.full((len(rows), self.width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.full_like(ids, -100)}
+        picked = self._forward([batch], "argmax")
+        return [int(picked[i, len(row) - 1]) for i, row in enumerate(rows)]
+
+    def _forward(self, batches: list[dict], output: str) -> torch.Tensor:
+        """The last stage's [rows, width] output (`Stage.output`) for `batches` padded up to a step's, on
+        every rank of the pipeline."""
         if self.eval_schedule is None:
             self.eval_schedule = self._schedule(self.grad_accum, None)
         empty = {key: value[:0] for key, value in batches[0].items()}
         inputs = self._inputs(batches + [empty] * (self.grad_accum - len(batches)))
         self.model.eval()
+        for module in self.modules:
+            module.output = output
         try:
             with self.accelerator.autocast():
                 outputs = self._run(self.eval_schedule, inputs, inputs[3])
         finally:
             self.model.train()
-        row_sums = outputs.double().sum(dim=1) if self.last else self._zeros((len(inputs[0]),))
-        row_sums = self.share(row_sums)
-        return [row_sums[i * self.rows : i * self.rows + len(b["input_ids"])] for i, b in enumerate(batches)]
+            for module in self.modules:
+                module.output = "target"
+        found = outputs.float() if self.last else torch.zeros(inputs[0].shape, device=self.accelerator.device)
+        return self.share(found)
 
     def eval_sum(self, batches: list[dict]) -> torch.Tensor:
         """Collective: summed token loss of `batches` (at most `grad_accum`), on every pipeline rank."""

@@ -140,6 +140,9 @@ class Stage(nn.Module):
         self.head = base.lm_head if last else None
         self.uniform = True
         """The loss weighs every token alike (the chunked head then takes its gradient in the forward)."""
+        self.output = "target"
+        """What the last stage returns: target (label tokens' log-probs) or argmax (the greedy next token
+        at each position, as floats: the schedule's buffers keep one dtype)."""
 
     def forward(self, x, position_ids, attention_mask, labels):
         hidden = self.embed(x) if self.embed is not None else x
@@ -162,6 +165,9 @@ class Stage(nn.Module):
             )
         if self.head is None:
             return hidden, position_ids, attention_mask, labels
+        if self.output == "argmax":
+            picked = self.head(self.norm(hidden)).argmax(dim=-1)
+            return picked.to(torch.promote_types(hidden.dtype, torch.float32))
         return self._target_logps(self.norm(hidden), labels)
 
     def _target_logps(self, hidden, labels):

@@ -7,6 +7,7 @@ import torch
 
 from toolkit.distributed import data_shard
 from toolkit.generation import greedy_answer
+from toolkit.pipeline.generate import PipelineGenerator
 from toolkit.preference.config import DpoConfig
 from toolkit.preference.data import strided_batches
 from toolkit.preference.loss import PairSums, batch_sequence_logps, pair_terms, target_counts
@@ -67,10 +68,12 @@ class PairEvaluator:
         if self.dataset is None:
             return
         results = self._metrics()
-        # Under a pipeline no process holds the whole model to generate with.
-        if self.cfg.eval.exact_match_samples and self.pipeline is None:
+        if self.cfg.eval.exact_match_samples:
+            generator = self.accelerator.unwrap_model(self.model)
+            if self.pipeline is not None:
+                generator = PipelineGenerator(self.pipeline)
             results["exact_match"] = pair_exact_match(
-                self.accelerator.unwrap_model(self.model),
+                generator,
                 self.tokenizer,
                 self.dataset,
                 self.cfg.eval.exact_match_samples,
