@@ -135,7 +135,6 @@ class Run:
         if self.launch.mesh.pp == 1:
             return None
         cfg = self.cfg
-        model.to(self.accelerator.device)
         self.pipe = pipeline_runtime.build(
             model,
             cfg.pipeline,

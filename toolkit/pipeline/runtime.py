@@ -41,6 +41,7 @@ class Pipeline:
         self.stage_ids = [self.rank + k * cfg.size for k in range(cfg.chunks_per_process)]
         self.split = stage_split.layer_split(model, n_stages, cfg.layers)
         self.modules = stage_split.trim(model, self.split, self.stage_ids)
+        model.to(accelerator.device)  # only this process's stages: a GPU never holds the whole model
         self.first, self.last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         # What accelerate reads to accept, without a DDP wrapper, a model split before `prepare`.
         stage_split.causal_lm(model)._tp_size = cfg.size
