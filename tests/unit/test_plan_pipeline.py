@@ -6,8 +6,9 @@ The small model (tests/helpers.py), fp32 throughout (4 bytes for everything), se
                 32 + head 4,096 = 4,128 (last stage)
     activations per token (see test_plan_parallel.py): a layer 2,448, the final norm 384; under
                 checkpointing a layer keeps its input, 4 x 32 = 128
-    loss head   chunked, per micro-batch of 64 tokens: a 64 x 128 fp32 chunk 32,768, the hidden states'
-                gradient 64 x 32 x 4 = 8,192, the head weight's gradient 128 x 32 x 4 = 16,384: 57,344
+    loss head   chunked, per micro-batch of 64 tokens: a 64 x 128 fp32 chunk 32,768, and kept from forward
+                to backward the hidden states' gradient 64 x 32 x 4 = 8,192 and the head weight's gradient
+                128 x 32 x 4 = 16,384: 57,344 in all, 24,576 kept
     a boundary  the hidden states' gradient 64 x 32 x 4 = 8,192 bytes back; forward the hidden states and
                 64 tokens x 24 bytes of position ids, mask and labels: 9,728
 """
@@ -30,7 +31,7 @@ from toolkit.plan.pipeline import Pipe, gpu_counts, meshes
 from toolkit.plan.report import render_text, to_json
 
 LLAMA3 = "meta-llama/Meta-Llama-3-8B"
-LAYER, NORM, KEPT, HEAD = 2_448, 384, 128, 57_344
+LAYER, NORM, KEPT, HEAD, HEAD_KEPT = 2_448, 384, 128, 57_344, 24_576
 FORWARD, BACKWARD = 9_728, 8_192
 
 
@@ -146,10 +147,16 @@ def test_activations_by_schedule(tiny):
         2 * LAYER * 64,
         (LAYER + NORM) * 64 + HEAD,
     ]
-    # gpipe: all 8 on both, and the head keeps what it computed in forward for each of them
+    # gpipe: all 8 on both; the head computes one chunk at a time but keeps its gradients for all 8
     gpipe = _gpus(plan, "pp 2 gpipe")
-    assert [gpu.activations for gpu in gpipe] == [8 * LAYER * 64, 8 * (LAYER + NORM) * 64 + 8 * HEAD]
-    assert gpipe[1].head == 8 * HEAD
+    assert [gpu.activations for gpu in gpipe] == [
+        8 * LAYER * 64,
+        8 * (LAYER + NORM) * 64 + HEAD + 7 * HEAD_KEPT,
+    ]
+    assert gpipe[1].head == HEAD + 7 * HEAD_KEPT
+    # the full head: 64 x 128 logits at 12 bytes (logits, fp32 copy, log-softmax), the log-softmax kept
+    full = _gpus(_plan(tiny(), gpus=2, loss_head="full"), "pp 2 gpipe")
+    assert full[1].head == 64 * 128 * 12 + 7 * 64 * 128 * 4
     # the row is the worst GPU
     layout = _layout(plan, "pp 2 gpipe")
     assert layout.rows[0].per_gpu() == gpipe[1].per_gpu()

@@ -10,9 +10,10 @@ over n ranks each rank sends (n-1)/n of the whole tensor, to all-reduce twice th
     tp       2 all-reduces of the activations (micro-batch x seq x hidden) per decoder layer in forward and 2
              in backward, every micro-batch; checkpointing repeats the forward's 2 when it recomputes
     pp       per micro-batch, every stage boundary carries the hidden states forward (micro-batch x seq x
-             hidden) and their gradient back, each sent by one GPU: a middle stage sends 2, the first and
-             the last 1; interleaved, each of a GPU's chunks sends to its neighbours. pp x ddp adds an
-             all-reduce of each stage's gradients across the copies, once a step
+             hidden, with the position ids, mask and labels riding along) and their gradient back, each
+             sent by one GPU: a middle stage sends 2, the first and the last 1; interleaved, each of a GPU's
+             chunks sends to its neighbours. pp x ddp adds an all-reduce of each stage's gradients across the
+             copies, once a step
 Weights travel as the backend gathers them (FSDP2's param_dtype, the compute dtype under bf16 autocast;
 DeepSpeed's stored dtype), gradients as it reduces them, activations in the compute dtype (the pipeline's
 hidden states in the residual stream's). Small tensors ZeRO-3 keeps whole are counted as gathered.

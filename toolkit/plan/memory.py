@@ -228,11 +228,22 @@ def head_bytes(counts, tokens: int, backend: str, precision: Precision, head: He
     chunk = min(head.chunk_tokens, tokens) * counts.vocab
     if head.log_probs:
         return chunk * (4 + e)
-    kept = tokens * counts.hidden * e
+    return chunk * (4 + (0 if e == 4 else e)) + head_kept_bytes(counts, tokens, backend, precision, head)
+
+
+def head_kept_bytes(counts, tokens: int, backend: str, precision: Precision, head: Head) -> int:
+    """Of `head_bytes`, what one micro-batch keeps from its forward until its backward (a pipeline's GPipe
+    holds it for every micro-batch): the full head's fp32 log-softmax, the chunked head's gradients computed
+    in forward (SFT), nothing for log-probs."""
+    if head.kind == "full":
+        return tokens * counts.vocab * 4
+    if head.log_probs:
+        return 0
+    kept = tokens * counts.hidden * compute_bytes(precision)
     if counts.method == "full":
         # The head weight's gradient is computed in forward, so it exists before backward allocates .grad.
         kept += counts.vocab * counts.hidden * _head_weight_bytes(counts, backend, precision)
-    return chunk * (4 + (0 if e == 4 else e)) + kept
+    return kept
 
 
 def compute_bytes(precision: Precision) -> int:

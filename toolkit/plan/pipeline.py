@@ -20,9 +20,9 @@ Per GPU, the largest of the P (the worst GPU):
                      1f1b               k = min(m, P - i): GPU 0 holds the most, P
                      interleaved_1f1b   k = min(m, (P - i)(1 + (P - 1)/(P v))) with v chunks a GPU: the 1f1b
                                         amount times the factor Korthikanti et al. (2022) give for it
-                   The last GPU adds the loss head (`memory.head_bytes`) of each micro-batch in flight
-                   there: m under gpipe (the head keeps what it computed in forward until the backward),
-                   else one.
+                   The last GPU adds the loss head of one micro-batch (`memory.head_bytes`); under gpipe
+                   also what the head keeps from forward to backward (`memory.head_kept_bytes`) for each of
+                   the other m - 1.
     bubble         the idle share of each GPU: (P - 1)/(m + P - 1); interleaved (P - 1)/(v m + P - 1)
     comm           per micro-batch, each boundary of a GPU's chunks: the hidden states forward (in the
                    residual stream's dtype, with the position ids, mask and labels that ride along) or their
@@ -208,9 +208,7 @@ def estimate(
     working = memory.working_weight_bytes(held, "single", precision)
     tokens = _tokens(request, micro)
     last = index == pipe.mesh.pp - 1
-    heads = pipe.micro_batches if pipe.schedule == "gpipe" else 1
-    head = Head(request.loss_head, request.chunk_tokens, log_probs=request.objective == "dpo")
-    loss_head = heads * memory.head_bytes(held, tokens, "single", precision, head) if last else 0
+    loss_head = _head_bytes(held, pipe, tokens, request, precision) if last else 0
     activations = loss_head + _layer_activations(held, pipe, index, tokens, ckpt, precision, request)
     if pipe.mesh.replicate > 1:
         states = dataclasses.replace(states, grad_buckets=max(0, states.grads - working - activations))
@@ -233,6 +231,13 @@ def _tokens(request: PlanRequest, micro: int) -> int:
     up to 8."""
     rows = micro * (2 if request.objective == "dpo" else 1)
     return rows * pipeline_width(request.seq_len)
+
+
+def _head_bytes(held, pipe: Pipe, tokens: int, request: PlanRequest, precision: Precision) -> int:
+    head = Head(request.loss_head, request.chunk_tokens, log_probs=request.objective == "dpo")
+    waiting = pipe.micro_batches - 1 if pipe.schedule == "gpipe" else 0
+    kept = memory.head_kept_bytes(held, tokens, "single", precision, head)
+    return memory.head_bytes(held, tokens, "single", precision, head) + waiting * kept
 
 
 def _layer_activations(held, pipe: Pipe, index: int, tokens: int, ckpt: bool, precision, request) -> int:
