@@ -2,9 +2,10 @@
 (defaults and packing) and HF Trainer on the same model files, data and settings. Prints the table, puts it
 with the machine and the target verdicts into bench/RESULTS.md (between its markers), and writes every run's
 figures to bench/raw_results.json. Then the DPO section (bench/dpo.py), the data-preparation section
-(bench/data_prep.py) and the loss-head section (bench/loss_head.py, fewer repeats: its runs are long).
+(bench/data_prep.py), the loss-head section (bench/loss_head.py, fewer repeats: its runs are long) and the
+pipeline section (bench/pipeline.py: ddp, fsdp and pipeline schedules, launched 2-process runs).
 
-    python bench/run.py [--repeats 5] [--loss-head-repeats 3]
+    python bench/run.py [--repeats 5] [--loss-head-repeats 3] [--pipeline-repeats 2] [--only SECTION ...]
 """
 
 import argparse
@@ -21,6 +22,7 @@ from pathlib import Path
 import data_prep
 import dpo
 import loss_head
+import pipeline
 import torch
 from common import (
     BATCH,
@@ -158,34 +160,53 @@ def machine() -> str:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--loss-head-repeats", type=int, default=3)
-    args = parser.parse_args()
+def sft_section(repeats: int) -> str:
+    """The first table: every SFT contender `repeats` times round-robin; returns the block it also writes."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         build_model_dir(work / "model")
         write_data(work / "data.jsonl")
         cmds = commands(work)
         results: dict[str, list[dict]] = {name: [] for name in cmds}
-        for repeat in range(args.repeats):  # round-robin, so drift in machine speed hits every contender
+        for repeat in range(repeats):  # round-robin, so drift in machine speed hits every contender
             for name, cmd in cmds.items():
                 results[name].append(run_once(name, cmd, work))
-                print(f"[{repeat + 1}/{args.repeats}] {name}: {results[name][-1]}", flush=True)
+                print(f"[{repeat + 1}/{repeats}] {name}: {results[name][-1]}", flush=True)
     block = "\n\n".join(
         [
-            f"Machine: {machine()}. {args.repeats} runs of each contender; cells are min / median / max.",
+            f"Machine: {machine()}. {repeats} runs of each contender; cells are min / median / max.",
             table(results),
             verdicts(results),
         ]
     )
-    print(block)
     write_results(BENCH / "RESULTS.md", block, (BEGIN, END))
     (BENCH / "raw_results.json").write_text(json.dumps({"machine": machine(), "runs": results}, indent=1))
-    print(dpo.run_section(args.repeats, machine))
-    print(data_prep.run_section([20000, 100000], machine()))
-    print(loss_head.run_section(args.loss_head_repeats, machine))
+    return block
+
+
+SECTIONS = ("sft", "dpo", "data-prep", "loss-head", "pipeline")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--loss-head-repeats", type=int, default=3)
+    parser.add_argument("--pipeline-repeats", type=int, default=2)
+    parser.add_argument(
+        "--only", action="append", choices=SECTIONS, help="run this section only (repeatable; default: all)"
+    )
+    args = parser.parse_args()
+    only = args.only or SECTIONS
+    if "sft" in only:
+        print(sft_section(args.repeats))
+    if "dpo" in only:
+        print(dpo.run_section(args.repeats, machine))
+    if "data-prep" in only:
+        print(data_prep.run_section([20000, 100000], machine()))
+    if "loss-head" in only:
+        print(loss_head.run_section(args.loss_head_repeats, machine))
+    if "pipeline" in only:
+        print(pipeline.run_section(args.pipeline_repeats, machine))
 
 
 if __name__ == "__main__":
