@@ -170,9 +170,9 @@ def test_pipeline_resumes_exactly(name, runs, tmp_path):
 
 
 CROSS = {  # id -> (checkpoint's run, the continuing run's overrides and launch, how its marker reads)
-    "pp-to-single": ("pp_interleaved-lora", (LORA, None), "MULTI_CPU world 2 pp 2"),
+    "pp-lora-to-single": ("pp_interleaved-lora", (LORA, None), "MULTI_CPU world 2 pp 2"),
     "pp-full-to-single": ("pp-full", (FULL, None), "MULTI_CPU world 2 pp 2"),
-    "single-to-pp": ("single-lora", ([*LORA, *INTERLEAVED], ("pp", 2)), "NO world 1"),
+    "single-lora-to-pp": ("single-lora", ([*LORA, *INTERLEAVED], ("pp", 2)), "NO world 1"),
     "single-full-to-pp": ("single-full", ([*FULL, *PP], ("pp", 2)), "NO world 1"),
 }
 

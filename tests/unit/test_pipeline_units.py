@@ -55,9 +55,9 @@ def test_models_a_pipeline_cannot_split_are_named():
     assert tied.startswith("the model ties its output head to its input embeddings")
     gpt2 = stages.model_problem(GPT2Config(tie_word_embeddings=False), 2)
     assert gpt2.startswith("model type gpt2 is not split into pipeline stages")
-    assert (
-        stages.model_problem(tiny_llama_config(), 4) == "the model has 2 decoder layers, fewer than 4 stages"
-    )
+    assert stages.model_problem(tiny_llama_config(num_hidden_layers=4), 4) is None  # one layer a stage
+    few = stages.model_problem(tiny_llama_config(num_hidden_layers=3), 4)
+    assert few == "the model has 3 decoder layers, fewer than 4 stages"
 
 
 def plain_batch() -> dict:
