@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import launch, run_recipe, step_losses
+from helpers import REPO, launch, run_recipe, step_losses
 from safetensors.torch import load_file
 
 from toolkit.checkpoint import MARKER, portable
@@ -21,8 +21,9 @@ from toolkit.metrics import read_metrics
 
 pytestmark = pytest.mark.multiproc
 
-# The whole held-out set (eval.max_batches caps each rank's batches, so a capped set depends on the mesh).
-STEPS = ["train.max_steps=4", "train.save_every_steps=2", "eval.max_batches=0"]
+# The whole held-out set (eval.max_batches caps each rank's batches, so a capped set depends on the mesh);
+# a few greedy answers, generated through the stages under a pipeline.
+STEPS = ["train.max_steps=4", "train.save_every_steps=2", "eval.max_batches=0", "eval.exact_match_samples=4"]
 FULL = ["model.method=full", "train.learning_rate=1e-4", *STEPS]
 LORA = ["model.method=lora", "train.learning_rate=1e-3", *STEPS]
 PP = ["pipeline.size=2"]
@@ -32,8 +33,21 @@ INTERLEAVED = [*PP, "pipeline.schedule=interleaved_1f1b", "pipeline.chunks_per_p
 # needs at least as many as stages).
 MICRO_2 = ["train.micro_batch_size=2"]
 
-# name -> (recipe overrides, accelerate config and processes, or None for one plain process)
+# Preference tuning from the base model: LoRA (reference: the adapter switched off) and full (reference
+# log-probs computed before training), both through the stages under a pipeline.
+DPO = ["train.max_steps=2", "train.save_every_steps=2", "eval.max_batches=0", "model.adapter=null"]
+DPO_LORA = [*DPO, "model.method=lora"]
+DPO_FULL = [*DPO, "model.method=full", "train.learning_rate=1e-5"]
+DPO_CONFIG = str(REPO / "recipes" / "configs" / "demo-dpo.yaml")
+DPO_RECIPE = REPO / "recipes" / "dpo_llm.py"
+
+# name -> (recipe overrides, accelerate config and processes, or None for one plain process); names with
+# "dpo" run the preference recipe.
 RUNS = {
+    "single-dpo-lora": (DPO_LORA, None),
+    "single-dpo-full": (DPO_FULL, None),
+    "pp-dpo-lora": ([*DPO_LORA, *PP], ("pp", 2)),
+    "pp_ddp-dpo-full": ([*DPO_FULL, *PP, *MICRO_2], ("pp_ddp", 4)),
     "single-full": (FULL, None),
     "single-lora": (LORA, None),
     "pp-full": ([*FULL, *PP], ("pp", 2)),
@@ -68,6 +82,10 @@ def assert_export_is_the_trained_state(out) -> None:
         assert torch.equal(tensor, saved[key]), name
 
 
+def answers(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if "] sample: " in line]
+
+
 def logged(out, key: str) -> list:
     return [r[key] for r in read_metrics(out / "metrics.jsonl") if key in r]
 
@@ -89,7 +107,8 @@ def runs(tmp_path_factory):
         if name not in done:
             overrides, where = RUNS[name]
             out = tmp_path_factory.mktemp(name) / "run"
-            done[name] = (out, run_recipe(out, *overrides, launch=launcher(where)))
+            recipe = dict(config=DPO_CONFIG, recipe=DPO_RECIPE) if "dpo" in name else {}
+            done[name] = (out, run_recipe(out, *overrides, launch=launcher(where), **recipe))
         return done[name]
 
     return get
@@ -136,6 +155,9 @@ def test_pipeline_trains_saves_exports_like_one_process(name, runs):
     assert logged(out, "eval_tokens") == logged(reference, "eval_tokens")
     assert logged(out, "tokens_seen") == logged(reference, "tokens_seen")
     assert logged(out, "eval_loss") == pytest.approx(logged(reference, "eval_loss"), rel=1e-5)
+    # Greedy answers through the stages are the whole model's: exact match and the sample answers.
+    assert logged(out, "exact_match") == logged(reference, "exact_match")
+    assert answers(result.stdout) == answers(runs(twin)[1].stdout) and len(answers(result.stdout)) == 2
     for step in (2, 4):
         saved = marker(out, step)
         assert (saved["world_size"], saved["pp_size"], saved["tp_size"]) == (world, 2, 1)
@@ -200,3 +222,18 @@ def test_ftkit_export_of_a_pipeline_checkpoint_gives_the_final_adapter(runs, tmp
     assert cli.main(["export", str(out / "checkpoints" / "step-4"), "--out", str(tmp_path / "export")]) == 0
     exported, final = load_file(tmp_path / "export" / "adapter_model.safetensors"), final_weights(out)
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+
+
+@pytest.mark.parametrize(
+    "name, twin", [("pp-dpo-lora", "single-dpo-lora"), ("pp_ddp-dpo-full", "single-dpo-full")]
+)
+def test_preference_recipe_through_the_stages_is_one_process(name, twin, runs):
+    """Policy and reference log-probs through the stages (adapter off; precomputed for full), the pair
+    objective on the last stage: the per-step loss, rewards and held-out metrics of one process."""
+    out, result = runs(name)
+    reference, _ = runs(twin)
+    assert "backend pp 2" in result.stdout
+    for key in ("loss", "grad_norm", "reward_margin", "logps_chosen", "eval_loss", "eval_reward_margin"):
+        assert logged(out, key) == pytest.approx(logged(reference, key), rel=1e-3, abs=1e-6), key
+    assert logged(out, "exact_match") == logged(reference, "exact_match")
+    assert verify_export(out / "final") > 0
