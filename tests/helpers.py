@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -14,8 +15,10 @@ import pytest
 import torch
 import yaml
 from accelerate.utils.other import get_free_port as free_port
+from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from toolkit.checkpoint import MARKER, portable
 from toolkit.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -217,3 +220,39 @@ def load_recipe(name: str = "finetune_llm"):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# What the model-parallel tests read back from a finished run.
+
+
+def final_weights(out) -> dict[str, torch.Tensor]:
+    final = out / "final"
+    name = "adapter_model.safetensors" if (final / "adapter_config.json").is_file() else "model.safetensors"
+    return load_file(final / name)
+
+
+def assert_same_weights(got: dict, expected: dict) -> None:
+    """Relative to each tensor's scale (Adam turns rounding in near-zero gradients into whole steps)."""
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert got[name].shape == tensor.shape, name
+        scale = tensor.abs().max().clamp_min(1e-12)
+        assert ((got[name] - tensor).abs().max() / scale) < 1e-2, name
+
+
+def assert_export_is_the_trained_state(out) -> None:
+    """final/ holds, whole and bit for bit, the weights of the run's last checkpoint (read on one process:
+    each stage's layers from its own process's files)."""
+    saved = portable.read_weights(out / "checkpoints" / "step-4")
+    exported = final_weights(out)
+    for name, tensor in exported.items():
+        key = re.sub(r"\.(lora_[AB])\.", r".\1.default.", name)
+        assert torch.equal(tensor, saved[key]), name
+
+
+def logged(out, key: str) -> list:
+    return [r[key] for r in read_metrics(out / "metrics.jsonl") if key in r]
+
+
+def marker(out, step: int) -> dict:
+    return json.loads((out / "checkpoints" / f"step-{step}" / MARKER).read_text())

@@ -4,16 +4,26 @@ one process's per-step loss, exact resume, resume across layouts, plain Hugging 
 4-process meshes are slow on a small machine: each config trains once per recipe here, and the runs are
 module fixtures that several tests read."""
 
-import json
-import re
 import shutil
 
 import pytest
 import torch
-from helpers import REPO, free_port, launch, run_ftkit_train, run_recipe, step_losses, write_yaml
+from helpers import (
+    REPO,
+    assert_export_is_the_trained_state,
+    assert_same_weights,
+    final_weights,
+    free_port,
+    launch,
+    logged,
+    marker,
+    run_ftkit_train,
+    run_recipe,
+    step_losses,
+    write_yaml,
+)
 from safetensors.torch import load_file
 
-from toolkit.checkpoint import MARKER, portable
 from toolkit.checkpoint.export import verify_export
 from toolkit.commands import cli
 from toolkit.metrics import read_metrics
@@ -43,40 +53,8 @@ def yaml_launch(folder, content: dict) -> list[str]:
     return ["--config_file", str(write_yaml(folder, content)), "--main_process_port", str(free_port())]
 
 
-def final_weights(out) -> dict[str, torch.Tensor]:
-    final = out / "final"
-    name = "adapter_model.safetensors" if (final / "adapter_config.json").is_file() else "model.safetensors"
-    return load_file(final / name)
-
-
-def assert_same_weights(got: dict, expected: dict) -> None:
-    """Relative to each tensor's scale (Adam turns rounding in near-zero gradients into whole steps)."""
-    assert got.keys() == expected.keys()
-    for name, tensor in expected.items():
-        assert got[name].shape == tensor.shape, name
-        scale = tensor.abs().max().clamp_min(1e-12)
-        assert ((got[name] - tensor).abs().max() / scale) < 1e-2, name
-
-
-def assert_export_is_the_trained_state(out) -> None:
-    """final/ holds, whole and bit for bit, the weights of the run's last checkpoint (read on one process)."""
-    saved = portable.read_weights(out / "checkpoints" / "step-4")
-    exported = final_weights(out)
-    for name, tensor in exported.items():
-        key = re.sub(r"\.(lora_[AB])\.", r".\1.default.", name)
-        assert torch.equal(tensor, saved[key]), name
-
-
 def eval_losses(out) -> list[float]:
     return [r["eval_loss"] for r in read_metrics(out / "metrics.jsonl") if "eval_loss" in r]
-
-
-def logged(out, key: str) -> list:
-    return [r[key] for r in read_metrics(out / "metrics.jsonl") if key in r]
-
-
-def marker(out, step: int) -> dict:
-    return json.loads((out / "checkpoints" / f"step-{step}" / MARKER).read_text())
 
 
 @pytest.fixture(scope="module")

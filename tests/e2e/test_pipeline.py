@@ -5,19 +5,25 @@ layouts, plain Hugging Face exports of the whole model.
 Each run trains once for the module (a fixture several tests read): the LoRA runs on pp.yaml feed the
 export, resume and cross-layout tests as well as the loss comparison."""
 
-import json
-import re
 import shutil
 
 import pytest
 import torch
-from helpers import REPO, launch, run_recipe, step_losses
+from helpers import (
+    REPO,
+    assert_export_is_the_trained_state,
+    assert_same_weights,
+    final_weights,
+    launch,
+    logged,
+    marker,
+    run_recipe,
+    step_losses,
+)
 from safetensors.torch import load_file
 
-from toolkit.checkpoint import MARKER, portable
 from toolkit.checkpoint.export import verify_export
 from toolkit.commands import cli
-from toolkit.metrics import read_metrics
 
 pytestmark = pytest.mark.multiproc
 
@@ -57,41 +63,8 @@ RUNS = {
 }
 
 
-def final_weights(out) -> dict[str, torch.Tensor]:
-    final = out / "final"
-    name = "adapter_model.safetensors" if (final / "adapter_config.json").is_file() else "model.safetensors"
-    return load_file(final / name)
-
-
-def assert_same_weights(got: dict, expected: dict) -> None:
-    """Relative to each tensor's scale (Adam turns rounding in near-zero gradients into whole steps)."""
-    assert got.keys() == expected.keys()
-    for name, tensor in expected.items():
-        assert got[name].shape == tensor.shape, name
-        scale = tensor.abs().max().clamp_min(1e-12)
-        assert ((got[name] - tensor).abs().max() / scale) < 1e-2, name
-
-
-def assert_export_is_the_trained_state(out) -> None:
-    """final/ holds, whole and bit for bit, the weights of the run's last checkpoint (read on one process:
-    each stage's layers from its own process's files)."""
-    saved = portable.read_weights(out / "checkpoints" / "step-4")
-    exported = final_weights(out)
-    for name, tensor in exported.items():
-        key = re.sub(r"\.(lora_[AB])\.", r".\1.default.", name)
-        assert torch.equal(tensor, saved[key]), name
-
-
 def answers(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if "] sample: " in line]
-
-
-def logged(out, key: str) -> list:
-    return [r[key] for r in read_metrics(out / "metrics.jsonl") if key in r]
-
-
-def marker(out, step: int) -> dict:
-    return json.loads((out / "checkpoints" / f"step-{step}" / MARKER).read_text())
 
 
 def launcher(where: tuple[str, int] | None) -> list[str] | None:
