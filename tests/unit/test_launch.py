@@ -526,3 +526,14 @@ def test_pipeline_checks_name_what_the_pipeline_refuses(keys, message):
 def test_a_pipeline_the_model_fits_passes_the_checks():
     cfg = pipeline_recipe(**{"pipeline.schedule": "interleaved_1f1b", "pipeline.chunks_per_process": 2})
     assert checks.check_launch(pipeline_launch("pp.yaml", cfg), cfg, RECIPE, CPU, {}) == []
+
+
+def test_check_config_says_a_pipeline_launch_without_pipeline_size_runs_as_ddp(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    assert cli(["check-config", "accelerate_configs/pp.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "ok: ddp on 2 process(es)" in out and "leaves pipeline.size at 1, so this runs as ddp" in out
+    recipe_yaml = write_yaml(tmp_path, {"pipeline": {"size": 2}, "train": {"micro_batch_size": 4}})
+    assert cli(["check-config", "accelerate_configs/pp.yaml", "--config", str(recipe_yaml)]) == 0
+    out = capsys.readouterr().out
+    assert "ok: pp 2 on 2 process(es)" in out and "runs as ddp" not in out

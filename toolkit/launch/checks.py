@@ -325,6 +325,12 @@ def check_config_cli(
     launch = with_pipeline(launch, cfg.pipeline.size, recipe_path or "the demo config")
     notes = check_launch(launch, cfg, recipe_path or "the demo config", machine, env)
     ga = grad_accum_steps(cfg.train, launch.mesh.data_parallel)
+    if Path(accel_yaml).stem in ("pp", "pp_ddp") and cfg.pipeline.size == 1:
+        # accelerate's YAML cannot carry the pipeline; the shipped pipeline launches say so here.
+        notes.append(
+            f"note: {accel_yaml} is a plain multi-process launch and the recipe config leaves pipeline.size "
+            "at 1, so this runs as ddp: add pipeline.size=2 for the pipeline (ftkit train --backend pp does)"
+        )
     where = " as gloo CPU processes (no GPU here)" if launch.on_cpu and launch.world_size > 1 else ""
     summary = (
         f"{accel_yaml}: ok: {backend_name(launch)} on {launch.world_size} process(es){where}, global batch "
