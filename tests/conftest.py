@@ -38,3 +38,24 @@ def signal_handlers_restored():
     yield
     for sig, handler in saved.items():
         signal.signal(sig, handler)
+
+
+@pytest.fixture
+def at_the_checkout_root(monkeypatch):
+    """Run from the checkout's root (where command lines name recipes/configs/ files)."""
+    from helpers import REPO
+
+    monkeypatch.chdir(REPO)
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """A function writing the small model's config.json (with overrides) to a directory, as `--model` and
+    `ftkit plan` take it; returns the directory."""
+    from helpers import tiny_llama_config
+
+    def write(**overrides) -> str:
+        tiny_llama_config(**overrides).to_json_file(tmp_path / "config.json")
+        return str(tmp_path)
+
+    return write

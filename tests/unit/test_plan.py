@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import REPO, tiny_llama_config
+from helpers import tiny_llama_config
 from transformers import LlamaForCausalLM
 
 from toolkit.commands import cli
@@ -15,11 +15,8 @@ from toolkit.plan.counts import count_parameters, load_model_config
 from toolkit.plan.estimate import CostRequest, PlanRequest, estimate_cost, make_plan, measured_tokens_per_s
 from toolkit.plan.memory import FP32, model_state_bytes
 
-
-@pytest.fixture(autouse=True)
-def at_the_checkout_root(monkeypatch):
-    """The launch line names recipes/configs/ files, looked up where the line is run: a checkout's root."""
-    monkeypatch.chdir(REPO)
+# The launch line names recipes/configs/ files, looked up where the line is run: a checkout's root.
+pytestmark = pytest.mark.usefixtures("at_the_checkout_root")
 
 
 @pytest.mark.parametrize("tied", [False, True])

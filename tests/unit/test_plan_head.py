@@ -4,7 +4,7 @@ line that says what fits only thanks to the chunked head."""
 import dataclasses
 
 import pytest
-from helpers import REPO, tiny_llama_config
+from helpers import tiny_llama_config
 
 from toolkit.commands import cli
 from toolkit.config import LossConfig
@@ -20,10 +20,8 @@ BF16 = Precision(weights="bfloat16", mixed="bf16")
 LLAMA3 = "meta-llama/Meta-Llama-3-8B"
 
 
-@pytest.fixture(autouse=True)
-def at_the_checkout_root(monkeypatch):
-    """The launch line names recipes/configs/ files, looked up where the line is run: a checkout's root."""
-    monkeypatch.chdir(REPO)
+# The launch line names recipes/configs/ files, looked up where the line is run: a checkout's root.
+pytestmark = pytest.mark.usefixtures("at_the_checkout_root")
 
 
 def _counts(method: str, vocab: int = 1000, hidden: int = 10):

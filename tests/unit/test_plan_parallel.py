@@ -11,7 +11,7 @@ The small model (tests/helpers.py): vocab 128, hidden 32, MLP 64, 2 layers, 4 he
 import dataclasses
 
 import pytest
-from helpers import REPO, tiny_llama_config
+from helpers import tiny_llama_config
 from transformers import GPT2Config
 
 from toolkit.commands import cli
@@ -24,21 +24,8 @@ from toolkit.plan.report import render_text, to_json
 LLAMA3 = "meta-llama/Meta-Llama-3-8B"
 
 
-@pytest.fixture(autouse=True)
-def at_the_checkout_root(monkeypatch):
-    """The launch line names recipes/configs/ files, looked up where the line is run: a checkout's root."""
-    monkeypatch.chdir(REPO)
-
-
-@pytest.fixture
-def tiny(tmp_path):
-    """A directory holding the small model's config.json, as `--model` takes it."""
-
-    def write(**overrides) -> str:
-        tiny_llama_config(**overrides).to_json_file(tmp_path / "config.json")
-        return str(tmp_path)
-
-    return write
+# The launch line names recipes/configs/ files, looked up where the line is run: a checkout's root.
+pytestmark = pytest.mark.usefixtures("at_the_checkout_root")
 
 
 def _fp32_plan(model: str, gpus: int, method: str = "full", **options):

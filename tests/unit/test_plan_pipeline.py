@@ -18,7 +18,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from helpers import REPO, tiny_llama_config
+from helpers import tiny_llama_config
 from peft import LoraConfig, get_peft_model
 from transformers import GPT2Config
 
@@ -35,21 +35,8 @@ LAYER, NORM, KEPT, HEAD, HEAD_KEPT = 2_448, 384, 128, 57_344, 24_576
 FORWARD, BACKWARD = 9_728, 8_192
 
 
-@pytest.fixture(autouse=True)
-def at_the_checkout_root(monkeypatch):
-    """The launch line names recipes/configs/ files, looked up where the line is run: a checkout's root."""
-    monkeypatch.chdir(REPO)
-
-
-@pytest.fixture
-def tiny(tmp_path):
-    """A directory holding the small model's config.json, as `--model` takes it."""
-
-    def write(**overrides) -> str:
-        tiny_llama_config(**overrides).to_json_file(tmp_path / "config.json")
-        return str(tmp_path)
-
-    return write
+# The launch line names recipes/configs/ files, looked up where the line is run: a checkout's root.
+pytestmark = pytest.mark.usefixtures("at_the_checkout_root")
 
 
 def _plan(model: str, gpus: int, **options):
