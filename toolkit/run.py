@@ -104,7 +104,21 @@ class Run:
         return self.stop.interruptible(f"step {self.resume.next_step}")
 
     def load_model(self):
-        """The model to train, on this rank's device, announced; every forward pass counts as progress."""
+        """The model to train, on this rank's device, announced; every forward pass counts as progress.
+
+        Under a pipeline each process keeps only its stages, and the processes of a machine load in turn:
+        its memory holds one whole model at a time, not one per process."""
+        if self.launch.mesh.pp == 1:
+            return self._loaded()
+        model = None
+        for turn in range(self.launch.procs_per_node):
+            if turn == self.accelerator.local_process_index:
+                model = self._loaded()
+                self._cut = pipeline_runtime.cut(model, self.cfg.pipeline, self.accelerator)
+            self.accelerator.wait_for_everyone()
+        return model
+
+    def _loaded(self):
         cfg = self.cfg
         cast = quant.cast_dtype(self.launch.backend, self.launch.fsdp_version, cfg.train.mixed_precision)
         model = models.load_model(
@@ -137,6 +151,7 @@ class Run:
         cfg = self.cfg
         self.pipe = pipeline_runtime.build(
             model,
+            self._cut,
             cfg.pipeline,
             self.accelerator,
             self.grad_accum,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,26 +23,57 @@ from toolkit.pipeline.batches import pipeline_width, stacked
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
+@dataclass
+class Cut:
+    """A model trimmed to one process's stages (`cut`)."""
+
+    split: list[int]
+    """Decoder layers of every stage, first to last."""
+    stage_ids: list[int]
+    """The stages this process holds."""
+    modules: list
+    """Their `stages.Stage` modules, in the order of `stage_ids`."""
+
+
+def cut(model, cfg, accelerator) -> Cut:
+    """`model` trimmed to this process's stages (pipeline rank r holds stages r, r + size, ...) and moved
+    to its device: a GPU never holds the whole model."""
+    rank = accelerator.torch_device_mesh["tp"].get_local_rank()
+    n_stages = cfg.size * cfg.chunks_per_process
+    stage_ids = [rank + k * cfg.size for k in range(cfg.chunks_per_process)]
+    split = stage_split.layer_split(model, n_stages, cfg.layers)
+    modules = stage_split.trim(model, split, stage_ids)
+    model.to(accelerator.device)
+    return Cut(split, stage_ids, modules)
+
+
 class Pipeline:
     """This process's part of the pipeline. `loss_fn(logps, labels)` turns the last stage's per-token
     log-probs of one micro-batch into its summed loss (the step's scale is applied here): the loss of
     `step`; `run_step` takes any other."""
 
     def __init__(
-        self, model, cfg, accelerator, grad_accum: int, rows: int, width: int, pad_id: int, loss_fn, uniform
+        self,
+        model,
+        cut: Cut,
+        cfg,
+        accelerator,
+        grad_accum: int,
+        rows: int,
+        width: int,
+        pad_id: int,
+        loss_fn,
+        uniform,
     ):
         mesh = accelerator.torch_device_mesh
         self.accelerator, self.model, self.cfg = accelerator, model, cfg
         self.group = mesh["tp"].get_group()
         self.replicas = mesh["dp_shard"].get_group() if "dp_shard" in mesh.mesh_dim_names else None
-        self.rank, self.size = mesh["tp"].get_local_rank(), cfg.size
+        self.size = cfg.size
         self.rows, self.width, self.pad_id, self.grad_accum = rows, width, pad_id, grad_accum
         self.loss_fn = loss_fn
+        self.split, self.stage_ids, self.modules = cut.split, cut.stage_ids, cut.modules
         n_stages = cfg.size * cfg.chunks_per_process
-        self.stage_ids = [self.rank + k * cfg.size for k in range(cfg.chunks_per_process)]
-        self.split = stage_split.layer_split(model, n_stages, cfg.layers)
-        self.modules = stage_split.trim(model, self.split, self.stage_ids)
-        model.to(accelerator.device)  # only this process's stages: a GPU never holds the whole model
         self.first, self.last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         # What accelerate reads to accept, without a DDP wrapper, a model split before `prepare`.
         stage_split.causal_lm(model)._tp_size = cfg.size
@@ -226,10 +258,19 @@ def whole_state_dict(accelerator, own: dict[str, torch.Tensor]) -> dict[str, tor
 
 
 def build(
-    model, cfg, accelerator, grad_accum: int, rows: int, max_length: int, pad_id: int, loss_fn, uniform
+    model,
+    cut: Cut,
+    cfg,
+    accelerator,
+    grad_accum: int,
+    rows: int,
+    max_length: int,
+    pad_id: int,
+    loss_fn,
+    uniform,
 ):
-    """The Pipeline over `model` (trimmed to this process's stages), micro-batches of `rows` rows of
-    data.max_length tokens; `uniform`: the loss weighs every token alike (see `stages.Stage`)."""
+    """The Pipeline over `model` (trimmed by `cut`), micro-batches of `rows` rows of data.max_length tokens;
+    `uniform`: the loss weighs every token alike (see `stages.Stage`)."""
     return Pipeline(
-        model, cfg, accelerator, grad_accum, rows, pipeline_width(max_length), pad_id, loss_fn, uniform
+        model, cut, cfg, accelerator, grad_accum, rows, pipeline_width(max_length), pad_id, loss_fn, uniform
     )
