@@ -149,7 +149,7 @@ class Run:
         if self.launch.mesh.pp == 1:
             return None
         cfg = self.cfg
-        self.pipe = pipeline_runtime.build(
+        self.pipe = pipeline_runtime.Pipeline(
             model,
             self._cut,
             cfg.pipeline,

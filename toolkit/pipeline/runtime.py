@@ -50,7 +50,8 @@ def cut(model, cfg, accelerator) -> Cut:
 class Pipeline:
     """This process's part of the pipeline. `loss_fn(logps, labels)` turns the last stage's per-token
     log-probs of one micro-batch into its summed loss (the step's scale is applied here): the loss of
-    `step`; `run_step` takes any other."""
+    `step`; `run_step` takes any other. Micro-batches are `rows` rows of data.max_length tokens; `uniform`:
+    the loss weighs every token alike (see `stages.Stage`)."""
 
     def __init__(
         self,
@@ -60,7 +61,7 @@ class Pipeline:
         accelerator,
         grad_accum: int,
         rows: int,
-        width: int,
+        max_length: int,
         pad_id: int,
         loss_fn,
         uniform,
@@ -70,7 +71,12 @@ class Pipeline:
         self.group = mesh["tp"].get_group()
         self.replicas = mesh["dp_shard"].get_group() if "dp_shard" in mesh.mesh_dim_names else None
         self.size = cfg.size
-        self.rows, self.width, self.pad_id, self.grad_accum = rows, width, pad_id, grad_accum
+        self.rows, self.width, self.pad_id, self.grad_accum = (
+            rows,
+            pipeline_width(max_length),
+            pad_id,
+            grad_accum,
+        )
         self.loss_fn = loss_fn
         self.split, self.stage_ids, self.modules = cut.split, cut.stage_ids, cut.modules
         n_stages = cfg.size * cfg.chunks_per_process
@@ -255,22 +261,3 @@ def whole_state_dict(accelerator, own: dict[str, torch.Tensor]) -> dict[str, tor
     parts = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, {name: t.detach().cpu() for name, t in own.items()}, group=group)
     return {name: t for part in parts for name, t in part.items()}
-
-
-def build(
-    model,
-    cut: Cut,
-    cfg,
-    accelerator,
-    grad_accum: int,
-    rows: int,
-    max_length: int,
-    pad_id: int,
-    loss_fn,
-    uniform,
-):
-    """The Pipeline over `model` (trimmed by `cut`), micro-batches of `rows` rows of data.max_length tokens;
-    `uniform`: the loss weighs every token alike (see `stages.Stage`)."""
-    return Pipeline(
-        model, cut, cfg, accelerator, grad_accum, rows, pipeline_width(max_length), pad_id, loss_fn, uniform
-    )
