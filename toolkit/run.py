@@ -53,6 +53,8 @@ class Run:
         )
         self._stopping = False
         self.pipe = None
+        self.recipe_state = None
+        """A callable the recipe sets: tensors of its own a checkpoint keeps (None when there are none)."""
 
     def __enter__(self) -> Run:
         return self
@@ -191,6 +193,14 @@ class Run:
         stream = batches.StepStream(
             loader, sampler, self.grad_accum, start_step, self.accelerator.skip_first_batches
         )
+        for step in self.step_numbers(start_step, desc):
+            micro_batches = stream.next_step()
+            self._data_wait = time.perf_counter() - self._started
+            yield step, micro_batches
+
+    def step_numbers(self, start_step: int, desc: str = "train"):
+        """Each optimizer step left, for a recipe that makes its own batches (its time is step time)."""
+        self._data_wait = 0.0
         self.schedule = checkpoint.SaveSchedule(
             self.cfg.train.save_every_steps, self.cfg.train.save_every_minutes, start_step
         )
@@ -203,9 +213,7 @@ class Run:
         for step in range(start_step + 1, self.cfg.train.max_steps + 1):
             self.watchdog.beat(f"step {step}")
             self._started = time.perf_counter()
-            micro_batches = stream.next_step()
-            self._data_wait = time.perf_counter() - self._started
-            yield step, micro_batches
+            yield step
             self.progress.update(1)
         self.progress.close()
 
@@ -311,7 +319,8 @@ class Run:
 
     def _save(self, step: int, state: dict) -> None:
         self.watchdog.beat(f"the checkpoint of step {step}")
-        checkpoint.save_checkpoint(self.accelerator, self.output_dir, step, state, self.cfg)
+        extra = self.recipe_state() if self.recipe_state is not None else None
+        checkpoint.save_checkpoint(self.accelerator, self.output_dir, step, state, self.cfg, extra)
         self.schedule.saved(step)
 
 

@@ -15,6 +15,7 @@ from toolkit.checkpoint.save import (
     newest_intact,
     prune_checkpoints,
     read_marker,
+    read_recipe_state,
     reload_fsdp1_optimizer,
     save_checkpoint,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "newest_intact",
     "prune_checkpoints",
     "read_marker",
+    "read_recipe_state",
     "reload_fsdp1_optimizer",
     "save_checkpoint",
 ]

@@ -70,6 +70,10 @@ class Resume:
         """The step this run trains first."""
         return self.marker["step"] + 1 if self.checkpoint is not None else 1
 
+    def recipe_state(self) -> dict:
+        """The recipe's own tensors the checkpoint holds ({} for a fresh start or when it saved none)."""
+        return checkpoint.read_recipe_state(self.checkpoint) if self.checkpoint is not None else {}
+
     def before_prepare(self, model, optimizer, scheduler, accelerator) -> None:
         """Remember the objects as built (prepare wraps them in place); from another backend or world
         size, load the checkpoint into them now, while the model is a plain module."""

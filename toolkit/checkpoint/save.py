@@ -10,6 +10,7 @@ from pathlib import Path
 
 from accelerate.utils import DistributedType
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 
 from toolkit.checkpoint import split
 from toolkit.checkpoint.rundir import CONFIG
@@ -20,6 +21,7 @@ from toolkit.pipeline import stages
 from toolkit.typed_yaml import save_config
 
 MARKER = "ftkit_checkpoint.json"
+RECIPE_STATE = "recipe_state.safetensors"
 
 
 def checkpoint_dir(output_dir: Path) -> Path:
@@ -95,12 +97,18 @@ class SaveSchedule:
 
 
 def save_checkpoint(
-    accelerator, output_dir: Path, step: int, state: dict, config: RecipeConfig | None = None
+    accelerator,
+    output_dir: Path,
+    step: int,
+    state: dict,
+    config: RecipeConfig | None = None,
+    recipe_tensors: dict | None = None,
 ) -> Path:
     """Collective: every rank calls this; returns the finished checkpoint directory.
 
     The marker records `state`, the step and the `layout`; `config` (the run's resolved recipe config) is
     saved beside it, so that export and resume under another backend need nothing but the checkpoint.
+    `recipe_tensors` (the same on every rank) are the recipe's own state, written once to RECIPE_STATE.
     A failed write (disk full, permissions) on any rank raises UserError on every rank, removes the
     partial directory and leaves the previous checkpoint as the newest valid one.
     """
@@ -118,7 +126,10 @@ def save_checkpoint(
     if accelerator.is_main_process:
         trained = accelerator._models[0] if accelerator._models else None
         marker = {**state, **layout(accelerator, trained), "step": step}
-        error = _attempt(lambda: _finalize(tmp, final, marker, config))
+        if recipe_tensors:
+            error = _attempt(lambda: save_file(recipe_tensors, str(tmp / RECIPE_STATE)))
+        if not error:
+            error = _attempt(lambda: _finalize(tmp, final, marker, config))
     _agree_or_raise(accelerator, error if accelerator.is_main_process else "", tmp, final, output_dir)
     return final
 
@@ -204,6 +215,12 @@ def reload_fsdp1_optimizer(path: Path, model, optimizer) -> None:
             storage_reader=FileSystemReader(str(directory)),
         )["optimizer"]
         optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, saved))
+
+
+def read_recipe_state(path: Path) -> dict:
+    """The recipe's own tensors saved with checkpoint `path` ({} when it saved none)."""
+    file = path / RECIPE_STATE
+    return load_file(str(file)) if file.is_file() else {}
 
 
 def read_marker(path: Path) -> dict:

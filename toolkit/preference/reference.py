@@ -130,11 +130,11 @@ def load(path: Path, fingerprint: dict) -> dict[str, Precomputed] | None:
     return {name: Precomputed(tensors[f"{name}.chosen"], tensors[f"{name}.rejected"]) for name in names}
 
 
-def load_separate(accelerator, cfg, features):
-    """dpo.reference_model loaded frozen in the policy's dtype and prepared (sharded) like the policy:
+def load_separate(accelerator, cfg, features, path: str, key: str = "dpo.reference_model"):
+    """The reference model at `path` (config key `key`) loaded frozen in the policy's dtype and prepared (sharded) like the policy:
     DDP/FSDP through accelerate, DeepSpeed as an inference engine of its own (below)."""
     spec = ModelConfig(
-        path=cfg.dpo.reference_model,
+        path=path,
         method="full",
         dtype=cfg.model.dtype,
         attn_implementation=cfg.model.attn_implementation,
@@ -142,7 +142,7 @@ def load_separate(accelerator, cfg, features):
         trust_remote_code=cfg.model.trust_remote_code,
     )
     rank = accelerator.local_process_index
-    model = load_model(spec, LoraConfig(), rank, features, "dpo.reference_model", loss=cfg.loss)
+    model = load_model(spec, LoraConfig(), rank, features, key, loss=cfg.loss)
     model.eval()
     model.requires_grad_(False)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
@@ -189,7 +189,8 @@ class Reference:
         With a `pipeline` the policy's forward passes run through its stages (no separate model)."""
         if not uses_reference(cfg):
             return cls(accelerator, model, needed=False)
-        separate = load_separate(accelerator, cfg, features) if cfg.dpo.reference_model else None
+        path = cfg.dpo.reference_model
+        separate = load_separate(accelerator, cfg, features, path) if path else None
         if not precomputes_reference(cfg):
             return cls(accelerator, model, separate=separate, pipeline=pipeline)
         tables = precompute_or_load(

@@ -1,0 +1,98 @@
+"""Online RL with verifiable rewards (GRPO, Dr. GRPO, DAPO-style token loss): full or LoRA, on any backend.
+
+    accelerate launch [--config_file accelerate_configs/<backend>.yaml] recipes/grpo_llm.py \\
+        [--config recipes/configs/<run>.yaml] [dotted.key=value ...]
+
+With no arguments it trains the SFT demo's result (runs/demo/final) on the embedded arithmetic prompts with
+the exact-answer reward (recipes/configs/demo-grpo.yaml). Same set-up, resume, step machinery, checkpoints
+and export as the other recipes; what differs lives in toolkit/grpo/: prompts, seeded sampling, rewards,
+rollouts and the clipped policy-ratio loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit import data, distributed, evaluate, loss
+from toolkit import model as models
+from toolkit.grpo import config as grpo_config
+from toolkit.grpo import loss as grpo_loss
+from toolkit.grpo import prompts as prompt_sets
+from toolkit.grpo import rollout as rollouts
+from toolkit.grpo.rewards import Rewards
+from toolkit.run import Run, exit_with, recipe_args
+
+
+def main(argv: list[str]) -> int:
+    args = recipe_args(argv, __doc__, "recipes/configs/demo-grpo.yaml", "grpo.num_generations=8")
+    cfg = grpo_config.load_grpo_config(args.config, args.overrides)
+    with Run.start(cfg, args.config or str(grpo_config.DEMO_GRPO_CONFIG), "grpo_llm") as run:
+        return train(run, cfg)
+
+
+def train(run: Run, cfg) -> int:
+    accelerator = run.accelerator
+
+    # Prompts (every SFT layout: the last assistant turn is the reference answer) and model.
+    with run.interruptible():
+        tokenizer = models.load_tokenizer(cfg.model)
+        data.ensure_chat_template(tokenizer)
+        train_set, eval_set, stats = data.build_datasets(
+            cfg.data, tokenizer, cfg.seed, accelerator.main_process_first
+        )
+        accelerator.print(stats.summary())
+        prompts = prompt_sets.prompt_set(train_set, tokenizer)
+        rank, world = distributed.data_shard(accelerator)
+        eval_loader = None
+        if eval_set is not None:
+            batch = cfg.train.micro_batch_size
+            eval_loader = data.eval_loader(eval_set, rank, world, batch, tokenizer.pad_token_id)
+        model = run.load_model()
+    optimizer, scheduler = run.optimizer(model)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    reference = grpo_loss.Reference.build(accelerator, model, cfg, run.features)  # None when grpo.beta is 0
+    rewards = Rewards.build(cfg.grpo, lambda texts: [len(tokenizer(t)["input_ids"]) for t in texts])
+    evaluator = evaluate.Evaluator(accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, run.log)
+    start_step = run.begin(model, evaluator)  # a checkpoint's state, or the starting point measured
+
+    # A checkpoint keeps the round in progress, so a resumed run trains on the very same completions.
+    rollout = rollouts.resumed(run.resume.recipe_state(), start_step, cfg)
+    run.recipe_state = lambda: rollout.state_dict() if rollout is not None else None
+    stats = rollouts.StepStats(cfg)
+
+    # The loop: a generation round every grpo.steps_per_generation x grpo.iterations steps (G sampled
+    # completions per prompt, rewarded, advantages normalised per group); each step trains on its share.
+    model.train()
+    for step in run.step_numbers(start_step, desc="grpo"):
+        if rollout is None or rollout.round_index != rollouts.round_of(step, cfg):
+            round_index = rollouts.round_of(step, cfg)
+            rollout = rollouts.generate(run, model, prompts, rewards, cfg, tokenizer, round_index, reference)
+        rows = rollout.step_rows(step, cfg)
+        completion_tokens, step_tokens = rollouts.step_counts(rollout, rows, prompts)
+        normaliser = grpo_loss.normaliser(cfg.grpo, len(rows), completion_tokens)
+        scale = loss.backward_scale(normaliser, run.grad_accum, run.data_parallel)
+        sums = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+        micro_batches = rollout.micro_batches(
+            rows, prompts, cfg, tokenizer.pad_token_id, rank, world, accelerator.device
+        )
+        for batch in micro_batches:
+            with accelerator.accumulate(model):
+                logps = grpo_loss.completion_logps(model, batch)
+                terms = grpo_loss.micro_terms(cfg.grpo, logps, batch)
+                accelerator.backward(terms["objective"] * scale)
+                sums += torch.stack([t.detach().double() for t in terms.values()])
+        step_metrics = stats.metrics(rollout, rows, run.global_sum(sums).cpu(), completion_tokens)
+        grad_norm = run.update(model, optimizer, scheduler, step, step_metrics["loss"])
+        per_second = {"completions": len(rows)}
+        run.log_step(step, scheduler, step_tokens, len(rows), per_second, **step_metrics, grad_norm=grad_norm)
+        eval_result = evaluator.evaluate(step) if run.evaluating(step) else {}
+        run.maybe_checkpoint(step, eval_result)
+        if run.should_stop():
+            return run.stopped(step)
+
+    # Finish: final checkpoint, the measured result, the exported model.
+    return run.finish(model, tokenizer, evaluator)
+
+
+if __name__ == "__main__":
+    exit_with(main, "grpo_llm")

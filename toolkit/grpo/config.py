@@ -1,0 +1,117 @@
+"""The GRPO recipe's config: the shared recipe config plus a `grpo` section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
+
+from toolkit.config import RecipeConfig, check_local_path, load_config
+from toolkit.errors import UserError
+from toolkit.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Range
+
+DEMO_GRPO_CONFIG = Path(__file__).resolve().parents[1] / "assets" / "demo-grpo.yaml"
+
+GrpoLoss = Literal["grpo", "dr_grpo", "dapo"]
+RewardScaling = Literal["group", "batch", "none"]
+BUILT_IN_REWARDS = ("exact_answer", "format", "length")
+
+
+@dataclass
+class GrpoConfig:
+    num_generations: Annotated[int, Range(low=2)] = 8
+    """Completions sampled per prompt (the group its advantages are normalised in)."""
+    max_new_tokens: PositiveInt = 32
+    """Tokens a completion may have (one that reaches it without its end token is cut there)."""
+    temperature: PositiveFloat = 1.0
+    """Sampling temperature."""
+    top_p: Annotated[float, Range(low=0, high=1, low_open=True)] = 1.0
+    """Nucleus sampling: keep the most likely tokens whose probability adds up to this (1: all)."""
+    top_k: NonNegativeInt = 0
+    """Keep only the k most likely tokens (0: all)."""
+    steps_per_generation: PositiveInt = 1
+    """Optimizer steps one generation round feeds, each on its own share of the round's completions."""
+    iterations: PositiveInt = 1
+    """Passes over a round's completions (GRPO's mu): more than 1 reuses them for further updates."""
+    loss: GrpoLoss = "grpo"
+    """Normalisation: grpo (each completion's token mean, averaged over completions) | dr_grpo (token
+    sum over completions x max_new_tokens) | dapo (token mean over every completion token of the step)."""
+    epsilon: PositiveFloat = 0.2
+    """Lower clip of the policy ratio: 1 - epsilon."""
+    epsilon_high: PositiveFloat | None = None
+    """Upper clip of the policy ratio: 1 + epsilon_high (unset: epsilon; DAPO raises it, e.g. 0.28)."""
+    beta: NonNegativeFloat = 0.0
+    """Weight of the per-token KL to the reference (0: no reference is computed)."""
+    scale_rewards: RewardScaling = "group"
+    """Advantages: reward minus its group's mean, divided by the group's std (group), the round's std
+    (batch), or nothing (none, as Dr. GRPO)."""
+    rewards: list[str] = field(default_factory=lambda: ["exact_answer"])
+    """Reward functions, summed: exact_answer (the completion equals the data's answer) | format (it
+    matches grpo.format_pattern) | length (minus its share of max_new_tokens) | module:function or
+    path/to/file.py:function (yours: f(prompts, completions, answers) -> list of floats)."""
+    reward_weights: list[float] = field(default_factory=list)
+    """One weight per reward function (empty: 1 each)."""
+    format_pattern: str = r"\S.*"
+    """Regular expression the whole completion must match for the format reward."""
+    generation_batch_size: NonNegativeInt = 0
+    """Completions a process generates at once (0: its whole share of the round)."""
+    gather_for_generation: bool = True
+    """Under ZeRO-3/FSDP2, gather the whole model once per round for generation (false: layer by layer
+    at every token, for a model whose full weights do not fit one device)."""
+    reference_model: str | None = None
+    """Frozen reference for the KL term (path or hub id); unset: the policy with its adapter off (LoRA),
+    required for a full fine-tune with grpo.beta > 0."""
+
+
+@dataclass
+class GrpoRecipeConfig(RecipeConfig):
+    output_dir: str = "runs/demo-grpo"
+    """Where config.yaml, metrics.jsonl, checkpoints/ and final/ are written."""
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+
+
+def load_grpo_config(path: str | Path | None, overrides: list[str]) -> GrpoRecipeConfig:
+    """The recipe config at `path` (the demo when None), checked for what GRPO needs."""
+    cfg = load_config(path or DEMO_GRPO_CONFIG, overrides, schema=GrpoRecipeConfig)
+    validate_grpo(cfg)
+    return cfg
+
+
+def validate_grpo(cfg: GrpoRecipeConfig) -> None:
+    grpo, train = cfg.grpo, cfg.train
+    if cfg.data.packing or cfg.data.streaming:
+        raise UserError("data.packing and data.streaming are for SFT; GRPO reads whole prompts")
+    if cfg.pipeline.size > 1:
+        raise UserError("pipeline.size: GRPO does not run on a pipeline yet; use tp or fsdp for large models")
+    round_completions = train.global_batch_size * grpo.steps_per_generation
+    if round_completions % grpo.num_generations:
+        raise UserError(
+            f"train.global_batch_size x grpo.steps_per_generation ({round_completions}) must be a multiple "
+            f"of grpo.num_generations ({grpo.num_generations}): a round generates whole groups"
+        )
+    if grpo.reward_weights and len(grpo.reward_weights) != len(grpo.rewards):
+        raise UserError(
+            f"grpo.reward_weights: {len(grpo.reward_weights)} weights for {len(grpo.rewards)} grpo.rewards"
+        )
+    if not grpo.rewards:
+        raise UserError("grpo.rewards: name at least one reward function")
+    for name in grpo.rewards:
+        if name not in BUILT_IN_REWARDS and ":" not in name:
+            raise UserError(
+                f"grpo.rewards: unknown reward {name!r}; built in: {', '.join(BUILT_IN_REWARDS)}, "
+                "or yours as module:function"
+            )
+    if grpo.beta > 0 and cfg.model.method == "full" and not grpo.reference_model:
+        raise UserError("grpo.beta > 0 with model.method full needs grpo.reference_model (a frozen copy)")
+    if grpo.reference_model:
+        check_local_path(grpo.reference_model, "grpo.reference_model")
+
+
+def prompts_per_round(cfg: GrpoRecipeConfig) -> int:
+    """Prompts one generation round samples completions for."""
+    return cfg.train.global_batch_size * cfg.grpo.steps_per_generation // cfg.grpo.num_generations
+
+
+def steps_per_round(cfg: GrpoRecipeConfig) -> int:
+    """Optimizer steps between two generation rounds."""
+    return cfg.grpo.steps_per_generation * cfg.grpo.iterations

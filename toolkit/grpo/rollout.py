@@ -1,0 +1,251 @@
+"""One generation round: its prompts, G sampled completions each, their rewards and group-normalised
+advantages, and the log-probs the loss compares with (the policy before the round's first update, and the
+reference). Every process generates and scores its share, then holds the whole round: which completions an
+optimizer step trains on, and how they split into processes, never changes what was sampled.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from toolkit.data.collate import Collator
+from toolkit.data.encode import IGNORE
+from toolkit.distributed import data_shard, tensor_parallel_size
+from toolkit.grpo import prompts as prompt_sets
+from toolkit.grpo import sampling
+from toolkit.grpo.config import prompts_per_round, steps_per_round
+from toolkit.grpo.loss import completion_logps, normaliser
+
+STD_EPS = 1e-4
+
+
+@dataclass
+class Rollout:
+    round_index: int
+    prompt: torch.Tensor
+    """Index of each completion's prompt in the PromptSet, [N]."""
+    completions: torch.Tensor
+    """Completion token ids, [N, max_new_tokens], padded with 0 after each one's length."""
+    lengths: torch.Tensor
+    """Tokens of each completion, [N]."""
+    rewards: dict[str, torch.Tensor]
+    """Each reward function's values and "total", [N] each."""
+    advantages: torch.Tensor
+    """[N]"""
+    old_logps: torch.Tensor | None
+    """Per-token log-probs under the policy that sampled them, [N, max_new_tokens]; None when every
+    completion is trained on once, right away (the ratio is then exactly 1)."""
+    ref_logps: torch.Tensor | None
+    """Per-token log-probs under the reference, [N, max_new_tokens]; None without a KL term."""
+    order: torch.Tensor
+    """The round's completions in the order the optimizer steps take them, [N]."""
+    generation_seconds: float = 0.0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors only (safetensors in a checkpoint): what resuming mid-round needs."""
+        state = {
+            "round_index": torch.tensor(self.round_index),
+            "prompt": self.prompt,
+            "completions": self.completions,
+            "lengths": self.lengths,
+            "advantages": self.advantages,
+            "order": self.order,
+        }
+        state.update({f"rewards.{name}": values for name, values in self.rewards.items()})
+        for name in ("old_logps", "ref_logps"):
+            if getattr(self, name) is not None:
+                state[name] = getattr(self, name)
+        return {key: value.contiguous() for key, value in state.items()}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor]) -> Rollout:
+        rewards = {key[8:]: value for key, value in state.items() if key.startswith("rewards.")}
+        return cls(
+            int(state["round_index"]),
+            state["prompt"],
+            state["completions"],
+            state["lengths"],
+            rewards,
+            state["advantages"],
+            state.get("old_logps"),
+            state.get("ref_logps"),
+            state["order"],
+        )
+
+    def step_rows(self, step: int, cfg) -> torch.Tensor:
+        """Indices of the completions optimizer `step` trains on (all processes together)."""
+        part = (step - 1) % steps_per_round(cfg) % cfg.grpo.steps_per_generation
+        size = cfg.train.global_batch_size
+        return self.order[part * size : (part + 1) * size]
+
+    def micro_batches(self, rows: torch.Tensor, prompts, cfg, pad_id: int, rank: int, world: int, device):
+        """This process's share of `rows` as padded micro-batches of prompt + completion, with what the
+        loss needs per row."""
+        share = rows.tensor_split(world)[rank]
+        collate = Collator(pad_id)
+        batches = []
+        for chunk in share.split(cfg.train.micro_batch_size):
+            records, starts = [], []
+            for i in chunk.tolist():
+                prompt_ids = prompts.ids[int(self.prompt[i])]
+                completion = self.completions[i, : self.lengths[i]].tolist()
+                records.append(
+                    {"input_ids": prompt_ids + completion, "labels": [IGNORE] * len(prompt_ids) + completion}
+                )
+                starts.append(len(prompt_ids))
+            batch = {key: value.to(device) for key, value in collate(records).items()}
+            batch["starts"] = torch.tensor(starts, device=device)
+            batch["lengths"] = self.lengths[chunk].to(device)
+            batch["advantages"] = self.advantages[chunk].to(device)
+            for name in ("old_logps", "ref_logps"):
+                values = getattr(self, name)
+                batch[name] = values[chunk].to(device) if values is not None else None
+            batches.append(batch)
+        return batches
+
+
+def round_of(step: int, cfg) -> int:
+    return (step - 1) // steps_per_round(cfg)
+
+
+def generate(run, model, prompts, rewards, cfg, tokenizer, round_index: int, reference) -> Rollout:
+    """Collective: round `round_index`'s rollout, the same on every process."""
+    started = time.perf_counter()
+    accelerator, grpo = run.accelerator, cfg.grpo
+    rank, world = data_shard(accelerator)
+    picked = prompt_sets.round_prompts(len(prompts), prompts_per_round(cfg), round_index, cfg.seed)
+    slots = [(slot, sample) for slot in range(len(picked)) for sample in range(grpo.num_generations)]
+    mine = slots[len(slots) * rank // world : len(slots) * (rank + 1) // world]
+    completions = []
+    batch = grpo.generation_batch_size or len(mine)
+    with sampling.generating(accelerator, model, grpo.gather_for_generation) as (policy, synced):
+        for start in range(0, len(mine), batch):
+            rows = mine[start : start + batch]
+            seeds = [sampling.completion_seed(cfg.seed, round_index, s, picked[s], g) for s, g in rows]
+            ids = [prompts.ids[picked[s]] for s, _ in rows]
+            completions += sampling.sample(
+                policy, ids, seeds, grpo, tokenizer.pad_token_id, tokenizer.eos_token_id, synced
+            )
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    scores = rewards.score(
+        [prompts.texts[picked[s]] for s, _ in mine], texts, [prompts.answers[picked[s]] for s, _ in mine]
+    )
+    names = list(scores)
+    padded = torch.zeros(len(mine), grpo.max_new_tokens, dtype=torch.long)
+    for i, tokens in enumerate(completions):
+        padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    lengths = torch.tensor([len(t) for t in completions], dtype=torch.long)
+    table = torch.tensor([scores[name] for name in names], dtype=torch.float64).T
+    padded, lengths, table = (gather_shares(accelerator, t) for t in (padded, lengths, table))
+    rewards_by_name = {name: table[:, i].contiguous() for i, name in enumerate(names)}
+    rollout = Rollout(
+        round_index,
+        torch.tensor([picked[s] for s, _ in slots]),
+        padded,
+        lengths,
+        rewards_by_name,
+        advantages(rewards_by_name["total"], grpo.num_generations, grpo.scale_rewards),
+        None,
+        None,
+        round_order(len(slots), cfg.seed, round_index),
+    )
+    if steps_per_round(cfg) > 1:
+        rollout.old_logps = scored(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, None)
+    if grpo.beta > 0:
+        rollout.ref_logps = scored(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, reference)
+    rollout.generation_seconds = time.perf_counter() - started
+    return rollout
+
+
+def advantages(totals: torch.Tensor, group: int, scale: str) -> torch.Tensor:
+    """Each reward minus its group's mean, divided by the group's std (`group`), the round's (`batch`),
+    or nothing (`none`)."""
+    grouped = totals.view(-1, group)
+    centred = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
+    if scale == "group":
+        return centred / (grouped.std(dim=1).repeat_interleave(group) + STD_EPS)
+    if scale == "batch":
+        return centred / (totals.std() + STD_EPS)
+    return centred
+
+
+def round_order(count: int, seed: int, round_index: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng([seed, round_index, 1]).permutation(count))
+
+
+def gather_shares(accelerator, tensor: torch.Tensor) -> torch.Tensor:
+    """Collective: every data-parallel group's `tensor` (equal shapes) concatenated in rank order; the
+    tensor-parallel ranks of a group hold the same one, so each group's is taken once."""
+    gathered = accelerator.gather(tensor.to(accelerator.device)).cpu()
+    tp = tensor_parallel_size(accelerator)
+    if tp == 1:
+        return gathered
+    return gathered.view(-1, tp, *tensor.shape)[:, 0].reshape(-1, *tensor.shape[1:])
+
+
+def scored(run, model, rollout: Rollout, prompts, cfg, pad_id: int, reference) -> torch.Tensor:
+    """Collective: per-token log-probs of every completion of the round, [N, max_new_tokens], under the
+    current policy (`reference` None) or under the reference; each process scores its share."""
+    accelerator = run.accelerator
+    rank, world = data_shard(accelerator)
+    rows = torch.arange(len(rollout.prompt))
+    values = []
+    for batch in rollout.micro_batches(rows, prompts, cfg, pad_id, rank, world, accelerator.device):
+        with torch.no_grad():
+            values.append(reference.logps(batch) if reference is not None else completion_logps(model, batch))
+    mine = torch.cat(values).double() if values else torch.zeros(0, cfg.grpo.max_new_tokens)
+    return gather_shares(accelerator, mine.cpu())
+
+
+def resumed(state: dict, start_step: int, cfg) -> Rollout | None:
+    """The round a checkpoint was saved in, when its next step still belongs to it; else None."""
+    if not state:
+        return None
+    rollout = Rollout.from_state_dict(state)
+    return rollout if rollout.round_index == round_of(start_step + 1, cfg) else None
+
+
+def step_counts(rollout: Rollout, rows: torch.Tensor, prompts) -> tuple[int, int]:
+    """(completion tokens, all tokens) of the step's completions."""
+    completion = int(rollout.lengths[rows].sum())
+    prompt = sum(len(prompts.ids[int(rollout.prompt[i])]) for i in rows.tolist())
+    return completion, completion + prompt
+
+
+class StepStats:
+    """A step's metrics from the rollout (the same on every process) and the summed loss terms."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.generation_seconds, self.started = 0.0, time.perf_counter()
+        self.counted_round = None
+
+    def metrics(self, rollout: Rollout, rows: torch.Tensor, sums: torch.Tensor, tokens: int) -> dict:
+        """`sums`: the step's (objective, KL, clipped tokens) summed over every process."""
+        objective, kl, clipped = sums.tolist()
+        fresh = self.counted_round != rollout.round_index
+        self.counted_round = rollout.round_index
+        generated = rollout.generation_seconds if fresh else 0.0
+        self.generation_seconds += generated
+        groups = rollout.rewards["total"].view(-1, self.cfg.grpo.num_generations)
+        values = {
+            "loss": objective / max(normaliser(self.cfg.grpo, len(rows), tokens), 1),
+            "reward": float(rollout.rewards["total"][rows].mean()),
+            **{
+                f"reward_{name}": float(v[rows].mean())
+                for name, v in rollout.rewards.items()
+                if name != "total"
+            },
+            "advantage_std": float(rollout.advantages[rows].std()),
+            "zero_std_frac": float((groups.std(dim=1) == 0).double().mean()),
+            "kl": kl / max(tokens, 1),
+            "clip_frac": clipped / max(tokens, 1),
+            "completion_len": float(rollout.lengths[rows].double().mean()),
+            "generation_s": generated,
+            "generation_share": self.generation_seconds / max(time.perf_counter() - self.started, 1e-9),
+        }
+        return values

@@ -1,0 +1,159 @@
+"""Completions sampled with HF generate, each with a seed of its own derived from (seed, round, prompt,
+sample): the same completions come out however the round is split into processes and batches.
+
+Sampling is done by the Gumbel-max trick: a logits processor applies temperature, top-k and top-p, then
+adds Gumbel noise drawn from the completion's own generator, and generate picks the argmax, which is a
+draw from the processed distribution. Greedy decoding then needs no random state shared between rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import torch
+from accelerate.utils import DistributedType
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+
+def completion_seed(seed: int, round_index: int, slot: int, prompt: int, sample: int) -> int:
+    """A 63-bit seed from the run's seed, the round, the prompt's place in it (`slot`) and its index,
+    and the sample's number: stable across processes, runs and Python versions."""
+    key = f"{seed}/{round_index}/{slot}/{prompt}/{sample}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+class SeededSampling(LogitsProcessor):
+    """Temperature, top-k, top-p, then each row's Gumbel noise from its own generator."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_k: int, top_p: float, device):
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        self.temperature = temperature
+        self.warpers = [TopKLogitsWarper(top_k)] if top_k else []
+        if top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.float() / self.temperature
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        uniform = torch.stack(
+            [
+                torch.rand(scores.size(-1), generator=g, device=scores.device, dtype=torch.float64)
+                for g in self.generators
+            ]
+        )
+        gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-300)))
+        return scores + gumbel.to(scores.dtype)
+
+
+@torch.no_grad()
+def sample(model, prompts: list[list[int]], seeds: list[int], cfg, pad_id: int, eos_id, synced: bool):
+    """Completion token ids, one list per prompt (ending at the end token when one was sampled), sampled
+    per `cfg` (the grpo section) with each row's seed. Collective when `synced` (sharded weights)."""
+    device = next(model.parameters()).device
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):  # left padding: every row's next token comes at the same column
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    processor = SeededSampling(seeds, cfg.temperature, cfg.top_k, cfg.top_p, device)
+    generation = GenerationConfig(
+        max_new_tokens=cfg.max_new_tokens, do_sample=False, pad_token_id=pad_id, eos_token_id=eos_id
+    )
+    out = model.generate(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        generation_config=generation,
+        logits_processor=LogitsProcessorList([processor]),
+        synced_gpus=synced,
+    )
+    return [_until_end(row.tolist(), eos_id) for row in out[:, width:].cpu()]
+
+
+def _until_end(tokens: list[int], eos_id) -> list[int]:
+    ends = set(eos_id if isinstance(eos_id, list) else [eos_id])
+    for i, token in enumerate(tokens):
+        if token in ends:
+            return tokens[: i + 1]
+    return tokens
+
+
+@contextlib.contextmanager
+def generating(accelerator, model, gather: bool):
+    """The model to call `generate` on, and whether its calls are collective: under ZeRO-3 or FSDP2 (with
+    `gather`) the whole model is gathered once here rather than layer by layer at every token; FSDP1 and
+    ungathered sharded models generate in lockstep (synced)."""
+    unwrapped = accelerator.unwrap_model(model)
+    sharded = _is_zero3(accelerator) or accelerator.distributed_type == DistributedType.FSDP
+    synced = sharded and accelerator.num_processes > 1
+    was_training = unwrapped.training
+    unwrapped.eval()
+    try:
+        if gather and _is_zero3(accelerator):
+            with _zero3_gathered(model):
+                yield unwrapped, False
+        elif gather and _fsdp2_modules(unwrapped):
+            with _fsdp2_unsharded(unwrapped):
+                yield unwrapped, False
+        else:
+            from toolkit.distributed import root_params_gathered
+
+            with root_params_gathered(model):
+                yield unwrapped, synced
+    finally:
+        unwrapped.train(was_training)
+
+
+def _is_zero3(accelerator) -> bool:
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return False
+    return accelerator.state.deepspeed_plugin.zero_stage == 3
+
+
+@contextlib.contextmanager
+def _zero3_gathered(engine):
+    """Every ZeRO-3 partition gathered once, with the engine's fetch-and-release hooks off meanwhile (they
+    would release each layer again after its forward)."""
+    import deepspeed
+
+    offload = engine.optimizer.parameter_offload if hasattr(engine.optimizer, "parameter_offload") else None
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        if offload is None:
+            yield
+            return
+        for param in engine.module.parameters():
+            param.ds_active_sub_modules.clear()
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            coordinator = getattr(offload, "param_coordinator", None)
+            if coordinator is not None and not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()
+            offload._register_deepspeed_module(offload.module)
+
+
+def _fsdp2_modules(model) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def _fsdp2_unsharded(model):
+    """Every FSDP2 unit unsharded once and kept so through the forward passes, then resharded."""
+    modules = _fsdp2_modules(model)
+    for module in modules:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
+            module.set_reshard_after_forward(True, recurse=False)
