@@ -131,8 +131,8 @@ def load(path: Path, fingerprint: dict) -> dict[str, Precomputed] | None:
 
 
 def load_separate(accelerator, cfg, features, path: str, key: str = "dpo.reference_model"):
-    """The reference model at `path` (config key `key`) loaded frozen in the policy's dtype and prepared (sharded) like the policy:
-    DDP/FSDP through accelerate, DeepSpeed as an inference engine of its own (below)."""
+    """The reference model at `path` (config key `key`) loaded frozen in the policy's dtype and prepared
+    (sharded) like the policy: DDP/FSDP through accelerate, DeepSpeed as an inference engine of its own."""
     spec = ModelConfig(
         path=path,
         method="full",
