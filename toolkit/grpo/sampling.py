@@ -146,14 +146,27 @@ def _fsdp2_modules(model) -> list:
 
 @contextlib.contextmanager
 def _fsdp2_unsharded(model):
-    """Every FSDP2 unit unsharded once and kept so through the forward passes, then resharded."""
+    """Every FSDP2 unit unsharded once and kept so through the forward passes, then resharded. Each unit's
+    own after-forward setting is put back as it was (the root's is false, the others' true): torch has a
+    setter for it but no getter, so its state is saved and restored directly."""
     modules = _fsdp2_modules(model)
+    saved = []
     for module in modules:
+        state = module._get_fsdp_state()
+        saved.append(
+            (
+                state,
+                state._auto_reshard_after_forward,
+                [g.post_forward_mesh_info for g in state._fsdp_param_groups],
+            )
+        )
         module.unshard()
         module.set_reshard_after_forward(False, recurse=False)
     try:
         yield
     finally:
-        for module in modules:
+        for module, (state, auto, infos) in zip(modules, saved):
             module.reshard()
-            module.set_reshard_after_forward(True, recurse=False)
+            state._auto_reshard_after_forward = auto
+            for group, info in zip(state._fsdp_param_groups, infos):
+                group.post_forward_mesh_info = info
