@@ -9,8 +9,10 @@ from toolkit.config import DEMO_CONFIG, RecipeConfig, load_config
 from toolkit.errors import UserError
 from toolkit.typed_yaml import field_docs, flat_dict
 
-# Preference-tuning configs have a section of their own; tests/unit/test_preference_config.py loads them.
-SHIPPED = sorted(p for p in (REPO / "recipes" / "configs").rglob("*.yaml") if "dpo" not in p.name)
+# Preference and GRPO configs have a section of their own; test_preference_config.py and test_grpo.py load them.
+SHIPPED = sorted(
+    p for p in (REPO / "recipes" / "configs").rglob("*.yaml") if "dpo" not in p.name and "grpo" not in p.name
+)
 
 
 def write(tmp_path, text):

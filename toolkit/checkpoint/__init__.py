@@ -6,6 +6,7 @@ export (the trained model as Hugging Face files)."""
 from toolkit.checkpoint.rundir import CONFIG
 from toolkit.checkpoint.save import (
     MARKER,
+    RECIPE_STATE,
     SaveSchedule,
     checkpoint_dir,
     damage,
@@ -23,6 +24,7 @@ from toolkit.checkpoint.save import (
 __all__ = [
     "CONFIG",
     "MARKER",
+    "RECIPE_STATE",
     "SaveSchedule",
     "checkpoint_dir",
     "damage",

@@ -24,7 +24,8 @@ def completion_logps(model, batch: dict) -> torch.Tensor:
     if head.chunked_head(model) is not None:
         logps = head.target_logps(model, batch)
     else:
-        logits = model(**model_inputs(batch)).logits[:, :-1].float()
+        logits = model(**model_inputs(batch)).logits[:, :-1]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         targets = batch["labels"][:, 1:]
         picked = logits.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
         logps = picked.masked_fill(targets == IGNORE, 0.0)
@@ -39,14 +40,14 @@ def _completion_columns(logps: torch.Tensor, starts, lengths) -> torch.Tensor:
     return logps.gather(1, index).masked_fill(~mask, 0.0)
 
 
-def token_mask(batch: dict, columns: int) -> torch.Tensor:
-    return (torch.arange(columns, device=batch["lengths"].device) < batch["lengths"][:, None]).float()
+def token_mask(batch: dict, columns: int, dtype) -> torch.Tensor:
+    return (torch.arange(columns, device=batch["lengths"].device) < batch["lengths"][:, None]).to(dtype)
 
 
 def micro_terms(cfg, logps: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
     """The micro-batch's summed objective (to be scaled by the step's count) and its metric sums."""
     columns = logps.size(1)
-    mask = token_mask(batch, columns)
+    mask = token_mask(batch, columns, logps.dtype)
     old = (
         batch["old_logps"][:, :columns].to(logps.dtype) if batch["old_logps"] is not None else logps.detach()
     )

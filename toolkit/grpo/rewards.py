@@ -58,7 +58,10 @@ class Rewards:
             elif name == "length":
                 functions[name] = length_penalty(cfg.max_new_tokens, token_counts)
             else:
-                functions[name] = load_user_function(name)
+                short = name.rpartition(":")[2]  # the metric is reward_<function name>
+                if short in functions:
+                    raise UserError(f"grpo.rewards: two reward functions are called {short}")
+                functions[short] = load_user_function(name)
         return cls(functions, cfg.reward_weights or [1.0] * len(functions))
 
     def score(self, prompts: list[str], completions: list[str], answers: list[str]) -> dict[str, list[float]]:
