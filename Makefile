@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # A CPU-only torch keeps installs small where no GPU exists; with a GPU, pip's default (CUDA) build is used.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install demo demo-dpo demo-tools test test-unit test-e2e lint bench clean
+.PHONY: install demo demo-dpo demo-grpo demo-tools test test-unit test-e2e lint bench clean
 
 install: $(STAMP)
 
@@ -30,6 +30,13 @@ demo-tools: install
 demo-dpo: install
 	test -f runs/demo/final/adapter_config.json || $(MAKE) demo
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/dpo_llm.py \
+		train.overwrite=true $(ARGS)
+
+# GRPO on the SFT demo's result (running the SFT demo first when it is missing): sampled answers to the
+# embedded sums, rewarded when exact.
+demo-grpo: install
+	test -f runs/demo/final/adapter_config.json || $(MAKE) demo
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/grpo_llm.py \
 		train.overwrite=true $(ARGS)
 
 # pytest exits 5 when it collects no tests: said in one line, not a failed stage.
