@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, launch, run_launched
+from helpers import REPO, assert_export_is_the_trained_state, launch, run_launched
 
 from toolkit.checkpoint import RECIPE_STATE
+from toolkit.commands import cli
 from toolkit.metrics import read_metrics
 
 RECIPE = REPO / "recipes" / "grpo_llm.py"
@@ -101,9 +102,13 @@ def test_run_learns_logs_its_metrics_and_exports(single):
     assert (out / "final" / exported).is_file()
 
 
-def test_checkpoints_keep_the_round_in_progress(single):
-    _, out, _, _ = single
+def test_checkpoints_keep_the_round_in_progress_and_export_like_the_others(single, tmp_path):
+    method, out, _, _ = single
     assert (out / "checkpoints" / "step-1" / RECIPE_STATE).is_file()
+    assert_export_is_the_trained_state(out)
+    if method == "lora":
+        assert cli.main(["export", str(out / "checkpoints" / "step-2"), "--out", str(tmp_path / "x")]) == 0
+        assert (tmp_path / "x" / "adapter_model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("stop_after", [1, 2])

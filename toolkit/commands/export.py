@@ -135,11 +135,17 @@ def run_config(checkpoint_dir: Path) -> RecipeConfig:
 
 
 def _saved_config(path: Path) -> RecipeConfig:
-    """Read with the schema of the recipe that wrote it: a preference run saves a `dpo` section too."""
-    if "dpo" in read_yaml_mapping(path, "config"):
+    """Read with the schema of the recipe that wrote it: a preference run saves a `dpo` section too, a GRPO
+    run a `grpo` section."""
+    sections = read_yaml_mapping(path, "config")
+    if "dpo" in sections:
         from toolkit.preference.config import PreferenceConfig
 
         return load_config(path, schema=PreferenceConfig)
+    if "grpo" in sections:
+        from toolkit.grpo.config import GrpoRecipeConfig
+
+        return load_config(path, schema=GrpoRecipeConfig)
     return load_config(path)
 
 
