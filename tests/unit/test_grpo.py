@@ -249,3 +249,14 @@ def test_a_rollout_survives_its_checkpoint_form():
     assert rollouts.resumed(rollout.state_dict(), 1, recipe) is not None  # step 2: still round 0
     assert rollouts.resumed(rollout.state_dict(), 2, recipe) is None  # step 3 starts round 1
     assert rollouts.resumed({}, 1, recipe) is None
+
+
+def test_the_commands_read_a_grpo_config_with_its_own_schema(tmp_path):
+    from toolkit.config import load_any_recipe_config
+    from toolkit.launch.checks import check_config_cli
+
+    cfg = load_any_recipe_config(REPO / "recipes" / "configs" / "demo-grpo.yaml")
+    assert isinstance(cfg, GrpoRecipeConfig) and cfg.grpo.num_generations == 8
+    accel = str(REPO / "accelerate_configs" / "zero3.yaml")
+    report = check_config_cli(accel, str(REPO / "recipes" / "configs" / "demo-grpo.yaml"), None, {})
+    assert "ok: deepspeed ZeRO-3 on 2 process(es)" in report

@@ -14,9 +14,8 @@ from toolkit import data, quant
 from toolkit import model as models
 from toolkit.checkpoint import CONFIG, MARKER, damage, export, portable, read_marker
 from toolkit.checkpoint.rundir import MARKER as RUN_MARKER
-from toolkit.config import RecipeConfig, load_config
+from toolkit.config import RecipeConfig, load_any_recipe_config
 from toolkit.errors import UserError
-from toolkit.typed_yaml import read_yaml_mapping
 
 EXPORT_MARKER = ".ftkit-export"
 """Left in every export, so that a later export may replace it (and nothing else)."""
@@ -135,18 +134,8 @@ def run_config(checkpoint_dir: Path) -> RecipeConfig:
 
 
 def _saved_config(path: Path) -> RecipeConfig:
-    """Read with the schema of the recipe that wrote it: a preference run saves a `dpo` section too, a GRPO
-    run a `grpo` section."""
-    sections = read_yaml_mapping(path, "config")
-    if "dpo" in sections:
-        from toolkit.preference.config import PreferenceConfig
-
-        return load_config(path, schema=PreferenceConfig)
-    if "grpo" in sections:
-        from toolkit.grpo.config import GrpoRecipeConfig
-
-        return load_config(path, schema=GrpoRecipeConfig)
-    return load_config(path)
+    """Read with the schema of the recipe that wrote it (a preference or GRPO run saves its own section)."""
+    return load_any_recipe_config(path)
 
 
 def model_skeleton(cfg: RecipeConfig) -> torch.nn.Module:

@@ -317,9 +317,9 @@ def check_config_cli(
     accel_yaml: str, recipe_path: str | None, num_processes: int | None, env: MutableMapping[str, str]
 ) -> str:
     """`ftkit check-config`: check an accelerate YAML against a recipe config (the demo one by default)."""
-    from toolkit.config import load_config
+    from toolkit.config import load_any_recipe_config
 
-    cfg = load_config(recipe_path)
+    cfg = load_any_recipe_config(recipe_path)
     machine = probe_machine()
     launch = launch_from_yaml(Path(accel_yaml), machine.gpu_count, num_processes)
     launch = with_pipeline(launch, cfg.pipeline.size, recipe_path or "the demo config")
