@@ -232,3 +232,27 @@ def test_auto_plans_preference_tuning_with_two_sequences_and_the_reference():
     pinned = dict(micro_batch=1, grad_ckpt="on", seq_len=dpo.seq_len)
     totals = [ddp_total(dataclasses.replace(r, **pinned)) for r in (sft, dpo, separate)]
     assert totals[0] < totals[1] < totals[2]
+
+
+def test_grpo_launches_its_recipe_with_its_config_and_auto_plans_its_generation_round():
+    from toolkit.commands.auto_backend import plan_request
+    from toolkit.grpo.config import GrpoRecipeConfig
+
+    parsed = args("grpo", "--backend", "auto", "grpo.max_new_tokens=16")
+    name, overrides = train.split_items(parsed.items)
+    cfg = train.recipe_config(name, parsed.config, overrides)
+    assert isinstance(cfg, GrpoRecipeConfig) and cfg.output_dir == "runs/demo-grpo"
+    nodes = train.resolve_nodes(parsed, {})
+    plan = train.plan_launch(parsed, overrides, cfg, CPU_BOX, nodes, train.recipe_path(name))
+    recipe = plan.argv.index(train.shown(train.REPO / "recipes/grpo_llm.py"))
+    assert plan.argv[recipe + 1] == "grpo.max_new_tokens=16" and plan.reason.startswith("auto: ")
+    request = plan_request(cfg, overrides, 2, 12.0)
+    assert (request.objective, request.generations, request.max_new_tokens) == ("grpo", 8, 16)
+    assert (request.seq_len, request.global_batch) == (cfg.data.max_length, cfg.train.global_batch_size)
+    # grpo.beta 0 loads no reference, so a named one costs nothing.
+    unused = train.recipe_config(name, None, ["grpo.reference_model=toolkit/assets/tiny-llama"])
+    assert not plan_request(unused, [], 2, 12.0).reference_model
+    used = train.recipe_config(
+        name, None, ["grpo.reference_model=toolkit/assets/tiny-llama", "grpo.beta=0.1"]
+    )
+    assert plan_request(used, [], 2, 12.0).reference_model

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from toolkit.config import RecipeConfig
 from toolkit.errors import UserError
+from toolkit.grpo.config import GrpoRecipeConfig
 from toolkit.plan.estimate import PlanRequest, make_plan
 from toolkit.plan.memory import GIB
 from toolkit.preference.config import PreferenceConfig
@@ -49,12 +50,13 @@ def choose(cfg: RecipeConfig, overrides: list[str], hardware, processes: int) ->
 
 def plan_request(cfg: RecipeConfig, overrides: list[str], processes: int, mem_gib: float) -> PlanRequest:
     """The recipe config as the estimator sees it; what the user fixed on the command line stays fixed.
-    A preference config plans two sequences per pair, and a separate reference model's weights."""
+    A preference config plans two sequences per pair, and a separate reference model's weights; a GRPO
+    config its generation round too."""
     fixed = _keys(overrides)
     dpo = cfg.dpo if isinstance(cfg, PreferenceConfig) else None
     ckpt = cfg.model.gradient_checkpointing
     model = Path(cfg.model.path)
-    return PlanRequest(
+    request = PlanRequest(
         model=str(REPO / model) if not model.exists() and (REPO / model).exists() else cfg.model.path,
         gpus=processes,
         gpu_mem=mem_gib,
@@ -71,6 +73,23 @@ def plan_request(cfg: RecipeConfig, overrides: list[str], processes: int, mem_gi
         reference_model=bool(dpo and dpo.reference_model),
         loss_head=cfg.loss.head,
         chunk_tokens=cfg.loss.chunk_tokens,
+    )
+    return _with_grpo(request, cfg) if isinstance(cfg, GrpoRecipeConfig) else request
+
+
+def _with_grpo(request: PlanRequest, cfg: GrpoRecipeConfig) -> PlanRequest:
+    grpo = cfg.grpo
+    return dataclasses.replace(
+        request,
+        objective="grpo",
+        # With grpo.beta 0 the recipe loads no reference, whatever grpo.reference_model says.
+        reference_model=bool(grpo.reference_model) and grpo.beta > 0,
+        generations=grpo.num_generations,
+        max_new_tokens=grpo.max_new_tokens,
+        generation_batch=grpo.generation_batch_size,
+        steps_per_generation=grpo.steps_per_generation,
+        gather_for_generation=grpo.gather_for_generation,
+        beta=grpo.beta,
     )
 
 

@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     from toolkit.commands import train
     from toolkit.config import LossHead, Method
     from toolkit.fields import choices
-    from toolkit.plan import GradCkpt, PlanDtype, PlanPrecision
+    from toolkit.plan import GradCkpt, Objective, PlanDtype, PlanPrecision
 
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(
@@ -60,10 +60,31 @@ def main(argv: list[str] | None = None) -> int:
         "--chunk-tokens", type=int, help="label tokens per chunk of the chunked head (default 1024)"
     )
     plan.add_argument("--cpu-mem", type=float, help="GiB of CPU RAM; setups needing more do not fit")
-    plan.add_argument("--objective", choices=("sft", "dpo"), help="dpo: chosen + rejected per example")
     plan.add_argument(
-        "--reference-model", action="store_true", default=None, help="dpo with a separate reference model"
+        "--objective",
+        choices=choices(Objective),
+        help="sft (default); dpo: chosen + rejected per example; grpo: a generation round, then training",
     )
+    plan.add_argument(
+        "--reference-model",
+        action="store_true",
+        default=None,
+        help="dpo or grpo (with --beta > 0) with a separate reference model",
+    )
+    plan.add_argument("--generations", type=int, help="grpo: completions per prompt (default 8)")
+    plan.add_argument("--max-new-tokens", type=int, help="grpo: tokens a completion may have (default 32)")
+    plan.add_argument(
+        "--generation-batch", type=int, help="grpo: completions a GPU generates at once (default: its share)"
+    )
+    plan.add_argument(
+        "--steps-per-generation", type=int, help="grpo: optimizer steps a round feeds (default 1)"
+    )
+    plan.add_argument(
+        "--gather-for-generation",
+        action=argparse.BooleanOptionalAction,
+        help="grpo under zero3/fsdp: gather the whole model on each GPU to generate (default on)",
+    )
+    plan.add_argument("--beta", type=float, help="grpo: KL weight; above 0 a reference is scored (default 0)")
     plan.add_argument("--tokens", type=float, help="tokens to train on, for time and cost")
     plan.add_argument("--tokens-per-s", type=float, help="throughput of the whole machine")
     plan.add_argument("--from-run", help="a run's output_dir on the same hardware: its measured tokens/s")

@@ -22,7 +22,7 @@ from toolkit.errors import UserError
 from toolkit.launch.machine import Machine, probe_machine
 
 REPO = Path(__file__).resolve().parent.parent.parent
-RECIPES = {"sft": "recipes/finetune_llm.py", "dpo": "recipes/dpo_llm.py"}
+RECIPES = {"sft": "recipes/finetune_llm.py", "dpo": "recipes/dpo_llm.py", "grpo": "recipes/grpo_llm.py"}
 CPU_PROCESSES = 2  # without GPUs: a dry run of the same command on gloo CPU processes
 DEFAULT_PORT = 29500
 # Launch files whose recipe needs pipeline.size (accelerate takes no such key): the size they imply, None
@@ -64,7 +64,9 @@ class LaunchPlan:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("items", nargs="*", metavar="[RECIPE] [key=value ...]", help="sft (default) or dpo")
+    parser.add_argument(
+        "items", nargs="*", metavar="[RECIPE] [key=value ...]", help="sft (default), dpo or grpo"
+    )
     parser.add_argument("--backend", default="auto", help="an accelerate_configs/ name, or auto (default)")
     parser.add_argument("--gpus", type=int, help="processes per machine (default: its GPUs, or 2 on CPU)")
     parser.add_argument("--config", help="recipe config YAML (default: the recipe's demo config)")
@@ -97,6 +99,10 @@ def recipe_config(name: str, path: str | None, overrides: list[str]) -> RecipeCo
         from toolkit.preference.config import load_preference_config
 
         return load_preference_config(path, overrides)
+    if name == "grpo":
+        from toolkit.grpo.config import load_grpo_config
+
+        return load_grpo_config(path, overrides)
     return load_config(path, overrides)
 
 

@@ -8,20 +8,40 @@ import shlex
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated
 
 from toolkit import flops
 from toolkit.config import LossConfig, LossHead, Method, load_config
 from toolkit.errors import UserError
-from toolkit.fields import NonNegativeFloat, PositiveFloat, PositiveInt, Probability, field_errors
+from toolkit.fields import (
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Probability,
+    Range,
+    field_errors,
+)
+from toolkit.grpo.config import GrpoConfig, load_grpo_config
 from toolkit.launch.machine import GIB
 from toolkit.metrics import read_metrics
-from toolkit.plan import GradCkpt, PlanDtype, PlanPrecision, architectures, comm, memory, parallel, pipeline
+from toolkit.plan import (
+    GradCkpt,
+    Objective,
+    PlanDtype,
+    PlanPrecision,
+    architectures,
+    comm,
+    generation,
+    memory,
+    parallel,
+    pipeline,
+)
 from toolkit.plan.counts import ModelCounts, count_parameters, load_model_config
 from toolkit.plan.memory import Head, MemoryEstimate, Precision
-from toolkit.typed_yaml import flat_dict
+from toolkit.typed_yaml import dotted, to_dict
 
-RECIPES = {"sft": "finetune_llm.py", "dpo": "dpo_llm.py"}
+RECIPES = {"sft": "finetune_llm.py", "dpo": "dpo_llm.py", "grpo": "grpo_llm.py"}
 # The printed command runs from a checkout's root, so its recipe configs are looked up from there too.
 RECIPE_CONFIGS = Path("recipes") / "configs"
 # Fastest first. Gradient checkpointing costs about a third more compute; ZeRO-1/2 move no more data than
@@ -41,7 +61,7 @@ class PlanRequest:
     method: Method = "lora"
     """How the model is fine-tuned, as the recipe's model.method."""
     seq_len: PositiveInt = 2048
-    """Tokens per example (data.max_length)."""
+    """Tokens per example (data.max_length); under grpo a prompt's, before its completion."""
     micro_batch: PositiveInt | None = None
     """Examples per forward pass per GPU; None: the largest that fits."""
     global_batch: PositiveInt = 32
@@ -58,28 +78,103 @@ class PlanRequest:
     """Autocast."""
     cpu_mem: NonNegativeFloat | None = None
     """CPU RAM of the machine in GiB; when set, setups needing more do not fit."""
-    objective: Literal["sft", "dpo"] = "sft"
-    """What is trained: sft, or dpo (preference tuning: two sequences, chosen and rejected, per example)."""
+    objective: Objective = "sft"
+    """What is trained: sft; dpo (preference tuning: two sequences, chosen and rejected, per example); grpo
+    (online RL: a round generates completions, then training reads prompt + completion rows)."""
     reference_model: bool = False
-    """dpo with a separate reference model: its frozen weights too (none with LoRA or precomputed
-    reference log-probs)."""
+    """dpo or grpo with a separate reference model: its frozen weights too (none with LoRA's adapter off or
+    precomputed reference log-probs)."""
     loss_head: LossHead = LossConfig.head
     """How the loss reads the output head (loss.head; chunked: the logits never exist whole)."""
     chunk_tokens: PositiveInt = LossConfig.chunk_tokens
     """Label tokens per chunk of the chunked head (loss.chunk_tokens)."""
+    generations: Annotated[int, Range(low=2)] = GrpoConfig.num_generations
+    """grpo: completions sampled per prompt (grpo.num_generations)."""
+    max_new_tokens: PositiveInt = GrpoConfig.max_new_tokens
+    """grpo: tokens a completion may have, after its prompt (grpo.max_new_tokens)."""
+    generation_batch: NonNegativeInt = GrpoConfig.generation_batch_size
+    """grpo: completions a GPU generates at once (grpo.generation_batch_size; 0: its share of a round)."""
+    steps_per_generation: PositiveInt = GrpoConfig.steps_per_generation
+    """grpo: optimizer steps one round feeds (grpo.steps_per_generation)."""
+    gather_for_generation: bool = GrpoConfig.gather_for_generation
+    """grpo: under ZeRO-3/FSDP the whole model is gathered on each GPU to generate."""
+    beta: NonNegativeFloat = GrpoConfig.beta
+    """grpo: KL weight (grpo.beta); above 0 a reference is scored (LoRA's adapter off costs nothing)."""
 
     def validate(self) -> None:
         errors = field_errors(self)
         if errors:
             name, _, message = errors[0].partition(": ")
-            raise UserError(f"--{name.replace('_', '-')} {message}")
-        if self.reference_model and self.objective != "dpo":
-            raise UserError("--reference-model is for --objective dpo")
+            raise UserError(f"--{_flag(name)} {message}")
+        if self.reference_model and self.objective == "sft":
+            raise UserError("--reference-model is for --objective dpo or grpo")
         per_step = (self.micro_batch or 1) * self.gpus
         if self.global_batch % per_step:
             raise UserError(
                 f"--global-batch {self.global_batch} is not a multiple of micro-batch x GPUs ({per_step})"
             )
+        if self.objective == "grpo":
+            self._validate_grpo()
+            return
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        changed = [name for name in GRPO_OPTIONS if getattr(self, name) != defaults[name]]
+        if changed:
+            raise UserError(f"--{_flag(changed[0])} is for --objective grpo")
+
+    def _validate_grpo(self) -> None:
+        """What the GRPO recipe would refuse (toolkit/grpo/config.py), in the plan's words."""
+        completions = self.global_batch * self.steps_per_generation
+        if completions % self.generations:
+            raise UserError(
+                f"--global-batch x --steps-per-generation ({completions}) must be a multiple of "
+                f"--generations ({self.generations}): a round generates whole groups"
+            )
+        if self.reference_model and self.beta == 0:
+            raise UserError("--reference-model with --objective grpo needs --beta > 0 (at 0 none is loaded)")
+        if self.beta > 0 and self.method == "full" and not self.reference_model:
+            raise UserError("--objective grpo --method full with --beta > 0 needs --reference-model")
+
+    @property
+    def rows_per_example(self) -> int:
+        """Sequences one example puts through the model: chosen and rejected under dpo."""
+        return 2 if self.objective == "dpo" else 1
+
+    @property
+    def row_tokens(self) -> int:
+        """Tokens of one trained sequence: under grpo a prompt and its completion."""
+        return self.seq_len + (self.max_new_tokens if self.objective == "grpo" else 0)
+
+    @property
+    def head(self) -> Head:
+        """The loss head; dpo and grpo read per-token log-probs of the labels."""
+        return Head(self.loss_head, self.chunk_tokens, log_probs=self.objective != "sft")
+
+    def generation_round(self) -> generation.Round | None:
+        """GRPO's round (None for the other objectives)."""
+        if self.objective != "grpo":
+            return None
+        return generation.Round(
+            completions=self.global_batch * self.steps_per_generation,
+            batch=self.generation_batch,
+            prompt_tokens=self.seq_len,
+            new_tokens=self.max_new_tokens,
+            gather=self.gather_for_generation,
+        )
+
+
+GRPO_OPTIONS = (
+    "generations",
+    "max_new_tokens",
+    "generation_batch",
+    "steps_per_generation",
+    "gather_for_generation",
+    "beta",
+)
+"""The options only --objective grpo reads."""
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -165,7 +260,7 @@ def make_plan(request: PlanRequest, cost: CostRequest | None = None) -> Plan:
         rows=rows,
         choice=choice,
         command=launch_line(choice, request, precision) if choice else None,
-        flops_per_token=flops.flops_per_token(counts, request.seq_len),
+        flops_per_token=flops.flops_per_token(counts, request.row_tokens),
         cost=estimate_cost(cost, request.gpus) if cost else None,
         full_head=_with_full_head(choice, counts, request, precision),
         layouts=parallel.layouts(counts, request, precision, _ckpt_options(request), micro)
@@ -241,20 +336,28 @@ def _grow_micro_batch(row: MemoryEstimate, counts, request: PlanRequest, precisi
 def _estimate(
     counts, request: PlanRequest, precision, backend: str, ckpt: bool, micro: int
 ) -> MemoryEstimate:
-    dpo = request.objective == "dpo"
-    return memory.estimate(
+    reference = reference_bytes(counts, request, precision, backend)
+    row = memory.estimate(
         counts,
         backend,
         request.gpus,
-        request.seq_len,
+        request.row_tokens,
         micro,
         ckpt,
         precision,
         request.lora_dropout,
-        sequences_per_example=2 if dpo else 1,
-        reference=reference_bytes(counts, request, precision, backend),
-        head=Head(request.loss_head, request.chunk_tokens, log_probs=dpo),
+        sequences_per_example=request.rows_per_example,
+        reference=reference,
+        head=request.head,
     )
+    plan_round = request.generation_round()
+    if plan_round is None:
+        return row
+    data_parallel = processes(backend, request.gpus)
+    phase = generation.estimate(
+        counts, backend, request.gpus, row.states, precision, plan_round, reference, data_parallel
+    )
+    return dataclasses.replace(row, generation=phase)
 
 
 def reference_bytes(counts, request: PlanRequest, precision: Precision, backend: str) -> int:
@@ -288,11 +391,22 @@ def launch_line(row: MemoryEstimate, request: PlanRequest, precision: Precision)
         "loss.head": request.loss_head,
         "loss.chunk_tokens": request.chunk_tokens,
     }
+    if str(model_path) != current["model.path"]:
+        wanted["model.adapter"] = None  # the template's adapter was trained on the template's model
     if request.method != "full":
         wanted |= {
             "lora.r": request.lora_r,
             "lora.dropout": request.lora_dropout,
             "lora.target_modules": "all-linear",
+        }
+    if request.objective == "grpo":
+        wanted |= {
+            "grpo.num_generations": request.generations,
+            "grpo.max_new_tokens": request.max_new_tokens,
+            "grpo.generation_batch_size": request.generation_batch,
+            "grpo.steps_per_generation": request.steps_per_generation,
+            "grpo.gather_for_generation": request.gather_for_generation,
+            "grpo.beta": request.beta,
         }
     overrides = [f"{key}={_yaml_value(value)}" for key, value in wanted.items() if current[key] != value]
     overrides.append(f"train.micro_batch_size={row.micro_batch}")
@@ -306,10 +420,8 @@ def launch_line(row: MemoryEstimate, request: PlanRequest, precision: Precision)
 
 def _template_config(model: str, method: str, objective: str = "sft") -> tuple[str, dict] | None:
     """The shipped recipe config closest to this run: same method first, then same model, then same shapes
-    (among the preference configs, named *dpo*, for `dpo`)."""
-    configs = [
-        path for path in sorted(RECIPE_CONFIGS.glob("*.yaml")) if ("dpo" in path.name) == (objective == "dpo")
-    ]
+    (among the configs of the objective's recipe: named *dpo* for `dpo`, *grpo* for `grpo`)."""
+    configs = [path for path in sorted(RECIPE_CONFIGS.glob("*.yaml")) if _objective_of(path) == objective]
     if not configs:
         return None
     arch = architectures.lookup(model)
@@ -325,21 +437,29 @@ def _template_config(model: str, method: str, objective: str = "sft") -> tuple[s
         )
 
     best = max(configs, key=closeness)
-    return str(best), flat_dict(_load(best))
+    return str(best), dotted(to_dict(_load(best)))
+
+
+def _objective_of(path: Path) -> str:
+    """The recipe a shipped config is for, as its name says."""
+    return next((objective for objective in ("grpo", "dpo") if objective in path.name), "sft")
 
 
 def _load(path: Path):
-    if "dpo" in path.name:
+    objective = _objective_of(path)
+    if objective == "dpo":
         from toolkit.preference.config import load_preference_config
 
         return load_preference_config(path, [])
+    if objective == "grpo":
+        return load_grpo_config(path, [])
     return load_config(path)
 
 
 def _yaml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    return str(value)
+    return "null" if value is None else str(value)
 
 
 def estimate_cost(cost: CostRequest, gpus: int) -> Cost:

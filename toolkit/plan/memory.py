@@ -11,16 +11,21 @@ backend keeps per rank; activations and overhead are estimates (formulas in thei
     zero3_offload   1/N          1/N          1/N           all of it in CPU RAM instead of GPU memory
 
 The model-parallel layouts (tp, fsdp_tp, hsdp) are in `plan.parallel`, the pipelines (pp, pp x ddp) in
-`plan.pipeline`; what each backend sends between GPUs is in `plan.comm`.
+`plan.pipeline`; what each backend sends between GPUs is in `plan.comm`; GRPO's generation phase is in
+`plan.generation`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from toolkit.config import LossConfig
 from toolkit.launch.machine import GIB
+
+if TYPE_CHECKING:
+    from toolkit.plan.generation import GenerationBytes
 
 BACKENDS = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload")
 DEEPSPEED = ("zero1", "zero2", "zero3", "zero3_offload")
@@ -324,9 +329,12 @@ class MemoryEstimate:
     cpu_ram: int
     reference: int = 0
     """A separate frozen reference model's weights on this GPU (preference tuning; 0 otherwise)."""
+    generation: GenerationBytes | None = None
+    """GRPO's generation phase on this GPU (`plan.generation`); None for the other objectives."""
 
     def per_gpu(self) -> dict[str, int]:
-        """Bytes on each GPU by kind; `weights` includes gathered or autocast working copies."""
+        """Bytes on each GPU by kind during training; `weights` includes gathered or autocast working copies.
+        With a generation phase, `training` and `generation` are each phase's total and `total` the larger."""
         on_gpu = not self.states.in_cpu_ram
         # Under LoRA the trainable parameters are the adapters; under full fine-tuning (none frozen), weights.
         adapters = self.states.trainable if self.states.frozen else 0
@@ -342,7 +350,19 @@ class MemoryEstimate:
         }
         if self.reference:
             parts["reference"] = self.reference
-        return {**parts, "total": sum(parts.values())}
+        training = sum(parts.values())
+        if self.generation is None:
+            return {**parts, "total": training}
+        generating = self.generation.total
+        return {**parts, "training": training, "generation": generating, "total": max(training, generating)}
+
+    @property
+    def peak_phase(self) -> str:
+        """training | generation: the phase `per_gpu()["total"]` comes from."""
+        if self.generation is None:
+            return "training"
+        parts = self.per_gpu()
+        return "generation" if parts["generation"] > parts["training"] else "training"
 
 
 def estimate(

@@ -20,8 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from toolkit.plan import comm, memory
-from toolkit.plan.memory import Head, MemoryEstimate, Precision
+from toolkit.plan import comm, generation, memory
+from toolkit.plan.memory import MemoryEstimate, Precision
 
 if TYPE_CHECKING:
     from toolkit.plan.estimate import PlanRequest
@@ -161,17 +161,21 @@ def estimate(
     # there are shards, else DDP's whole weights (the states follow FSDP's rules at 1 shard: no DDP buckets).
     like = "fsdp" if mesh.shard > 1 else "ddp"
     rank = rank_counts(counts, mesh.tp)
-    dpo = request.objective == "dpo"
-    sequences = micro * (2 if dpo else 1)
+    sequences = micro * request.rows_per_example
     states = memory.model_state_bytes(rank, "fsdp", mesh.shard, precision)
     working = memory.working_weight_bytes(rank, like, precision)
-    head = Head(request.loss_head, request.chunk_tokens, log_probs=dpo)
-    loss_head = memory.head_bytes(counts, request.seq_len * sequences, like, precision, head)
+    loss_head = memory.head_bytes(counts, request.row_tokens * sequences, like, precision, request.head)
     activations = loss_head + memory.activation_bytes(
-        counts, request.seq_len, sequences, ckpt, precision, request.lora_dropout, tp=mesh.tp
+        counts, request.row_tokens, sequences, ckpt, precision, request.lora_dropout, tp=mesh.tp
     )
     reference = _reference_bytes(rank, mesh, request, precision)
     tensors = states.total + working + activations + reference
+    plan_round = request.generation_round()
+    generating = None
+    if plan_round is not None:
+        generating = generation.estimate(
+            rank, like, mesh.gpus, states, precision, plan_round, reference, mesh.data_parallel, mesh.tp
+        )
     return MemoryEstimate(
         backend=mesh.backend,
         checkpointing=ckpt,
@@ -183,6 +187,7 @@ def estimate(
         overhead=memory.overhead_bytes(tensors, like, mesh.gpus, counts, precision),
         cpu_ram=memory.cpu_ram_bytes(counts, like, mesh.gpus, states, precision),
         reference=reference,
+        generation=generating,
     )
 
 
@@ -203,7 +208,6 @@ def comm_bytes(counts, mesh: Mesh, request: PlanRequest, precision: Precision, m
     if mesh.replicate > 1:
         sent += comm.all_reduce(mesh.replicate, math.ceil(grads / mesh.shard))
     if mesh.tp > 1:
-        sequences = 2 if request.objective == "dpo" else 1
-        tokens = micro_batches * micro * sequences * request.seq_len
+        tokens = micro_batches * micro * request.rows_per_example * request.row_tokens
         sent += comm.tp_activation_bytes(counts, mesh.tp, tokens, ckpt, precision)
     return sent

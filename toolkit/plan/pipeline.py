@@ -44,7 +44,7 @@ from toolkit.config import PipelineSchedule
 from toolkit.pipeline import stages as runtime
 from toolkit.pipeline.batches import pipeline_width
 from toolkit.plan import comm, memory
-from toolkit.plan.memory import Head, MemoryEstimate, Precision
+from toolkit.plan.memory import MemoryEstimate, Precision
 from toolkit.plan.parallel import Layout, Mesh
 
 if TYPE_CHECKING:
@@ -140,6 +140,8 @@ def layouts(
 def refusal(config, mesh: Mesh, request: PlanRequest) -> str | None:
     """Why no schedule runs this model on `mesh`, in one line, as the launch checks say it; None when one
     can."""
+    if request.objective == "grpo":
+        return "GRPO does not run on a pipeline yet (pipeline.size): use tp, fsdp or zero3 for it"
     if request.method == "qlora":
         return "a pipeline refuses QLoRA (model.method qlora): use ddp, fsdp or zero3 for it"
     if request.reference_model:
@@ -229,12 +231,11 @@ def estimate(
 def _tokens(request: PlanRequest, micro: int) -> int:
     """Tokens of one micro-batch as the runtime shapes it: micro rows (two per pair under DPO) of seq rounded
     up to 8."""
-    rows = micro * (2 if request.objective == "dpo" else 1)
-    return rows * pipeline_width(request.seq_len)
+    return micro * request.rows_per_example * pipeline_width(request.seq_len)
 
 
 def _head_bytes(held, pipe: Pipe, tokens: int, request: PlanRequest, precision: Precision) -> int:
-    head = Head(request.loss_head, request.chunk_tokens, log_probs=request.objective == "dpo")
+    head = request.head
     waiting = pipe.micro_batches - 1 if pipe.schedule == "gpipe" else 0
     kept = memory.head_kept_bytes(held, tokens, "single", precision, head)
     return memory.head_bytes(held, tokens, "single", precision, head) + waiting * kept

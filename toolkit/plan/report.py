@@ -12,11 +12,15 @@ from toolkit.plan.pipeline import INTERLEAVED_CHUNKS, PipelineLayout
 
 COLUMNS = ("weights", "lora", "grads", "optimizer", "activations", "overhead", "total")
 HEADINGS = ("weights", "lora", "grads", "optim", "activ", "other", "total")
+GENERATION_COLUMNS = ("resident", "gathered", "kv_cache", "logits", "prefill", "overhead")
+GENERATION_HEADINGS = ("states", "gathered", "kv cache", "logits", "prefill", "other", "total")
+PHASES = {"training": "train", "generation": "gen"}
 
 
 def render_text(plan: Plan) -> str:
     """The plan as the terminal shows it: model, setup, per-GPU memory by backend, recommendation, cost."""
-    lines = [*_header(plan), "", *_table(plan), "", *_recommendation(plan), *_head_note(plan)]
+    lines = [*_header(plan), "", *_table(plan), *_generation(plan), "", *_recommendation(plan)]
+    lines += _head_note(plan)
     lines += _qlora_loading(plan)
     lines += _layouts(plan)
     if plan.cost is not None:
@@ -43,6 +47,28 @@ def _header(plan: Plan) -> list[str]:
         f"setup    {c.method} on {r.gpus} GPU x {r.gpu_mem:g} GiB | {base}, {autocast} | "
         f"seq {r.seq_len} | global batch {r.global_batch} | {head}",
         f"compute  {plan.flops_per_token / 1e9:.2f} GFLOP per trained token (see toolkit/flops.py)",
+        *_grpo_setup(plan),
+    ]
+
+
+def _grpo_setup(plan: Plan) -> list[str]:
+    """The round a GRPO plan assumes, and where its reference comes from."""
+    r = plan.request
+    plan_round = r.generation_round()
+    if plan_round is None:
+        return []
+    if r.beta == 0:
+        reference = "beta 0: no reference"
+    elif r.reference_model:
+        reference = f"beta {r.beta:g}: a separate reference model"
+    else:
+        reference = f"beta {r.beta:g}: reference = the policy with its adapter off (no extra memory)"
+    batch = f"{r.generation_batch} at once" if r.generation_batch else "its whole share at once"
+    return [
+        f"grpo     {r.generations} completions a prompt, {plan_round.completions} a round (global batch "
+        f"{r.global_batch} x {r.steps_per_generation} steps), each GPU generating {batch}; "
+        f"prompt {r.seq_len} + {r.max_new_tokens} new tokens a row; gather for generation "
+        f"{'on' if r.gather_for_generation else 'off'}; {reference}"
     ]
 
 
@@ -50,15 +76,45 @@ def _table(plan: Plan) -> list[str]:
     limit = f"fits {plan.request.gpu_mem:g} GiB"
     micro = plan.rows[0].micro_batch
     head = f"{'per GPU (GiB), micro-batch ' + str(micro):33}" + "".join(f"{h:>7}" for h in HEADINGS)
+    head += f"{'peak':>6}" if _generates(plan) else ""
     return [head + f"{'CPU RAM':>9}  {limit}", *(_row(plan, row, row.backend) for row in plan.rows)]
+
+
+def _generates(plan: Plan) -> bool:
+    return plan.request.generation_round() is not None
 
 
 def _row(plan: Plan, row: MemoryEstimate, name: str, extra: str = "") -> str:
     parts = row.per_gpu()
     name = f"{name:14}grad ckpt {'on ' if row.checkpointing else 'off'}"
     cells = "".join(f"{parts[k] / GIB:7.1f}" for k in COLUMNS)
+    cells += f"{PHASES[row.peak_phase]:>6}" if _generates(plan) else ""
     note = "  (states in CPU RAM)" if row.states.in_cpu_ram else ""
     return f"{name:33}{cells}{row.cpu_ram / GIB:9.1f}{extra}  {'yes' if plan.fits(row) else 'no'}{note}"
+
+
+def _generation(plan: Plan) -> list[str]:
+    """GRPO's generation phase on each setup: what stays from training and what generating adds."""
+    if not _generates(plan):
+        return []
+    shown: dict[str, MemoryEstimate] = {}
+    for row in plan.rows:
+        shown.setdefault(row.backend, row)
+    for layout in plan.layouts:
+        if layout.rows:
+            shown.setdefault(layout.label, layout.rows[0])
+    headings = "".join(f"{h:>9}" for h in GENERATION_HEADINGS)
+    lines = ["", f"{'generation phase per GPU (GiB)':33}{'rows':>5}{headings}"]
+    for name, row in shown.items():
+        phase = row.generation
+        cells = "".join(f"{getattr(phase, k) / GIB:9.1f}" for k in GENERATION_COLUMNS)
+        lines.append(f"{name:33}{phase.rows:>5}{cells}{phase.total / GIB:9.1f}")
+    return lines + [
+        "  rows: completions a GPU generates at once; states: what it keeps from training (states after a "
+        "step, a separate reference); gathered: the whole model (zero3/fsdp with gather for generation)",
+        "  the tables of setups show training's parts and the total of the larger phase (peak: train or "
+        "gen); see toolkit/plan/generation.py",
+    ]
 
 
 def _recommendation(plan: Plan) -> list[str]:
@@ -69,20 +125,34 @@ def _recommendation(plan: Plan) -> list[str]:
             f"nothing fits in {r.gpu_mem:g} GiB per GPU"
             + (f" and {r.cpu_mem:g} GiB CPU RAM" if r.cpu_mem is not None else "")
             + f"; the smallest is {smallest.backend}: {smallest.per_gpu()['total'] / GIB:.1f} GiB per GPU, "
-            f"{smallest.cpu_ram / GIB:.1f} GiB CPU RAM. "
-            "Try --method lora or qlora, a shorter --seq-len, or more or larger GPUs."
+            f"{smallest.cpu_ram / GIB:.1f} GiB CPU RAM{_phases(smallest)}. "
+            "Try --method lora or qlora, a shorter --seq-len, or more or larger GPUs"
+            + (
+                "; a smaller --generation-batch or --max-new-tokens shrinks the generation phase."
+                if smallest.peak_phase == "generation"
+                else "."
+            )
         ]
     procs = 1 if row.backend == "single" else r.gpus
     ckpt = "on" if row.checkpointing else "off"
     lines = [
         f"recommended: accelerate_configs/{row.backend}.yaml, gradient checkpointing {ckpt}, micro-batch "
         f"{row.micro_batch} x GA {plan.grad_accum(row)} x {procs} GPU = global batch {r.global_batch}",
-        f"  {row.per_gpu()['total'] / GIB:.1f} of {r.gpu_mem:g} GiB per GPU, "
+        f"  {row.per_gpu()['total'] / GIB:.1f} of {r.gpu_mem:g} GiB per GPU{_phases(row)}, "
         f"{row.cpu_ram / GIB:.1f} GiB CPU RAM",
     ]
     if plan.command:
         lines.append(f"  {plan.command}")
     return lines
+
+
+def _phases(row: MemoryEstimate) -> str:
+    """Which phase sets a GRPO setup's peak, and the other's total."""
+    if row.generation is None:
+        return ""
+    parts = row.per_gpu()
+    other = "training" if row.peak_phase == "generation" else "generation"
+    return f", peak in {row.peak_phase} ({other} {parts[other] / GIB:.1f})"
 
 
 def _head_note(plan: Plan) -> list[str]:
@@ -118,6 +188,7 @@ def _layouts(plan: Plan) -> list[str]:
     micro = plan.rows[0].micro_batch
     piped = bool(_pipelines(plan))
     head = f"{'model parallel, micro-batch ' + str(micro):33}" + "".join(f"{h:>7}" for h in HEADINGS)
+    head += f"{'peak':>6}" if _generates(plan) else ""
     head += f"{'CPU RAM':>9}{'comm/step':>11}" + (f"{'schedule':>12}{'bubble':>7}" if piped else "")
     lines = ["", head + f"  fits {plan.request.gpu_mem:g} GiB"]
     for layout in plan.layouts:
@@ -336,4 +407,14 @@ def _row_json(plan: Plan, row: MemoryEstimate) -> dict:
         "model_state_bytes": dataclasses.asdict(row.states),
         "cpu_ram_bytes": row.cpu_ram,
         "fits": plan.fits(row),
+        **_generation_json(row),
+    }
+
+
+def _generation_json(row: MemoryEstimate) -> dict:
+    if row.generation is None:
+        return {}
+    return {
+        "peak_phase": row.peak_phase,
+        "generation_bytes": {**dataclasses.asdict(row.generation), "total": row.generation.total},
     }

@@ -1,0 +1,171 @@
+"""`ftkit plan --objective grpo`: a generation phase (kv cache, gathered weights, logits) beside training on
+prompt + completion rows, the larger of the two deciding what fits, and a launch line for the GRPO recipe."""
+
+import json
+import shlex
+
+import pytest
+
+from toolkit.commands import cli
+from toolkit.config import LossConfig
+from toolkit.errors import UserError
+from toolkit.grpo.config import load_grpo_config
+from toolkit.launch.machine import GIB
+from toolkit.plan.estimate import PlanRequest, make_plan
+
+# Llama-3-8B: 32 layers, 8 kv heads of 128, hidden 4096, MLP 14336, vocab 128,256; LoRA on bf16 weights.
+GRPO = dict(
+    model="meta-llama/Meta-Llama-3-8B",
+    gpus=2,
+    gpu_mem=24,
+    method="lora",
+    seq_len=1024,
+    global_batch=32,
+    micro_batch=1,
+    objective="grpo",
+    max_new_tokens=512,
+)
+
+
+def row(plan, backend, ckpt=True):
+    return next(r for r in plan.rows if r.backend == backend and r.checkpointing == ckpt)
+
+
+def grpo_plan(**changes):
+    return make_plan(PlanRequest(**{**GRPO, **changes}))
+
+
+def test_kv_cache_logits_and_prefill_by_hand():
+    """32 completions a round over 2 GPUs: 16 rows each of 1024 prompt + 512 new tokens, all at once."""
+    plan = grpo_plan()
+    ddp = row(plan, "ddp").generation
+    assert (ddp.rows, ddp.tokens) == (16, 1536)
+    assert ddp.kv_cache == 2 * 32 * 8 * 128 * 2 * 16 * 1536  # K and V x layers x kv heads x dim x bf16
+    # bf16 logits, generate's fp32 copy, the processor's fp32 scores, float64 uniforms + two temporaries
+    assert ddp.logits == 16 * 128_256 * (2 + 4 + 4 + 3 * 8)
+    assert ddp.prefill == 16 * 1024 * (2 * 4096 + 3 * 2 * 14336)  # residual stream + SwiGLU's three
+    assert row(plan, "single").generation.rows == 32  # one process generates the whole round
+    batched = row(grpo_plan(generation_batch=4), "ddp").generation
+    assert batched.rows == 4 and batched.kv_cache * 4 == ddp.kv_cache
+
+
+def test_a_bigger_round_raises_the_generation_peak_more_completions_per_prompt_do_not():
+    base = row(grpo_plan(), "ddp")
+    two_steps = row(grpo_plan(steps_per_generation=2), "ddp")
+    assert two_steps.generation.kv_cache == 2 * base.generation.kv_cache
+    assert two_steps.generation.total > base.generation.total
+    assert two_steps.per_gpu()["training"] == base.per_gpu()["training"]
+    longer = row(grpo_plan(max_new_tokens=1024), "ddp")
+    assert longer.generation.kv_cache == base.generation.kv_cache * (1024 + 1024) // (1024 + 512)
+    # A round is global batch x steps completions: G only groups them (4 prompts x 8 or 2 x 16).
+    assert row(grpo_plan(generations=16), "ddp").generation == base.generation
+
+
+def test_gathering_for_generation_adds_the_whole_model_under_zero3_and_fsdp_only():
+    on, off = grpo_plan(), grpo_plan(gather_for_generation=False)
+    counts = on.counts
+    assert row(on, "zero3").generation.gathered == counts.total * 2  # DeepSpeed bf16: every weight
+    assert row(on, "fsdp").generation.gathered == counts.frozen * 2 + counts.trainable * 4  # fp32 adapters
+    assert row(on, "zero3").peak_phase == "generation"
+    # Without it a sharded model gathers its layers one at a time, as training does.
+    assert row(off, "zero3").generation.gathered == row(off, "zero3").working < counts.total // 4
+    for backend in ("single", "ddp", "zero1", "zero2"):
+        assert row(on, backend).generation.gathered == 0
+        assert row(on, backend).generation == row(off, backend).generation
+
+
+def test_a_separate_reference_costs_its_weights_in_both_phases_the_adapter_off_nothing():
+    plain = grpo_plan()
+    adapter_off = grpo_plan(beta=0.04)
+    separate = grpo_plan(beta=0.04, reference_model=True)
+    whole = plain.counts.total * 2  # bfloat16
+    for backend, share in (("ddp", whole), ("zero3", whole // 2)):
+        assert row(adapter_off, backend).per_gpu() == row(plain, backend).per_gpu()
+        with_ref, without = row(separate, backend), row(plain, backend)
+        assert with_ref.per_gpu()["reference"] == share
+        assert with_ref.generation.resident - without.generation.resident == share
+
+
+def test_the_larger_phase_is_the_total_and_decides_what_fits():
+    """4096 new tokens: training (ckpt on) fits 24 GiB, the kv cache of 16 such rows does not."""
+    long = row(grpo_plan(max_new_tokens=4096), "ddp")
+    parts = long.per_gpu()
+    assert parts["training"] < 24 * GIB < parts["generation"] == parts["total"]
+    assert long.peak_phase == "generation"
+    assert not grpo_plan(max_new_tokens=4096).fits(long)
+    short = row(grpo_plan(max_new_tokens=64, generation_batch=1), "ddp", ckpt=False)
+    parts = short.per_gpu()
+    assert parts["generation"] < parts["training"] == parts["total"] and short.peak_phase == "training"
+    training = ("weights", "lora", "grads", "optimizer", "activations", "overhead")
+    assert parts["training"] == sum(parts[k] for k in training)
+
+
+def test_training_rows_are_prompt_plus_completion_one_per_example():
+    grpo = row(grpo_plan(), "ddp")
+    sft = row(
+        make_plan(PlanRequest(**{**GRPO, "objective": "sft", "seq_len": 1536, "max_new_tokens": 32})), "ddp"
+    )
+    assert grpo.activations - grpo.head == sft.activations - sft.head
+    # The loss reads per-token log-probs: one chunk of logits and its bf16 gradient, nothing kept.
+    assert grpo.head == min(LossConfig.chunk_tokens, 1536) * 128_256 * (4 + 2)
+
+
+def test_tensor_parallel_ranks_split_the_kv_heads_and_pipelines_are_refused():
+    plan = grpo_plan()
+    tp = next(layout for layout in plan.layouts if layout.label == "tp 2")
+    # tp 2 generates the whole round (one data-parallel group) with half the kv heads on each GPU.
+    assert tp.rows[0].generation.rows == 32
+    assert tp.rows[0].generation.kv_cache == row(plan, "ddp").generation.kv_cache
+    pipelines = [layout for layout in plan.layouts if layout.mesh.pp > 1]
+    assert pipelines and all("GRPO does not run on a pipeline" in p.refusal for p in pipelines)
+
+
+def test_launch_line_runs_the_grpo_recipe_with_overrides_its_config_accepts(at_the_checkout_root):
+    plan = grpo_plan(micro_batch=None, generations=4, beta=0.04)
+    config = "recipes/configs/demo-grpo.yaml"
+    assert f"recipes/grpo_llm.py --config {config} " in plan.command
+    cfg = load_grpo_config(config, shlex.split(plan.command.split(config, 1)[1]))
+    assert (cfg.model.path, cfg.model.adapter) == (GRPO["model"], None)  # the demo's adapter is not Llama's
+    assert (cfg.grpo.num_generations, cfg.grpo.max_new_tokens, cfg.grpo.beta) == (4, 512, 0.04)
+    assert (cfg.data.max_length, cfg.train.micro_batch_size) == (1024, plan.choice.micro_batch)
+
+
+def test_text_and_json_show_the_generation_phase(capsys):
+    argv = ["plan", "--model", GRPO["model"], "--gpus", "2", "--objective", "grpo", "--seq-len", "1024"]
+    assert cli.main([*argv, "--max-new-tokens", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "generation phase per GPU (GiB)" in out and "kv cache" in out and "gathered" in out
+    assert "grpo     8 completions a prompt, 32 a round" in out
+    assert ", peak in " in out.split("recommended:")[1]
+    assert cli.main([*argv, "--max-new-tokens", "4096", "--json"]) == 1  # nothing fits 24 GiB
+    report = json.loads(capsys.readouterr().out)
+    ddp = next(b for b in report["backends"] if b["backend"] == "ddp" and b["gradient_checkpointing"])
+    assert ddp["peak_phase"] == "generation"
+    assert ddp["per_gpu_bytes"]["total"] == ddp["generation_bytes"]["total"]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--generations", "4"], "--generations is for --objective grpo"),
+        (["--objective", "dpo", "--max-new-tokens", "64"], "--max-new-tokens is for --objective grpo"),
+        (["--no-gather-for-generation"], "--gather-for-generation is for --objective grpo"),
+        (["--objective", "grpo", "--generations", "1"], "--generations must be >= 2, got 1"),
+        (["--objective", "grpo", "--generations", "6"], "must be a multiple of --generations (6)"),
+        (
+            ["--objective", "grpo", "--reference-model"],
+            "--reference-model with --objective grpo needs --beta",
+        ),
+        (["--objective", "grpo", "--method", "full", "--beta", "0.1"], "needs --reference-model"),
+        (["--reference-model"], "--reference-model is for --objective dpo or grpo"),
+    ],
+)
+def test_options_that_do_not_go_together_are_one_line_errors(capsys, options, message):
+    assert cli.main(["plan", "--model", "Qwen/Qwen2.5-0.5B", *options]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_the_plan_request_refuses_the_same_without_the_command_line():
+    with pytest.raises(UserError, match="--beta is for --objective grpo"):
+        make_plan(PlanRequest(model="Qwen/Qwen2.5-0.5B", beta=0.1))
