@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated
 
 from toolkit import flops
-from toolkit.config import LossConfig, LossHead, Method, load_config
+from toolkit.config import LossConfig, LossHead, Method, RecipeConfig, load_any_recipe_config
 from toolkit.errors import UserError
 from toolkit.fields import (
     NonNegativeFloat,
@@ -22,7 +22,7 @@ from toolkit.fields import (
     Range,
     field_errors,
 )
-from toolkit.grpo.config import GrpoConfig, load_grpo_config
+from toolkit.grpo.config import GrpoConfig, GrpoRecipeConfig
 from toolkit.launch.machine import GIB
 from toolkit.metrics import read_metrics
 from toolkit.plan import (
@@ -39,6 +39,7 @@ from toolkit.plan import (
 )
 from toolkit.plan.counts import ModelCounts, count_parameters, load_model_config
 from toolkit.plan.memory import Head, MemoryEstimate, Precision
+from toolkit.preference.config import PreferenceConfig
 from toolkit.typed_yaml import dotted, to_dict
 
 RECIPES = {"sft": "finetune_llm.py", "dpo": "dpo_llm.py", "grpo": "grpo_llm.py"}
@@ -420,14 +421,15 @@ def launch_line(row: MemoryEstimate, request: PlanRequest, precision: Precision)
 
 def _template_config(model: str, method: str, objective: str = "sft") -> tuple[str, dict] | None:
     """The shipped recipe config closest to this run: same method first, then same model, then same shapes
-    (among the configs of the objective's recipe: named *dpo* for `dpo`, *grpo* for `grpo`)."""
-    configs = [path for path in sorted(RECIPE_CONFIGS.glob("*.yaml")) if _objective_of(path) == objective]
+    (among the configs of the objective's recipe, as their sections tell)."""
+    loaded = {path: load_any_recipe_config(path) for path in sorted(RECIPE_CONFIGS.glob("*.yaml"))}
+    configs = {path: cfg for path, cfg in loaded.items() if _objective_of(cfg) == objective}
     if not configs:
         return None
     arch = architectures.lookup(model)
 
     def closeness(path: Path):
-        cfg = _load(path)
+        cfg = configs[path]
         same_arch = arch is not None and architectures.lookup(cfg.model.path) == arch
         return (
             cfg.model.method == method,
@@ -437,23 +439,13 @@ def _template_config(model: str, method: str, objective: str = "sft") -> tuple[s
         )
 
     best = max(configs, key=closeness)
-    return str(best), dotted(to_dict(_load(best)))
+    return str(best), dotted(to_dict(configs[best]))
 
 
-def _objective_of(path: Path) -> str:
-    """The recipe a shipped config is for, as its name says."""
-    return next((objective for objective in ("grpo", "dpo") if objective in path.name), "sft")
-
-
-def _load(path: Path):
-    objective = _objective_of(path)
-    if objective == "dpo":
-        from toolkit.preference.config import load_preference_config
-
-        return load_preference_config(path, [])
-    if objective == "grpo":
-        return load_grpo_config(path, [])
-    return load_config(path)
+def _objective_of(cfg: RecipeConfig) -> str:
+    if isinstance(cfg, PreferenceConfig):
+        return "dpo"
+    return "grpo" if isinstance(cfg, GrpoRecipeConfig) else "sft"
 
 
 def _yaml_value(value) -> str:
