@@ -144,7 +144,8 @@ def test_a_users_reward_function_from_a_file(tmp_path):
     assert line["reward"] == pytest.approx(2 * line["reward_digits"] + line["reward_length"], abs=1e-9)
 
 
-MATRIX = ["ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "tp"]
+MATRIX = ["ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "tp", "fsdp_tp", "hsdp"]
+FOUR_PROCESSES = ("fsdp_tp", "hsdp")  # 2 data-parallel x 2 tensor-parallel, 2 replicas x 2 shards
 # Full fine-tuning with a separate reference where parameters are sharded or gathered unlike DDP.
 FULL_MATRIX = ["ddp", "fsdp", "zero3"]
 
@@ -156,5 +157,6 @@ def test_backend_gives_one_process_steps(config, single, tmp_path):
     if method == "full" and config not in FULL_MATRIX:
         pytest.skip("full fine-tuning here is DDP's or ZeRO-3's case for the policy and the reference")
     run = tmp_path / "run"
-    run_grpo(run, *reference, "train.save_every_steps=0", processes=2, config=config, method=method)
+    processes = 4 if config in FOUR_PROCESSES else 2
+    run_grpo(run, *reference, "train.save_every_steps=0", processes=processes, config=config, method=method)
     assert_same_steps(train_lines(out), train_lines(run), 1e-3, f"{config} {method}")
