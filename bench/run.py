@@ -2,10 +2,12 @@
 (defaults and packing) and HF Trainer on the same model files, data and settings. Prints the table, puts it
 with the machine and the target verdicts into bench/RESULTS.md (between its markers), and writes every run's
 figures to bench/raw_results.json. Then the DPO section (bench/dpo.py), the data-preparation section
-(bench/data_prep.py), the loss-head section (bench/loss_head.py, fewer repeats: its runs are long) and the
-pipeline section (bench/pipeline.py: ddp, fsdp and pipeline schedules, launched 2-process runs).
+(bench/data_prep.py), the loss-head section (bench/loss_head.py, fewer repeats: its runs are long), the
+pipeline section (bench/pipeline.py: ddp, fsdp and pipeline schedules, launched 2-process runs) and the GRPO
+section (bench/grpo.py: ftkit's GRPO recipe against TRL's GRPOTrainer).
 
-    python bench/run.py [--repeats 5] [--loss-head-repeats 3] [--pipeline-repeats 2] [--only SECTION ...]
+    python bench/run.py [--repeats 5] [--loss-head-repeats 3] [--pipeline-repeats 2] [--grpo-repeats 2]
+        [--only SECTION ...]
 """
 
 import argparse
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import data_prep
 import dpo
+import grpo
 import loss_head
 import pipeline
 import torch
@@ -184,7 +187,7 @@ def sft_section(repeats: int) -> str:
     return block
 
 
-SECTIONS = ("sft", "dpo", "data-prep", "loss-head", "pipeline")
+SECTIONS = ("sft", "dpo", "data-prep", "loss-head", "pipeline", "grpo")
 
 
 def main() -> None:
@@ -192,6 +195,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--loss-head-repeats", type=int, default=3)
     parser.add_argument("--pipeline-repeats", type=int, default=2)
+    parser.add_argument("--grpo-repeats", type=int, default=2)
     parser.add_argument(
         "--only", action="append", choices=SECTIONS, help="run this section only (repeatable; default: all)"
     )
@@ -207,6 +211,8 @@ def main() -> None:
         print(loss_head.run_section(args.loss_head_repeats, machine))
     if "pipeline" in only:
         print(pipeline.run_section(args.pipeline_repeats, machine))
+    if "grpo" in only:
+        print(grpo.run_section(args.grpo_repeats, machine))
 
 
 if __name__ == "__main__":
