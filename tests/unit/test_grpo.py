@@ -78,20 +78,32 @@ def test_rounds_use_every_prompt_once_before_any_again():
 
 def test_seeded_gumbel_noise_samples_the_processed_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -8.0]])
+    no_tokens_yet = torch.zeros((1, 3), dtype=torch.long)
     draws = 4000
     counts = torch.zeros(5)
     for seed in range(draws):
-        processor = sampling.SeededSampling([seed], temperature=1.0, top_k=0, top_p=1.0, device="cpu")
-        counts[processor(None, logits).argmax()] += 1
-    expected = logits.softmax(-1)[0]
-    assert torch.allclose(counts / draws, expected, atol=0.025)
-    hot = sampling.SeededSampling([0], temperature=0.5, top_k=2, top_p=1.0, device="cpu")
-    picks = {int(hot(None, logits).argmax()) for hot.generators[0] in _generators(200)}
+        processor = sampling.SeededSampling([seed], temperature=1.0, top_k=0, top_p=1.0, prompt_width=3)
+        counts[processor(no_tokens_yet, logits).argmax()] += 1
+    assert torch.allclose(counts / draws, logits.softmax(-1)[0], atol=0.025)
+    picks = {
+        int(
+            sampling.SeededSampling([seed], 0.5, top_k=2, top_p=1.0, prompt_width=3)(
+                no_tokens_yet, logits
+            ).argmax()
+        )
+        for seed in range(200)
+    }
     assert picks == {0, 1}  # top_k keeps the two most likely tokens only, and both get drawn
 
 
-def _generators(count):
-    return (torch.Generator().manual_seed(seed) for seed in range(count))
+def test_counter_noise_is_uniform_and_depends_on_seed_and_place_only():
+    seeds = torch.tensor([7, 2**62 + 5])
+    noise = sampling.counter_uniform(seeds, position=3, vocab=50_000)
+    assert noise.min() > 0 and noise.max() < 1
+    assert abs(float(noise.mean()) - 0.5) < 0.01 and abs(float(noise.var()) - 1 / 12) < 0.005
+    assert torch.equal(noise[1:], sampling.counter_uniform(seeds[1:], 3, 50_000))  # without its batch
+    assert not torch.equal(noise, sampling.counter_uniform(seeds, 4, 50_000))
+    assert float(torch.corrcoef(noise)[0, 1]).__abs__() < 0.02
 
 
 def test_a_completion_depends_on_its_seed_not_on_its_batch():

@@ -2,8 +2,9 @@
 sample): the same completions come out however the round is split into processes and batches.
 
 Sampling is done by the Gumbel-max trick: a logits processor applies temperature, top-k and top-p, then
-adds Gumbel noise drawn from the completion's own generator, and generate picks the argmax, which is a
-draw from the processed distribution. Greedy decoding then needs no random state shared between rows.
+adds Gumbel noise computed from the completion's seed and the token's place, and generate picks the
+argmax, which is a draw from the processed distribution. No random state is shared between rows or kept
+between tokens.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ def completion_seed(seed: int, round_index: int, slot: int, prompt: int, sample:
 
 
 class SeededSampling(LogitsProcessor):
-    """Temperature, top-k, top-p, then each row's Gumbel noise from its own generator."""
+    """Temperature, top-k, top-p, then each row's Gumbel noise, a function of its seed, the new token's
+    place in its completion and the vocabulary index alone: one batched computation per token."""
 
-    def __init__(self, seeds: list[int], temperature: float, top_k: int, top_p: float, device):
-        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-        self.temperature = temperature
+    def __init__(self, seeds: list[int], temperature: float, top_k: int, top_p: float, prompt_width: int):
+        self.seeds = torch.tensor(seeds, dtype=torch.int64)
+        self.temperature, self.prompt_width = temperature, prompt_width
         self.warpers = [TopKLogitsWarper(top_k)] if top_k else []
         if top_p < 1.0:
             self.warpers.append(TopPLogitsWarper(top_p))
@@ -38,14 +40,32 @@ class SeededSampling(LogitsProcessor):
         scores = scores.float() / self.temperature
         for warper in self.warpers:
             scores = warper(input_ids, scores)
-        uniform = torch.stack(
-            [
-                torch.rand(scores.size(-1), generator=g, device=scores.device, dtype=torch.float64)
-                for g in self.generators
-            ]
-        )
-        gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-300)))
-        return scores + gumbel.to(scores.dtype)
+        position = input_ids.size(1) - self.prompt_width
+        uniform = counter_uniform(self.seeds.to(scores.device), position, scores.size(-1))
+        return scores + (-torch.log(-torch.log(uniform))).to(scores.dtype)
+
+
+# SplitMix64 (Steele, Lea and Flood 2014): output k of the stream seeded s is mix(s + k * GOLDEN), so any
+# output is computed directly from (s, k). Constants as signed 64-bit integers; torch's int64 arithmetic
+# wraps like the unsigned original, and the shifts below are made logical with a mask.
+GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+MIX_1 = 0xBF58476D1CE4E5B9 - 2**64
+MIX_2 = 0x94D049BB133111EB - 2**64
+
+
+def counter_uniform(seeds: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
+    """Uniform float64 numbers in (0, 1), [rows, vocab]: element (r, v) is output position x vocab + v of
+    row r's SplitMix64 stream, the same on every device and batch."""
+    counters = torch.arange(vocab, dtype=torch.int64, device=seeds.device) + (position * vocab + 1)
+    state = seeds[:, None] + counters[None, :] * GOLDEN
+    state = (state ^ _shift_right(state, 30)) * MIX_1
+    state = (state ^ _shift_right(state, 27)) * MIX_2
+    state = state ^ _shift_right(state, 31)
+    return (_shift_right(state, 11).double() + 0.5) / 2.0**53
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
 @torch.no_grad()
@@ -59,7 +79,7 @@ def sample(model, prompts: list[list[int]], seeds: list[int], cfg, pad_id: int, 
     for row, prompt in enumerate(prompts):  # left padding: every row's next token comes at the same column
         ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
-    processor = SeededSampling(seeds, cfg.temperature, cfg.top_k, cfg.top_p, device)
+    processor = SeededSampling(seeds, cfg.temperature, cfg.top_k, cfg.top_p, width)
     generation = GenerationConfig(
         max_new_tokens=cfg.max_new_tokens, do_sample=False, pad_token_id=pad_id, eos_token_id=eos_id
     )
