@@ -92,7 +92,9 @@ def merge_start_adapter(model, adapter: str):
 
     if not (Path(adapter) / "adapter_config.json").is_file():
         raise UserError(f"model.adapter: {adapter} is not an adapter directory (no adapter_config.json)")
-    return PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    # Loading the adapter froze the base; a full fine-tune trains all of it (LoRA freezes it again).
+    return merged.requires_grad_(True)
 
 
 def wants_checkpointing(cfg: ModelConfig, model) -> bool:

@@ -272,3 +272,19 @@ def test_the_commands_read_a_grpo_config_with_its_own_schema(tmp_path):
     accel = str(REPO / "accelerate_configs" / "zero3.yaml")
     report = check_config_cli(accel, str(REPO / "recipes" / "configs" / "demo-grpo.yaml"), None, {})
     assert "ok: deepspeed ZeRO-3 on 2 process(es)" in report
+
+
+def test_a_full_fine_tune_from_a_start_adapter_trains_every_weight(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from toolkit.config import ModelConfig
+    from toolkit.model import load_model
+
+    base = micro_llama()
+    base.save_pretrained(tmp_path / "base")
+    get_peft_model(micro_llama(), LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(
+        tmp_path / "sft"
+    )
+    spec = ModelConfig(path=str(tmp_path / "base"), method="full", adapter=str(tmp_path / "sft"))
+    model = load_model(spec, None, 0)
+    assert all(p.requires_grad for p in model.parameters())
