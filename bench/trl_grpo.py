@@ -2,11 +2,12 @@
 apart from the settings bench/grpo.py shares with ftkit.
 
     BENCH_STATS=stats.json python bench/trl_grpo.py MODEL_DIR PROMPTS OUT_DIR STEPS COMPLETIONS G \
-        MAX_NEW_TOKENS LEARNING_RATE
+        MAX_NEW_TOKENS LEARNING_RATE FORMAT_PATTERN
 
 PROMPTS is a file of chat records (`messages`): everything before the last assistant turn is the prompt,
 that turn's text the answer the exact-match reward compares with. COMPLETIONS is the global batch, G
-completions for each of COMPLETIONS / G prompts; one generation round feeds one optimizer step.
+completions for each of COMPLETIONS / G prompts; one generation round feeds one optimizer step. The reward
+is ftkit's exact_answer plus its format reward on FORMAT_PATTERN, weights 1 and 1.
 """
 
 import os
@@ -14,6 +15,7 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers and TRL are imported: nothing is fetched
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -28,6 +30,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, s
 def exact_answer(completions, answer, **kwargs) -> list[float]:
     """1 where the completion, stripped, equals the reference answer (ftkit's built-in exact_answer)."""
     return [float(c[0]["content"].strip() == a.strip()) for c, a in zip(completions, answer)]
+
+
+def format_reward(pattern: str):
+    compiled = re.compile(pattern, re.DOTALL)
+
+    def matches_format(completions, **kwargs) -> list[float]:
+        """1 where the whole completion, stripped, matches the pattern (ftkit's built-in format reward)."""
+        return [float(compiled.fullmatch(c[0]["content"].strip()) is not None) for c in completions]
+
+    return matches_format
 
 
 class RoundRecorder(TrainerCallback):
@@ -65,6 +77,9 @@ class RoundRecorder(TrainerCallback):
             "generation_s": self.generation_s,
             "loss": [x["loss"] for x in self.logged],
             "reward": [x["reward"] for x in self.logged],
+            "reward_format": [x["rewards/matches_format/mean"] for x in self.logged],
+            "grad_norm": [x["grad_norm"] for x in self.logged],
+            "zero_std_frac": [x["frac_reward_zero_std"] for x in self.logged],
             "completion_len": [x["completions/mean_length"] for x in self.logged],
         }
         Path(os.environ["BENCH_STATS"]).write_text(json.dumps(record))
@@ -76,7 +91,9 @@ def prompt_records(path: str) -> list[dict]:
     return [{"prompt": m[:-1], "answer": m[-1]["content"]} for m in chats]
 
 
-def main(model_dir, prompts_path, out_dir, steps, completions, group, max_new_tokens, learning_rate) -> None:
+def main(
+    model_dir, prompts_path, out_dir, steps, completions, group, max_new_tokens, learning_rate, pattern
+) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     set_seed(SEED)  # before the model and its adapter, as ftkit does
@@ -95,6 +112,11 @@ def main(model_dir, prompts_path, out_dir, steps, completions, group, max_new_to
         temperature=1.0,
         beta=0.0,
         loss_type="grpo",
+        # ftkit's advantages: the weighted sum of the rewards, minus its group's mean, over the group's
+        # unbiased std + 1e-4 (TRL's defaults in 1.16, stated so that a change of default shows)
+        reward_weights=[1.0, 1.0],
+        multi_objective_aggregation="sum_then_normalize",
+        scale_rewards="group",
         use_vllm=False,
         gradient_checkpointing=False,
         **shared,
@@ -105,7 +127,7 @@ def main(model_dir, prompts_path, out_dir, steps, completions, group, max_new_to
     recorder = RoundRecorder()
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=exact_answer,
+        reward_funcs=[exact_answer, format_reward(pattern)],
         args=config,
         train_dataset=Dataset.from_list(prompt_records(prompts_path)),
         processing_class=tokenizer,
@@ -118,4 +140,4 @@ def main(model_dir, prompts_path, out_dir, steps, completions, group, max_new_to
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:9])
+    main(*sys.argv[1:10])
