@@ -13,8 +13,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit import data, distributed, evaluate, loss
-from toolkit import model as models
+from toolkit import data, evaluate, loss
 from toolkit.config import load_config
 from toolkit.run import Run, exit_with, recipe_args
 
@@ -34,21 +33,12 @@ def train(run: Run, cfg) -> int:
 
     # Data and model: a stop here ends the run at once.
     with run.interruptible():
-        tokenizer = models.load_tokenizer(cfg.model)
-        data.ensure_chat_template(tokenizer)
-        train_set, eval_set, stats = data.build_datasets(
-            cfg.data, tokenizer, cfg.seed, accelerator.main_process_first
-        )
-        accelerator.print(stats.summary())
+        tokenizer, train_set, eval_set = run.chat_data()
         flash_varlen = run.features.attention == "flash_attention_2"
         train_loader, sampler = data.train_loader(
             train_set, cfg.data, cfg.train, tokenizer.pad_token_id, cfg.seed, flash_varlen
         )
-        eval_loader = None  # each rank its own share, so it is not given to prepare
-        if eval_set is not None:
-            rank, world = distributed.data_shard(accelerator)
-            batch = cfg.train.micro_batch_size
-            eval_loader = data.eval_loader(eval_set, rank, world, batch, tokenizer.pad_token_id)
+        eval_loader = run.eval_loader(eval_set, tokenizer.pad_token_id)
         model = run.load_model()
         # pipeline.size > 1: this process keeps its stages' layers only, and a schedule runs each step.
         pipeline = run.pipeline(model, tokenizer.pad_token_id, loss.summed_logps_loss)

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit import data, distributed, evaluate, loss
-from toolkit import model as models
+from toolkit import distributed, evaluate, loss
 from toolkit.grpo import config as grpo_config
 from toolkit.grpo import loss as grpo_loss
 from toolkit.grpo import prompts as prompt_sets
@@ -35,18 +34,9 @@ def train(run: Run, cfg) -> int:
 
     # Prompts (every SFT layout: the last assistant turn is the reference answer) and model.
     with run.interruptible():
-        tokenizer = models.load_tokenizer(cfg.model)
-        data.ensure_chat_template(tokenizer)
-        train_set, eval_set, stats = data.build_datasets(
-            cfg.data, tokenizer, cfg.seed, accelerator.main_process_first
-        )
-        accelerator.print(stats.summary())
+        tokenizer, train_set, eval_set = run.chat_data()
         prompts = prompt_sets.prompt_set(train_set, tokenizer)
-        rank, world = distributed.data_shard(accelerator)
-        eval_loader = None
-        if eval_set is not None:
-            batch = cfg.train.micro_batch_size
-            eval_loader = data.eval_loader(eval_set, rank, world, batch, tokenizer.pad_token_id)
+        eval_loader = run.eval_loader(eval_set, tokenizer.pad_token_id)
         model = run.load_model()
     optimizer, scheduler = run.optimizer(model)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -59,6 +49,7 @@ def train(run: Run, cfg) -> int:
     rollout = rollouts.resumed(run.resume.recipe_state(), start_step, cfg)
     run.recipe_state = lambda: rollout.state_dict() if rollout is not None else None
     stats = rollouts.StepStats(cfg)
+    rank, world = distributed.data_shard(accelerator)  # tensor-parallel ranks share their completions
 
     # The loop: a generation round every grpo.steps_per_generation x grpo.iterations steps (G sampled
     # completions per prompt, rewarded, advantages normalised per group); each step trains on its share.

@@ -19,6 +19,7 @@ from toolkit import (
     batches,
     checkpoint,
     console,
+    data,
     distributed,
     flops,
     metrics,
@@ -104,6 +105,26 @@ class Run:
     def interruptible(self):
         """Around loading: a stop request ends the run at once (nothing to save yet), exit 75."""
         return self.stop.interruptible(f"step {self.resume.next_step}")
+
+    def chat_data(self):
+        """(tokenizer, train rows, eval rows or None) from the config's data section in the SFT layouts,
+        encoded by the main process first (the others read its cache); the data summary printed."""
+        accelerator = self.accelerator
+        tokenizer = models.load_tokenizer(self.cfg.model)
+        data.ensure_chat_template(tokenizer)
+        train_set, eval_set, stats = data.build_datasets(
+            self.cfg.data, tokenizer, self.cfg.seed, accelerator.main_process_first
+        )
+        accelerator.print(stats.summary())
+        return tokenizer, train_set, eval_set
+
+    def eval_loader(self, eval_set, pad_id: int):
+        """This process's share of the held-out rows for the eval loss (None without any); not for
+        `prepare`, which would split them again."""
+        if eval_set is None:
+            return None
+        rank, world = distributed.data_shard(self.accelerator)
+        return data.eval_loader(eval_set, rank, world, self.cfg.train.micro_batch_size, pad_id)
 
     def load_model(self):
         """The model to train, on this rank's device, announced; every forward pass counts as progress.
