@@ -288,3 +288,34 @@ def test_a_full_fine_tune_from_a_start_adapter_trains_every_weight(tmp_path):
     spec = ModelConfig(path=str(tmp_path / "base"), method="full", adapter=str(tmp_path / "sft"))
     model = load_model(spec, None, 0)
     assert all(p.requires_grad for p in model.parameters())
+
+
+class OneProcess:
+    """What `rollout.scored` asks of an Accelerator, for one process."""
+
+    process_index, num_processes, device = 0, 1, "cpu"
+
+    class state:
+        device_mesh = None
+
+    def gather(self, tensor):
+        return tensor
+
+
+def test_a_rounds_log_probs_are_scored_whatever_its_completions_lengths():
+    model = micro_llama().double()
+    rollout, prompts = _rollout(8, seed=2)
+    assert len(set(rollout.lengths[:2].tolist())) > 1 or len(set(rollout.lengths[2:4].tolist())) > 1
+    recipe = GrpoRecipeConfig(grpo=GrpoConfig(max_new_tokens=6))
+    recipe.train.global_batch_size, recipe.train.micro_batch_size = 8, 2
+
+    class Run:
+        accelerator = OneProcess()
+
+    table = rollouts.scored(Run(), model, rollout, prompts, recipe, 0, None)
+    assert table.shape == (8, 6)
+    recipe.train.micro_batch_size = 8
+    (whole,) = rollout.micro_batches(torch.arange(8), prompts, recipe, 0, 0, 1, "cpu")
+    expected = grpo_loss.completion_logps(model, whole).detach()
+    assert torch.allclose(table[:, : expected.size(1)], expected, rtol=1e-12)
+    assert torch.all(table[:, expected.size(1) :] == 0)

@@ -193,12 +193,15 @@ def scored(run, model, rollout: Rollout, prompts, cfg, pad_id: int, reference) -
     accelerator = run.accelerator
     rank, world = data_shard(accelerator)
     rows = torch.arange(len(rollout.prompt))
-    values = []
+    width = cfg.grpo.max_new_tokens
+    mine = torch.zeros(0, width, dtype=torch.float64)
     for batch in rollout.micro_batches(rows, prompts, cfg, pad_id, rank, world, accelerator.device):
         with torch.no_grad():
-            values.append(reference.logps(batch) if reference is not None else completion_logps(model, batch))
-    mine = torch.cat(values).double() if values else torch.zeros(0, cfg.grpo.max_new_tokens)
-    return gather_shares(accelerator, mine.cpu())
+            logps = reference.logps(batch) if reference is not None else completion_logps(model, batch)
+        # A micro-batch is as wide as its longest completion; the round's table is max_new_tokens wide.
+        logps = torch.nn.functional.pad(logps.double().cpu(), (0, width - logps.size(1)))
+        mine = torch.cat([mine, logps])
+    return gather_shares(accelerator, mine)
 
 
 def resumed(state: dict, start_step: int, cfg) -> Rollout | None:
