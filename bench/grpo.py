@@ -144,9 +144,9 @@ def verdicts(results: dict[str, list[dict]]) -> str:
             f"- the same on the fastest steps (the least disturbed by other work on the machine): TRL's "
             f"fastest step over ftkit's, medians over runs, {fastest:.3f}",
             f"- generation share of the step time (steps {WARMUP + 1}-{STEPS}): {shares}",
-            "- the two sample differently (ftkit: seeded Gumbel-max, one generator per completion; TRL: "
-            "`generate`'s torch.multinomial), so their rewards, losses and gradient norms agree only as "
-            "statistics over steps and runs, never step by step",
+            "- the two sample differently (ftkit: seeded Gumbel-max, noise counted from each completion's "
+            "seed; TRL: `generate`'s torch.multinomial), so their rewards, losses and gradient norms "
+            "agree only as statistics over steps and runs, never step by step",
         ]
     )
 
