@@ -9,9 +9,9 @@ from toolkit.config import DEMO_CONFIG, RecipeConfig, load_config
 from toolkit.errors import UserError
 from toolkit.typed_yaml import field_docs, flat_dict
 
-# Preference and GRPO configs have a section of their own; test_preference_config.py and test_grpo.py load them.
+# Preference and GRPO configs have a section of their own: test_preference_config.py, test_grpo.py.
 SHIPPED = sorted(
-    p for p in (REPO / "recipes" / "configs").rglob("*.yaml") if "dpo" not in p.name and "grpo" not in p.name
+    p for p in (REPO / "recipes" / "configs").rglob("*.yaml") if not {"dpo", "grpo"} & set(p.stem.split("-"))
 )
 
 
