@@ -32,6 +32,8 @@ def main(argv: list[str]) -> int:
 def train(run: Run, cfg) -> int:
     accelerator = run.accelerator
 
+    rewards = Rewards.build(cfg.grpo)  # a user's reward function is imported before anything loads
+
     # Prompts (every SFT layout: the last assistant turn is the reference answer) and model.
     with run.interruptible():
         tokenizer, train_set, eval_set = run.chat_data()
@@ -41,7 +43,6 @@ def train(run: Run, cfg) -> int:
     optimizer, scheduler = run.optimizer(model)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     reference = grpo_loss.Reference.build(accelerator, model, cfg, run.features)  # None when grpo.beta is 0
-    rewards = Rewards.build(cfg.grpo, lambda texts: [len(tokenizer(t)["input_ids"]) for t in texts])
     evaluator = evaluate.Evaluator(accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, run.log)
     start_step = run.begin(model, evaluator)  # a checkpoint's state, or the starting point measured
 

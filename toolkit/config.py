@@ -249,7 +249,12 @@ def load_config(
         key, sep, value = item.partition("=")
         if not sep:
             raise UserError(f"override {item!r} must look like key=value (e.g. train.max_steps=50)")
-        set_dotted(raw, key.strip(), yaml.safe_load(value), source="command line")
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            reason = str(exc).splitlines()[0]
+            raise UserError(f"override {item!r}: the value is not YAML ({reason}); quote it") from exc
+        set_dotted(raw, key.strip(), parsed, source="command line")
     cfg = build(schema, raw, prefix="", source=str(path))
     validate(cfg, source=str(path))
     return cfg

@@ -128,8 +128,8 @@ def test_rewards_are_weighted_and_summed_and_a_users_function_loads(tmp_path):
         format_pattern=r"\d+",
         max_new_tokens=4,
     )
-    rewards = Rewards.build(cfg, lambda texts: [len(t) for t in texts])
-    scores = rewards.score(["q", "q"], [" 12 ", "twelve"], ["12", "12"])
+    rewards = Rewards.build(cfg)
+    scores = rewards.score(["q", "q"], [" 12 ", "twelve"], ["12", "12"], lengths=[4, 6])
     assert scores["exact_answer"] == [1.0, 0.0] and scores["format"] == [1.0, 0.0]
     assert scores["length"] == [-1.0, -1.5] and scores["shout"] == [1.5, 1.5]
     assert scores["total"] == [1.0 + 0.5 - 2.0 - 1.5, 0.0 + 0.0 - 3.0 - 1.5]
@@ -137,13 +137,13 @@ def test_rewards_are_weighted_and_summed_and_a_users_function_loads(tmp_path):
 
 def test_a_reward_function_must_return_one_finite_number_per_completion(tmp_path):
     (tmp_path / "bad.py").write_text("def short(prompts, completions, answers):\n    return [1.0]\n")
-    rewards = Rewards.build(GrpoConfig(rewards=[f"{tmp_path / 'bad.py'}:short"]), len)
+    rewards = Rewards.build(GrpoConfig(rewards=[f"{tmp_path / 'bad.py'}:short"]))
     with pytest.raises(UserError, match="short must return one finite number per completion"):
-        rewards.score(["a", "b"], ["x", "y"], ["1", "2"])
+        rewards.score(["a", "b"], ["x", "y"], ["1", "2"], [1, 1])
     with pytest.raises(UserError, match="has no function missing"):
-        Rewards.build(GrpoConfig(rewards=[f"{tmp_path / 'bad.py'}:missing"]), len)
+        Rewards.build(GrpoConfig(rewards=[f"{tmp_path / 'bad.py'}:missing"]))
     with pytest.raises(UserError, match="cannot import no_such_module"):
-        Rewards.build(GrpoConfig(rewards=["no_such_module:f"]), len)
+        Rewards.build(GrpoConfig(rewards=["no_such_module:f"]))
 
 
 def test_advantages_are_normalised_per_group():
@@ -319,3 +319,15 @@ def test_a_rounds_log_probs_are_scored_whatever_its_completions_lengths():
     expected = grpo_loss.completion_logps(model, whole).detach()
     assert torch.allclose(table[:, : expected.size(1)], expected, rtol=1e-12)
     assert torch.all(table[:, expected.size(1) :] == 0)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("grpo.format_pattern=(a", "grpo.format_pattern: not a regular expression"),
+        ("grpo.format_pattern=[", "override 'grpo.format_pattern=\\[': the value is not YAML"),
+    ],
+)
+def test_a_bad_pattern_is_one_line_naming_it(override, message):
+    with pytest.raises(UserError, match=message):
+        load_grpo_config(None, ["model.adapter=null", override])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -101,6 +102,10 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
                 f"grpo.rewards: unknown reward {name!r}; built in: {', '.join(BUILT_IN_REWARDS)}, "
                 "or yours as module:function"
             )
+    try:
+        re.compile(grpo.format_pattern)
+    except re.error as exc:
+        raise UserError(f"grpo.format_pattern: not a regular expression ({exc})") from exc
     if grpo.beta > 0 and cfg.model.method == "full" and not grpo.reference_model:
         raise UserError("grpo.beta > 0 with model.method full needs grpo.reference_model (a frozen copy)")
     if grpo.reference_model:

@@ -1,8 +1,9 @@
 """Reward functions: the built-ins and the user's own, named in the grpo section, weighted and summed.
 
-Every function takes (prompts, completions, answers), three lists of strings of one length, and returns one
-float per completion. A user's function (`module:function` or `path/to/file.py:function`) is imported only
-because the user's own config or command line names it: that is the user running their own code.
+A user's function takes (prompts, completions, answers), three lists of strings of one length, and returns
+one float per completion; the built-ins also get each completion's token count. A user's function
+(`module:function` or `path/to/file.py:function`) is imported only because the user's own config or command
+line names it: that is the user running their own code.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from toolkit.errors import UserError
 
 
-def exact_answer(prompts, completions, answers) -> list[float]:
+def exact_answer(prompts, completions, answers, lengths) -> list[float]:
     """1 where the completion, stripped, equals the reference answer."""
     return [float(c.strip() == a.strip()) for c, a in zip(completions, answers)]
 
@@ -25,17 +26,17 @@ def exact_answer(prompts, completions, answers) -> list[float]:
 def format_reward(pattern: str):
     compiled = re.compile(pattern, re.DOTALL)
 
-    def matches(prompts, completions, answers) -> list[float]:
+    def matches(prompts, completions, answers, lengths) -> list[float]:
         """1 where the whole completion matches grpo.format_pattern."""
         return [float(compiled.fullmatch(c.strip()) is not None) for c in completions]
 
     return matches
 
 
-def length_penalty(max_new_tokens: int, token_counts):
-    def penalty(prompts, completions, answers) -> list[float]:
+def length_penalty(max_new_tokens: int):
+    def penalty(prompts, completions, answers, lengths) -> list[float]:
         """Minus the share of grpo.max_new_tokens each completion used."""
-        return [-n / max_new_tokens for n in token_counts(completions)]
+        return [-n / max_new_tokens for n in lengths]
 
     return penalty
 
@@ -47,8 +48,8 @@ class Rewards:
         self.functions, self.weights = functions, weights
 
     @classmethod
-    def build(cls, cfg, token_counts) -> Rewards:
-        """From the grpo section; `token_counts(completions)` counts each completion's tokens."""
+    def build(cls, cfg) -> Rewards:
+        """From the grpo section; a user's function is imported here, before the model loads."""
         functions = {}
         for name in cfg.rewards:
             if name == "exact_answer":
@@ -56,19 +57,21 @@ class Rewards:
             elif name == "format":
                 functions[name] = format_reward(cfg.format_pattern)
             elif name == "length":
-                functions[name] = length_penalty(cfg.max_new_tokens, token_counts)
+                functions[name] = length_penalty(cfg.max_new_tokens)
             else:
                 short = name.rpartition(":")[2]  # the metric is reward_<function name>
                 if short in functions:
                     raise UserError(f"grpo.rewards: two reward functions are called {short}")
-                functions[short] = load_user_function(name)
+                user = load_user_function(name)
+                functions[short] = lambda p, c, a, lengths, user=user: user(p, c, a)
         return cls(functions, cfg.reward_weights or [1.0] * len(functions))
 
-    def score(self, prompts: list[str], completions: list[str], answers: list[str]) -> dict[str, list[float]]:
-        """{name: values} for every function, and "total": their weighted sum."""
+    def score(self, prompts: list[str], completions: list[str], answers: list[str], lengths: list[int]):
+        """{name: values} for every function, and "total": their weighted sum; `lengths`: each
+        completion's tokens."""
         scores = {}
         for name, function in self.functions.items():
-            values = [float(v) for v in function(prompts, completions, answers)]
+            values = [float(v) for v in function(prompts, completions, answers, lengths)]
             if len(values) != len(completions) or not all(math.isfinite(v) for v in values):
                 raise UserError(
                     f"grpo.rewards: {name} must return one finite number per completion "

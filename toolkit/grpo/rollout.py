@@ -132,7 +132,10 @@ def generate(run, model, prompts, rewards, cfg, tokenizer, round_index: int, ref
             )
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     scores = rewards.score(
-        [prompts.texts[picked[s]] for s, _ in mine], texts, [prompts.answers[picked[s]] for s, _ in mine]
+        [prompts.texts[picked[s]] for s, _ in mine],
+        texts,
+        [prompts.answers[picked[s]] for s, _ in mine],
+        [len(tokens) for tokens in completions],
     )
     names = list(scores)
     padded = torch.zeros(len(mine), grpo.max_new_tokens, dtype=torch.long)
@@ -194,14 +197,13 @@ def scored(run, model, rollout: Rollout, prompts, cfg, pad_id: int, reference) -
     rank, world = data_shard(accelerator)
     rows = torch.arange(len(rollout.prompt))
     width = cfg.grpo.max_new_tokens
-    mine = torch.zeros(0, width, dtype=torch.float64)
+    tables = [torch.zeros(0, width, dtype=torch.float64)]
     for batch in rollout.micro_batches(rows, prompts, cfg, pad_id, rank, world, accelerator.device):
         with torch.no_grad():
             logps = reference.logps(batch) if reference is not None else completion_logps(model, batch)
         # A micro-batch is as wide as its longest completion; the round's table is max_new_tokens wide.
-        logps = torch.nn.functional.pad(logps.double().cpu(), (0, width - logps.size(1)))
-        mine = torch.cat([mine, logps])
-    return gather_shares(accelerator, mine)
+        tables.append(torch.nn.functional.pad(logps.double().cpu(), (0, width - logps.size(1))))
+    return gather_shares(accelerator, torch.cat(tables))
 
 
 def resumed(state: dict, start_step: int, cfg) -> Rollout | None:

@@ -17,6 +17,8 @@ from accelerate.utils import DistributedType
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from toolkit.distributed import root_params_gathered
+
 
 def completion_seed(seed: int, round_index: int, slot: int, prompt: int, sample: int) -> int:
     """A 63-bit seed from the run's seed, the round, the prompt's place in it (`slot`) and its index,
@@ -119,8 +121,6 @@ def generating(accelerator, model, gather: bool):
             with _fsdp2_unsharded(unwrapped):
                 yield unwrapped, False
         else:
-            from toolkit.distributed import root_params_gathered
-
             with root_params_gathered(model):
                 yield unwrapped, synced
     finally:
