@@ -165,6 +165,22 @@ def step_losses(output_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r]
 
 
+def train_lines(output_dir: Path) -> list[dict]:
+    """The metrics lines of training steps (those with a loss)."""
+    return [r for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r]
+
+
+def run_script(script: Path, args: list[str], out: Path, processes: int = 0, config: str = ""):
+    """`script args` on one process, or under a shipped accelerate `config` on `processes`; must succeed."""
+    head = [sys.executable]
+    if config:
+        head += ["-m", "accelerate.commands.launch", *launch(config, processes)]
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    result = run_launched([*head, str(script), *args], {**os.environ, **env}, keep=out)
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return result
+
+
 def launch(config: str, processes: int = 2) -> list[str]:
     """`accelerate launch` arguments for a shipped config on `processes` local processes."""
     return [

@@ -2,14 +2,12 @@
 (reference log-probs precomputed and reused on resume), exact resume, export, a start from an SFT adapter,
 and every shipped accelerate config on 2 gloo processes giving one process's per-step loss."""
 
-import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, launch, run_launched
+from helpers import REPO, run_script, train_lines
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -66,17 +64,7 @@ def run_dpo(out: Path, pair_files: Path, method: str, *overrides: str, processes
         "dpo.sft_weight=0",
         *overrides,
     ]
-    head = [sys.executable]
-    if config:
-        head += ["-m", "accelerate.commands.launch", *launch(config, processes)]
-    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    result = run_launched([*head, str(RECIPE), *args], {**os.environ, **env}, keep=out)
-    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-    return result
-
-
-def train_lines(out: Path) -> list[dict]:
-    return [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    return run_script(RECIPE, args, out, processes, config)
 
 
 def resume_from_step(out: Path, step: int) -> None:

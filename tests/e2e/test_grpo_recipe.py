@@ -6,17 +6,14 @@ The rewards are chosen so the bare tiny model's completions differ within a grou
 is zero for all of them): minus the length, and whether the completion holds a "1". Two optimizer steps per
 round and a KL term make the ratio, the clipping and the reference all count."""
 
-import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, assert_export_is_the_trained_state, launch, run_launched
+from helpers import REPO, assert_export_is_the_trained_state, run_script, train_lines
 
 from toolkit.checkpoint import RECIPE_STATE
 from toolkit.commands import cli
-from toolkit.metrics import read_metrics
 
 RECIPE = REPO / "recipes" / "grpo_llm.py"
 STEPS = 4
@@ -49,17 +46,7 @@ def run_grpo(out: Path, *overrides: str, processes: int = 0, config: str = "", m
         "grpo.format_pattern=.*1.*",
         *overrides,
     ]
-    head = [sys.executable]
-    if config:
-        head += ["-m", "accelerate.commands.launch", *launch(config, processes)]
-    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    result = run_launched([*head, str(RECIPE), *args], {**os.environ, **env}, keep=out)
-    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-    return result
-
-
-def train_lines(out: Path) -> list[dict]:
-    return [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    return run_script(RECIPE, args, out, processes, config)
 
 
 def assert_same_steps(expected: list[dict], got: list[dict], rel: float, label: str) -> None:
