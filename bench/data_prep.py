@@ -22,7 +22,7 @@ import numpy as np
 import psutil
 from common import ROOT, TOKENIZER_DIR, write_results
 
-from toolkit.metrics import read_metrics
+from toolkit.train.metrics import read_metrics
 
 BENCH = Path(__file__).resolve().parent
 PY = sys.executable

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from common import ROOT, write_results
 
-from toolkit.metrics import read_metrics
+from toolkit.train.metrics import read_metrics
 
 BENCH = Path(__file__).resolve().parent
 PY = sys.executable

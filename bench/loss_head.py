@@ -27,7 +27,7 @@ import psutil
 from common import LEARNING_RATE, ROOT, SEED, TOKENIZER_DIR, step_figures, write_results
 
 from toolkit.config import LossConfig
-from toolkit.metrics import read_metrics
+from toolkit.train.metrics import read_metrics
 
 BENCH = Path(__file__).resolve().parent
 PY = sys.executable

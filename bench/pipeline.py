@@ -20,7 +20,7 @@ from pathlib import Path
 
 from common import LEARNING_RATE, ROOT, build_model_dir, write_data, write_results
 
-from toolkit.metrics import read_metrics
+from toolkit.train.metrics import read_metrics
 
 BENCH = Path(__file__).resolve().parent
 ACCELERATE = Path(sys.executable).parent / "accelerate"

@@ -39,7 +39,7 @@ from common import (
     write_results,
 )
 
-from toolkit.metrics import read_metrics
+from toolkit.train.metrics import read_metrics
 
 BENCH = Path(__file__).resolve().parent
 PY = sys.executable

@@ -10,14 +10,15 @@ recipes/finetune_llm.py; what differs is the data (pairs) and the loss (toolkit/
 
 from __future__ import annotations
 
-from toolkit import data, loss
-from toolkit import model as models
+from toolkit import data
+from toolkit.model import load as models
 from toolkit.preference import config as pref
 from toolkit.preference import data as pairs
 from toolkit.preference import evaluate, reference
 from toolkit.preference import loss as pref_loss
 from toolkit.preference import pipeline as pref_pipeline
 from toolkit.run import Run, exit_with, recipe_args
+from toolkit.train import loss
 
 
 def main(argv: list[str]) -> int:

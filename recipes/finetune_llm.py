@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from toolkit import data, evaluate, loss
+from toolkit import data
 from toolkit.config import load_config
 from toolkit.run import Run, exit_with, recipe_args
+from toolkit.train import evaluate, loss
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from toolkit.checkpoint import MARKER, portable
-from toolkit.metrics import read_metrics
+from toolkit.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "finetune_llm.py"

@@ -15,30 +15,20 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from toolkit import (
-    batches,
-    checkpoint,
-    console,
-    data,
-    distributed,
-    flops,
-    metrics,
-    optim,
-    quant,
-    speed,
-    tensor_parallel,
-)
-from toolkit import model as models
+from toolkit import checkpoint, console, data, distributed
 from toolkit.checkpoint import rundir
 from toolkit.checkpoint.resume import Resume
 from toolkit.errors import UserError, run_main
 from toolkit.launch import backend, checks, machine
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE, StopRequest
-from toolkit.nonfinite import NonFiniteGuard
+from toolkit.model import flops, quant, speed, tensor_parallel
+from toolkit.model import load as models
 from toolkit.pipeline import runtime as pipeline_runtime
-from toolkit.steps import apply_update, every, export_final
+from toolkit.train import batches, metrics, optim
+from toolkit.train.nonfinite import NonFiniteGuard
+from toolkit.train.steps import apply_update, every, export_final
+from toolkit.train.watchdog import Watchdog
 from toolkit.typed_yaml import flat_dict
-from toolkit.watchdog import Watchdog
 
 
 class Run:

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from toolkit.checkpoint import MARKER
 from toolkit.checkpoint.export import verify_export
-from toolkit.metrics import read_metrics
+from toolkit.train.metrics import read_metrics
 
 pytestmark = pytest.mark.multiproc
 

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 from toolkit.checkpoint import portable
 from toolkit.commands import cli
 from toolkit.commands.generate import load_for_generation
-from toolkit.metrics import read_metrics
 from toolkit.preference.reference import FILE as REFERENCE_FILE
+from toolkit.train.metrics import read_metrics
 
 RECIPE = REPO / "recipes" / "dpo_llm.py"
 STEPS = 3

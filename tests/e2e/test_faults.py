@@ -10,7 +10,7 @@ from helpers import REPO, free_port, run_recipe, start_recipe, step_losses
 
 from toolkit import checkpoint
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE
-from toolkit.metrics import read_metrics
+from toolkit.train.metrics import read_metrics
 
 # A constant schedule, so a run told max_steps=400 and one told max_steps=N take the same steps.
 LONG = ["train.max_steps=400", "train.learning_rate=1e-4", "train.lr_scheduler=constant"]

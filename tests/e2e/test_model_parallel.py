@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from toolkit.checkpoint.export import verify_export
 from toolkit.commands import cli
-from toolkit.metrics import read_metrics
+from toolkit.train.metrics import read_metrics
 
 pytestmark = pytest.mark.multiproc
 

@@ -14,7 +14,7 @@ from helpers import REPO, launch, recipe_command, run_recipe, start_recipe, step
 
 from toolkit import checkpoint, console
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE
-from toolkit.watchdog import STALL_EXIT_CODE
+from toolkit.train.watchdog import STALL_EXIT_CODE
 
 CHATS = 20_000  # a few seconds of encoding on two workers here
 

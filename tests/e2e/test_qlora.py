@@ -10,8 +10,8 @@ from helpers import REPO, launch, run_recipe, step_losses
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from toolkit import quant
 from toolkit.commands import cli
+from toolkit.model import quant
 
 Q64 = REPO / "toolkit" / "assets" / "tiny-llama-q64"
 QLORA = [f"model.path={Q64}", "model.method=qlora", "train.learning_rate=2e-3", "train.save_every_steps=2"]

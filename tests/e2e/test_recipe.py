@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from toolkit.checkpoint import MARKER
 from toolkit.checkpoint.export import verify_export
 from toolkit.commands.cli import main as ftkit
-from toolkit.metrics import read_metrics
+from toolkit.train.metrics import read_metrics
 
 
 @pytest.fixture(scope="module")

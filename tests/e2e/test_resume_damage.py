@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from toolkit.checkpoint import MARKER
 from toolkit.commands import cli
-from toolkit.metrics import read_metrics
+from toolkit.train.metrics import read_metrics
 
 BASE = ["train.max_steps=2", "train.save_every_steps=1", "eval.max_batches=1"]
 

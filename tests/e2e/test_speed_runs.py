@@ -3,7 +3,7 @@
 import pytest
 from helpers import run_recipe, step_losses
 
-from toolkit.speed import can_compile
+from toolkit.model.speed import can_compile
 
 
 def test_unavailable_features_run_with_notes(tmp_path):

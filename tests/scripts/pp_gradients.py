@@ -6,8 +6,8 @@ restarting) and rows added to fill a micro-batch. The loss is the summed token N
 
 With the chunked head (loss.head: chunked, the recipe's default, float64 for a float64 model) the reference
 is float64 cross-entropy on the model's logits; with the full head (log-probs in float32) it is the
-recipe's one-process loss, `toolkit.loss.summed_token_loss`, float32 as well. Writes, per case, the largest
-difference of the loss and of every parameter's gradient to --out as JSON."""
+recipe's one-process loss, `toolkit.train.loss.summed_token_loss`, float32 as well. Writes, per case, the
+largest difference of the loss and of every parameter's gradient to --out as JSON."""
 
 import argparse
 import copy
@@ -21,13 +21,13 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 from transformers import LlamaForCausalLM
 
-from toolkit import head
 from toolkit.data.collate import Collator, PackedCollator
 from toolkit.data.encode import IGNORE
-from toolkit.loss import summed_token_loss
 from toolkit.pipeline import stages
 from toolkit.pipeline.batches import stacked
 from toolkit.pipeline.runtime import SCHEDULES
+from toolkit.train import head
+from toolkit.train.loss import summed_token_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import tiny_llama_config  # noqa: E402

@@ -15,9 +15,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from transformers import LlamaForCausalLM
 
-from toolkit import tensor_parallel
 from toolkit.config import LoraConfig
-from toolkit.model import peft_config
+from toolkit.model import tensor_parallel
+from toolkit.model.load import peft_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import tiny_llama_config  # noqa: E402

@@ -13,11 +13,13 @@ import torch
 from accelerate import Accelerator
 from transformers import LlamaForCausalLM
 
-from toolkit import batches, distributed, tensor_parallel
+from toolkit import distributed
 from toolkit.checkpoint.export import full_state_dict
 from toolkit.config import TrainConfig
 from toolkit.errors import UserError
 from toolkit.launch import backend
+from toolkit.model import tensor_parallel
+from toolkit.train import batches
 
 # A launched script sees only its own folder; the shared test helpers are one up.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -293,11 +293,11 @@ def test_a_template_that_serves_other_text_than_it_trained_is_one_warning(tmp_pa
         data.build_datasets(config(path, assistant_only_loss=False), tokenizer, 0)
     assert [r.getMessage() for r in caplog.records if "generation prompt" in r.getMessage()] == [found]
     # `ftkit check-config` reports it too (the tokenizer stands in for the configured model's).
-    monkeypatch.setattr("toolkit.model.load_tokenizer", lambda cfg: tokenizer)
+    monkeypatch.setattr("toolkit.model.load.load_tokenizer", lambda cfg: tokenizer)
     cfg = load_config(None)
     cfg.data.train = path
     assert check_template_cli(cfg) == f"warning: {found}"
-    monkeypatch.setattr("toolkit.model.load_tokenizer", lambda cfg: make_tokenizer(bpe, CHATML))
+    monkeypatch.setattr("toolkit.model.load.load_tokenizer", lambda cfg: make_tokenizer(bpe, CHATML))
     assert check_template_cli(cfg).startswith("chat template: generation prompts agree")
 
 

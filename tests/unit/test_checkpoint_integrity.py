@@ -10,13 +10,14 @@ import torch
 import yaml
 from accelerate import Accelerator
 
-from toolkit import checkpoint, optim
+from toolkit import checkpoint
 from toolkit.checkpoint import safe_load
 from toolkit.checkpoint.resume import FIXED, FREE, config_changes
 from toolkit.commands import cli
 from toolkit.config import RecipeConfig, TrainConfig, load_config
 from toolkit.errors import UserError
-from toolkit.metrics import read_metrics, truncate_after
+from toolkit.train import optim
+from toolkit.train.metrics import read_metrics, truncate_after
 from toolkit.typed_yaml import to_dict
 
 

@@ -4,9 +4,9 @@ import pytest
 from helpers import REPO
 
 import toolkit
-from toolkit.batches import grad_accum_steps
 from toolkit.config import DEMO_CONFIG, RecipeConfig, load_config
 from toolkit.errors import UserError
+from toolkit.train.batches import grad_accum_steps
 from toolkit.typed_yaml import field_docs, flat_dict
 
 # Preference and GRPO configs have a section of their own: test_preference_config.py, test_grpo.py.

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from toolkit import data
 from toolkit.config import DataConfig, TrainConfig
 from toolkit.data import build, streaming
-from toolkit.loss import IGNORE
+from toolkit.train.loss import IGNORE
 
 ASSETS = REPO / "toolkit" / "assets"
 RECORDS = 90

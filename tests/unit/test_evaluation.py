@@ -11,10 +11,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from toolkit import data
 from toolkit.config import EvalConfig
 from toolkit.data import IGNORE, RankShard
-from toolkit.evaluate import Evaluator
-from toolkit.generation import chat_prompt_ids, greedy_answer, split_prompt
-from toolkit.loss import count_targets
-from toolkit.metrics import MetricsLog, read_metrics
+from toolkit.train.evaluate import Evaluator
+from toolkit.train.generation import chat_prompt_ids, greedy_answer, split_prompt
+from toolkit.train.loss import count_targets
+from toolkit.train.metrics import MetricsLog, read_metrics
 
 
 def rows(count: int) -> list[dict]:

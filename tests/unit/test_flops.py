@@ -6,9 +6,9 @@ from helpers import tiny_llama_config
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaForCausalLM
 
-from toolkit.flops import ModelShape, flops_per_token, mfu, peak_flops, training_flops_per_token
-from toolkit.metrics import StepSpeed
+from toolkit.model.flops import ModelShape, flops_per_token, mfu, peak_flops, training_flops_per_token
 from toolkit.plan.counts import count_parameters
+from toolkit.train.metrics import StepSpeed
 
 SEQ = 4
 # 2 layers, hidden 8, 2 heads of 4, 1 key/value head (k and v project 8 -> 4), MLP width 16, vocab 32.

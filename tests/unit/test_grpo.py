@@ -7,7 +7,6 @@ import pytest
 import torch
 from helpers import micro_llama
 
-from toolkit.batches import grad_accum_steps
 from toolkit.data.encode import IGNORE
 from toolkit.errors import UserError
 from toolkit.grpo import loss as grpo_loss
@@ -16,7 +15,8 @@ from toolkit.grpo import rollout as rollouts
 from toolkit.grpo import sampling
 from toolkit.grpo.config import GrpoConfig, GrpoRecipeConfig, load_grpo_config
 from toolkit.grpo.rewards import Rewards
-from toolkit.loss import backward_scale
+from toolkit.train.batches import grad_accum_steps
+from toolkit.train.loss import backward_scale
 from toolkit.typed_yaml import field_docs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -278,7 +278,7 @@ def test_a_full_fine_tune_from_a_start_adapter_trains_every_weight(tmp_path):
     from peft import LoraConfig, get_peft_model
 
     from toolkit.config import ModelConfig
-    from toolkit.model import load_model
+    from toolkit.model.load import load_model
 
     base = micro_llama()
     base.save_pretrained(tmp_path / "base")

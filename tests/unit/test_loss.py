@@ -6,7 +6,7 @@ import torch
 from accelerate import Accelerator
 from helpers import micro_llama
 
-from toolkit.loss import IGNORE, backward_scale, count_targets, summed_token_loss
+from toolkit.train.loss import IGNORE, backward_scale, count_targets, summed_token_loss
 
 GLOBAL_BATCH = 8
 

@@ -18,14 +18,14 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from toolkit import head
 from toolkit.config import LoraConfig, load_config
 from toolkit.errors import UserError
 from toolkit.launch import checks
 from toolkit.launch.machine import Machine
-from toolkit.loss import IGNORE, batch_loss
-from toolkit.model import _with_adapter
+from toolkit.model.load import _with_adapter
 from toolkit.preference.loss import batch_sequence_logps
+from toolkit.train import head
+from toolkit.train.loss import IGNORE, batch_loss
 
 VOCAB = 64
 SMALL = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from toolkit.config import TrainConfig
-from toolkit.optim import build_scheduler, lr_factor
+from toolkit.train.optim import build_scheduler, lr_factor
 
 
 def train(**settings) -> TrainConfig:

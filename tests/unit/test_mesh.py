@@ -8,13 +8,13 @@ from helpers import REPO, tiny_llama_config, write_yaml
 from peft import get_peft_model
 from transformers import GPT2Config, LlamaForCausalLM
 
-from toolkit import tensor_parallel
 from toolkit.config import LoraConfig, ModelConfig, RecipeConfig, TrainConfig
 from toolkit.errors import UserError
 from toolkit.launch import backend, checks
 from toolkit.launch.machine import Machine
 from toolkit.launch.mesh import Mesh, check_mesh
-from toolkit.model import peft_config
+from toolkit.model import tensor_parallel
+from toolkit.model.load import peft_config
 
 CPU = Machine()
 

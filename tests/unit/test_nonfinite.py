@@ -1,6 +1,6 @@
 import math
 
-from toolkit.nonfinite import NonFiniteGuard
+from toolkit.train.nonfinite import NonFiniteGuard
 
 
 def test_stop_policy_skips_then_fails_after_patience():

@@ -15,11 +15,11 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
 from toolkit import data
-from toolkit.batches import EpochSampler
 from toolkit.config import DataConfig
 from toolkit.data.collate import count_tokens, model_inputs
 from toolkit.data.packing import fill_rows, pack_dataset
-from toolkit.loss import IGNORE, count_targets, summed_token_loss
+from toolkit.train.batches import EpochSampler
+from toolkit.train.loss import IGNORE, count_targets, summed_token_loss
 
 ASSETS = REPO / "toolkit" / "assets"
 pytestmark = pytest.mark.usefixtures("private_cache")

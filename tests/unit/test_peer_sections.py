@@ -140,7 +140,7 @@ def test_wrap_classes_are_compared_with_the_models_own_layers():
 
 
 def test_an_error_raised_inside_deepspeed_is_not_reported_as_the_models(tmp_path):
-    from toolkit import model
+    from toolkit.model import load as model
 
     def raise_from(filename: str) -> ValueError:
         try:

@@ -13,7 +13,7 @@ from transformers import GPT2Config, LlamaForCausalLM, MistralConfig, Qwen2Confi
 
 from toolkit.config import LoraConfig
 from toolkit.data.encode import IGNORE
-from toolkit.model import peft_config
+from toolkit.model.load import peft_config
 from toolkit.pipeline import batches, stages
 
 PAD = 7

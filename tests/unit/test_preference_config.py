@@ -2,7 +2,6 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.batches import grad_accum_steps
 from toolkit.errors import UserError
 from toolkit.preference.config import (
     PreferenceConfig,
@@ -10,6 +9,7 @@ from toolkit.preference.config import (
     precomputes_reference,
     prompt_budget,
 )
+from toolkit.train.batches import grad_accum_steps
 from toolkit.typed_yaml import field_docs
 
 REPO = Path(__file__).resolve().parents[2]

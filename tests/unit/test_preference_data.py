@@ -11,9 +11,9 @@ from transformers import AutoTokenizer
 from toolkit.config import DataConfig, TrainConfig
 from toolkit.data.loader import train_loader
 from toolkit.errors import UserError
-from toolkit.loss import IGNORE
 from toolkit.preference.data import EncodedPairs, PairCollator, build_pairs, pair_lengths
 from toolkit.preference.records import detect_layout, to_pair
+from toolkit.train.loss import IGNORE
 
 TINY = Path(__file__).resolve().parents[2] / "toolkit" / "assets" / "tiny-llama"
 USER = {"role": "user", "content": "What is 2 + 3?"}

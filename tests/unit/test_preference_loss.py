@@ -6,10 +6,10 @@ import torch
 from accelerate import Accelerator
 from helpers import micro_llama
 
-from toolkit.loss import backward_scale
 from toolkit.preference.config import DpoConfig
 from toolkit.preference.data import PairCollator
 from toolkit.preference.loss import PairSums, micro_objective, pair_terms, sequence_logps
+from toolkit.train.loss import backward_scale
 
 LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
 # Prompt and completion lengths that differ wildly, so padding differs between micro-batch splits.

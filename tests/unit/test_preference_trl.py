@@ -15,10 +15,10 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from toolkit.config import DataConfig
-from toolkit.loss import IGNORE
 from toolkit.preference.config import DpoConfig
 from toolkit.preference.data import PairCollator, build_pairs
 from toolkit.preference.loss import pair_terms, sequence_logps
+from toolkit.train.loss import IGNORE
 
 trl = pytest.importorskip("trl")
 cpo = pytest.importorskip("trl.experimental.cpo")

@@ -3,18 +3,19 @@ and evaluation between training steps leaving the gradients as they were."""
 
 import json
 import re
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
 import torch
 
-from toolkit import quant
 from toolkit.config import LoraConfig, ModelConfig
 from toolkit.errors import UserError
-from toolkit.model import load_model
+from toolkit.model import quant
+from toolkit.model.load import load_model
 from toolkit.plan.estimate import PlanRequest, make_plan
 
-ASSETS = quant.__file__.rsplit("/", 1)[0] + "/assets"
+ASSETS = str(files("toolkit") / "assets")
 Q64, TINY = f"{ASSETS}/tiny-llama-q64", f"{ASSETS}/tiny-llama"
 LLAMA3_70B = {  # its config.json's widths
     "hidden_size": 8192,

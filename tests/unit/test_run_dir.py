@@ -17,7 +17,7 @@ from toolkit.checkpoint import export, rundir
 from toolkit.commands import cli
 from toolkit.config import RecipeConfig
 from toolkit.errors import UserError, run_main
-from toolkit.metrics import MetricsLog
+from toolkit.train.metrics import MetricsLog
 
 pytestmark = pytest.mark.usefixtures("signal_handlers_restored")
 

@@ -4,10 +4,10 @@ prove a working run and unchanged math are in tests/e2e)."""
 import pytest
 import torch
 
-from toolkit import model as models
 from toolkit.config import ModelConfig, TrainConfig, load_config
 from toolkit.errors import UserError
-from toolkit.speed import resolve
+from toolkit.model import load as models
+from toolkit.model.speed import resolve
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

@@ -10,7 +10,7 @@ import time
 
 from helpers import REPO
 
-from toolkit.watchdog import STALL_DIR, STALL_EXIT_CODE, Watchdog
+from toolkit.train.watchdog import STALL_DIR, STALL_EXIT_CODE, Watchdog
 
 # Rank 0 of 2 with a 2-second timeout: it beats for 4 s (forward passes through a hooked module), then
 # waits as in a collective; rank 1's heartbeat was last written a minute ago.
@@ -19,7 +19,7 @@ WATCHED = textwrap.dedent(
     import json, sys, time
     from pathlib import Path
     import torch
-    from toolkit.watchdog import Watchdog
+    from toolkit.train.watchdog import Watchdog
 
     out = Path(sys.argv[1])
     (out / "stall").mkdir(parents=True)

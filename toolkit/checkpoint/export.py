@@ -12,11 +12,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from toolkit import quant
 from toolkit.checkpoint import split
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
-from toolkit.model import DTYPES
+from toolkit.model import quant
+from toolkit.model.load import DTYPES
 from toolkit.pipeline import runtime, stages
 
 ADAPTER_CONFIG = "adapter_config.json"

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from toolkit import quant
 from toolkit.checkpoint import read_marker, safe_load
 from toolkit.checkpoint.split import DCP_MODEL, DCP_OPTIMIZER
 from toolkit.errors import UserError
-from toolkit.nonfinite import nonfinite_names, refuse_nonfinite
+from toolkit.model import quant
 from toolkit.pipeline import stages
+from toolkit.train.nonfinite import nonfinite_names, refuse_nonfinite
 
 REPLICATED_MODEL, REPLICATED_OPTIMIZER = "model.safetensors", "optimizer.bin"
 DEEPSPEED_TAG = "pytorch_model"

@@ -14,11 +14,13 @@ from pathlib import Path
 import yaml
 from accelerate.utils.other import load as accelerate_load
 
-from toolkit import checkpoint, metrics, optim, quant
+from toolkit import checkpoint
 from toolkit.checkpoint import portable, rundir, split
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
-from toolkit.nonfinite import nonfinite_names, refuse_nonfinite
+from toolkit.model import quant
+from toolkit.train import metrics, optim
+from toolkit.train.nonfinite import nonfinite_names, refuse_nonfinite
 from toolkit.typed_yaml import dotted, to_dict
 
 FIXED = (

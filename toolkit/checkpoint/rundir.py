@@ -15,8 +15,8 @@ from typing import IO
 from toolkit.config import RecipeConfig
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
+from toolkit.train.watchdog import STALL_DIR
 from toolkit.typed_yaml import save_config
-from toolkit.watchdog import STALL_DIR
 
 MARKER = ".ftkit-run"
 LOCK = ".ftkit-run.lock"

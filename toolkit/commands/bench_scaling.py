@@ -16,7 +16,7 @@ from pathlib import Path
 from accelerate.utils.other import get_free_port
 
 from toolkit.errors import UserError
-from toolkit.metrics import read_metrics
+from toolkit.train.metrics import read_metrics
 
 
 @dataclass(frozen=True)

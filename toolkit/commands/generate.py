@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.checkpoint.export import ADAPTER_CONFIG, adapted_base
 from toolkit.errors import UserError
-from toolkit.generation import chat_prompt_ids, greedy_answer
-from toolkit.model import remote_code_refusal, with_pad_token
+from toolkit.model.load import remote_code_refusal, with_pad_token
+from toolkit.train.generation import chat_prompt_ids, greedy_answer
 
 
 def load_for_generation(path: Path, trust_remote_code: bool = False):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from toolkit.errors import UserError
-from toolkit.metrics import read_metrics
+from toolkit.train.metrics import read_metrics
 
 # (metric key, panel title); the loss panel also draws eval_loss.
 PANELS = (("loss", "loss (eval dashed)"), ("lr", "learning rate"), ("tokens_per_s", "tokens / s"))

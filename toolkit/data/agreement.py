@@ -49,7 +49,7 @@ def first_disagreement(tokenizer, source, fmt: str) -> str | None:
 def check_template_cli(cfg) -> str:
     """`ftkit check-config`'s line on the recipe's chat template and training data."""
     from toolkit.data.build import data_format
-    from toolkit.model import load_tokenizer
+    from toolkit.model.load import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model)
     names = cfg.data.train if isinstance(cfg.data.train, list) else [cfg.data.train]

@@ -1,4 +1,4 @@
-"""The DataLoaders: training (examples or packed rows in step-shaped order, see toolkit/batches.py) and
+"""The DataLoaders: training (examples or packed rows in step-shaped order, see toolkit/train/batches.py) and
 evaluation (each rank a strided share of the held-out rows)."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import math
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from toolkit.batches import EpochSampler
 from toolkit.config import DataConfig, TrainConfig
 from toolkit.data.collate import Collator, PackedCollator
 from toolkit.data.encode import IGNORE
@@ -16,6 +15,7 @@ from toolkit.data.packing import LengthGroupedSampler, row_lengths
 from toolkit.data.parallel import default_signals
 from toolkit.data.streaming import StreamRows
 from toolkit.errors import UserError
+from toolkit.train.batches import EpochSampler
 
 
 def train_loader(

@@ -17,8 +17,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from toolkit.batches import EpochSampler
 from toolkit.data.encode import IGNORE
+from toolkit.train.batches import EpochSampler
 
 # Global batches whose examples are sorted by length together: larger groups pad less, smaller ones keep
 # each step's mix of lengths closer to a random draw.

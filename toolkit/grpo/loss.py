@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from toolkit import head
 from toolkit.data.collate import model_inputs
 from toolkit.data.encode import IGNORE
 from toolkit.preference.reference import adapter_off, frozen, load_separate
+from toolkit.train import head
 
 
 def completion_logps(model, batch: dict) -> torch.Tensor:

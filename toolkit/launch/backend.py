@@ -217,7 +217,7 @@ def accelerator_kwargs(launch: Launch, train: TrainConfig, grad_accum_steps: int
     if launch.on_cpu and launch.backend == "fsdp":
         kwargs["fsdp_plugin"] = _cpu_fsdp_plugin(launch.fsdp_version)
     # A stalled rank fails the collective after this long instead of hanging the job forever; the watchdog
-    # (toolkit/watchdog.py) reports first, and the main process may prepare data meanwhile.
+    # (toolkit/train/watchdog.py) reports first, and the main process may prepare data meanwhile.
     group = {"timeout": timedelta(minutes=2 * train.stall_timeout_minutes)}
     if launch.backend == "deepspeed":
         kwargs["deepspeed_plugin"] = deepspeed_plugin(train, grad_accum_steps)

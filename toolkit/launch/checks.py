@@ -10,8 +10,6 @@ import json
 from collections.abc import MutableMapping
 from pathlib import Path
 
-from toolkit import head, quant, tensor_parallel
-from toolkit.batches import grad_accum_steps
 from toolkit.config import ModelConfig, RecipeConfig, TrainConfig
 from toolkit.errors import UserError
 from toolkit.launch.backend import (
@@ -34,8 +32,11 @@ from toolkit.launch.sections import (
     refuse_parallelism,
     refuse_unknown_wrap_classes,
 )
-from toolkit.model import model_config, model_module_classes
+from toolkit.model import quant, tensor_parallel
+from toolkit.model.load import model_config, model_module_classes
 from toolkit.pipeline import stages
+from toolkit.train import head
+from toolkit.train.batches import grad_accum_steps
 from toolkit.typed_yaml import dotted, read_yaml_mapping
 
 # What each accelerate distributed_type starts, in ftkit's words. Others are refused: MULTI_CPU starts one

@@ -1,5 +1,5 @@
 """Greedy answers from a pipeline, for the evaluations that generate (exact match, the sample answer):
-`PipelineGenerator` stands in for the model in `toolkit.generation`, one forward pass through every
+`PipelineGenerator` stands in for the model in `toolkit.train.generation`, one forward pass through every
 stage per new token (no key-value cache: each pass sees the whole sequence so far)."""
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 
-from toolkit import head as heads
 from toolkit.data.collate import flash_varlen_kwargs
 from toolkit.data.encode import IGNORE
+from toolkit.train import head as heads
 
 # Model types whose decoder layers take (hidden, mask, position ids, rotary embeddings) and whose model
 # is embeddings -> layers -> norm -> head, the shape a stage reproduces.

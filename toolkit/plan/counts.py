@@ -197,8 +197,9 @@ def _pipeline_parts(params: list, layers: list) -> tuple[tuple[int, int], ...]:
 
 def _tp_split(model, tp_plan: dict[str, str]) -> tuple[int, int]:
     """(frozen, trainable) parameters that tensor parallelism splits: the linear layers the plan names and,
-    under LoRA, the one adapter piece split with each (`toolkit.tensor_parallel`); the other stays whole."""
-    from toolkit.tensor_parallel import split_styles
+    under LoRA, the one adapter piece split with each (`toolkit.model.tensor_parallel`); the other stays
+    whole."""
+    from toolkit.model.tensor_parallel import split_styles
 
     modules = dict(model.named_modules())
     params = {id(p): p for name in split_styles(model, tp_plan) for p in modules[name].parameters()}.values()

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-from toolkit import flops
 from toolkit.config import LossConfig, LossHead, Method, RecipeConfig, load_any_recipe_config
 from toolkit.errors import UserError
 from toolkit.fields import (
@@ -24,7 +23,7 @@ from toolkit.fields import (
 )
 from toolkit.grpo.config import GrpoConfig, GrpoRecipeConfig
 from toolkit.launch.machine import GIB
-from toolkit.metrics import read_metrics
+from toolkit.model import flops
 from toolkit.plan import (
     GradCkpt,
     Objective,
@@ -40,6 +39,7 @@ from toolkit.plan import (
 from toolkit.plan.counts import ModelCounts, count_parameters, load_model_config
 from toolkit.plan.memory import Head, MemoryEstimate, Precision
 from toolkit.preference.config import PreferenceConfig
+from toolkit.train.metrics import read_metrics
 from toolkit.typed_yaml import dotted, to_dict
 
 RECIPES = {"sft": "finetune_llm.py", "dpo": "dpo_llm.py", "grpo": "grpo_llm.py"}

@@ -46,7 +46,7 @@ def _header(plan: Plan) -> list[str]:
         f"({100 * c.trainable / c.total:.2f}%: {trained})",
         f"setup    {c.method} on {r.gpus} GPU x {r.gpu_mem:g} GiB | {base}, {autocast} | "
         f"seq {r.seq_len} | global batch {r.global_batch} | {head}",
-        f"compute  {plan.flops_per_token / 1e9:.2f} GFLOP per trained token (see toolkit/flops.py)",
+        f"compute  {plan.flops_per_token / 1e9:.2f} GFLOP per trained token (see toolkit/model/flops.py)",
         *_grpo_setup(plan),
     ]
 

@@ -20,8 +20,8 @@ from toolkit.data.mixture import split_sources
 from toolkit.data.packing import row_lengths
 from toolkit.data.sources import read_source
 from toolkit.errors import UserError
-from toolkit.loss import IGNORE
 from toolkit.preference.records import Pair, detect_layout, to_pair
+from toolkit.train.loss import IGNORE
 
 logger = logging.getLogger(__name__)
 COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from toolkit.distributed import data_shard
-from toolkit.generation import greedy_answer
 from toolkit.pipeline.generate import PipelineGenerator
 from toolkit.preference.config import DpoConfig
 from toolkit.preference.data import strided_batches
 from toolkit.preference.loss import PairSums, batch_sequence_logps, pair_terms, target_counts
+from toolkit.train.generation import greedy_answer
 
 
 @torch.no_grad()

@@ -3,7 +3,7 @@
 Each pair's completion log-probability is the sum over its completion tokens (padding and prompt never
 count). A step's loss is the mean of the per-pair losses over every pair of the global batch, plus, for
 ORPO or with dpo.sft_weight, the NLL of the chosen completions per chosen token of the global batch; the
-recipe scales each micro-batch's sums by those global counts (see `toolkit.loss.backward_scale`), so the
+recipe scales each micro-batch's sums by those global counts (see `toolkit.train.loss.backward_scale`), so the
 split into micro-batches and processes does not change the gradient.
 """
 
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from toolkit import head
 from toolkit.data.collate import model_inputs
 from toolkit.distributed import sum_over_data
-from toolkit.loss import IGNORE
 from toolkit.preference.config import DpoConfig
+from toolkit.train import head
+from toolkit.train.loss import IGNORE
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +103,7 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 def micro_objective(terms: PairTerms, pair_scale: float, token_scale: float) -> torch.Tensor:
     """What one micro-batch back-propagates: its sums, scaled by the step's global pair and chosen-token
-    counts (`toolkit.loss.backward_scale`)."""
+    counts (`toolkit.train.loss.backward_scale`)."""
     return terms.losses.sum() * pair_scale + terms.nll_sum * token_scale
 
 

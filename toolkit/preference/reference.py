@@ -20,7 +20,7 @@ from toolkit.checkpoint.rundir import REFERENCE_LOGPS
 from toolkit.config import LoraConfig, ModelConfig
 from toolkit.distributed import data_shard
 from toolkit.errors import UserError
-from toolkit.model import load_model
+from toolkit.model.load import load_model
 from toolkit.preference.config import precomputes_reference, uses_reference
 from toolkit.preference.data import strided_batches
 from toolkit.preference.loss import batch_sequence_logps

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from toolkit import flops
 from toolkit.errors import UserError
+from toolkit.model import flops
 
 
 class MetricsLog:

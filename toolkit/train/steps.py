@@ -7,7 +7,7 @@ from pathlib import Path
 
 from toolkit import distributed
 from toolkit.checkpoint import export
-from toolkit.nonfinite import NonFiniteGuard
+from toolkit.train.nonfinite import NonFiniteGuard
 
 
 def apply_update(

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from toolkit import head
 from toolkit.data.collate import model_inputs
 from toolkit.data.encode import IGNORE
+from toolkit.train import head
 
 
 def count_targets(labels: torch.Tensor) -> int:

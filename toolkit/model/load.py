@@ -13,10 +13,11 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from toolkit import head, quant, speed
 from toolkit.config import LoraConfig, LossConfig, ModelConfig, check_local_path
 from toolkit.errors import UserError
-from toolkit.speed import SpeedFeatures
+from toolkit.model import quant, speed
+from toolkit.model.speed import SpeedFeatures
+from toolkit.train import head
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 

@@ -10,10 +10,10 @@ from torch.utils.data import DataLoader
 
 from toolkit.config import EvalConfig
 from toolkit.distributed import root_params_gathered, sum_over_data
-from toolkit.generation import chat_prompt_ids, exact_match, greedy_answer, split_prompt
-from toolkit.loss import batch_loss, count_targets
-from toolkit.metrics import MetricsLog
 from toolkit.pipeline.generate import PipelineGenerator
+from toolkit.train.generation import chat_prompt_ids, exact_match, greedy_answer, split_prompt
+from toolkit.train.loss import batch_loss, count_targets
+from toolkit.train.metrics import MetricsLog
 
 
 class Evaluator:
