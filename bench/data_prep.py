@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 from common import ROOT, TOKENIZER_DIR, write_results
+from harness import machine
 
 from toolkit.train.metrics import read_metrics
 
@@ -214,7 +215,6 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[20000, 100000])
     parser.add_argument("--million", action="store_true", help="also 1,000,000 examples (ftkit only)")
     args = parser.parse_args()
-    from run import machine
 
     print(run_section(args.sizes + ([1000000] if args.million else []), machine()))
 

@@ -24,6 +24,7 @@ from common import (
     write_pairs,
     write_results,
 )
+from harness import machine, run_process, table
 
 from toolkit.train.metrics import read_metrics
 
@@ -77,7 +78,6 @@ def step_record(name: str, work: Path) -> tuple[list[float], list[int], float, f
 
 
 def run_once(name: str, cmd: list[str], work: Path) -> dict:
-    from run import run_process
 
     run = run_process(name, cmd, work)
     return step_figures("pairs_per_s", *step_record(name, work), run)
@@ -116,7 +116,6 @@ def verdicts(results: dict[str, list[dict]]) -> str:
 
 def run_section(repeats: int, machine) -> str:
     """Every contender `repeats` times round-robin; returns the markdown block it also writes."""
-    from run import table
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -139,7 +138,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from run import machine
 
     print(run_section(args.repeats, machine))
 

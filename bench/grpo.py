@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from common import ROOT, write_results
+from harness import machine, run_process, table
 
 from toolkit.train.metrics import read_metrics
 
@@ -101,7 +102,6 @@ def figures(steps: dict, run) -> dict:
 
 
 def run_once(name: str, cmd: list[str], work: Path) -> dict:
-    from run import run_process
 
     run = run_process(name, cmd, work)
     return figures(step_record(name, work), run)
@@ -153,7 +153,6 @@ def verdicts(results: dict[str, list[dict]]) -> str:
 
 def run_section(repeats: int, machine) -> str:
     """Both contenders `repeats` times round-robin; returns the markdown block it also writes."""
-    from run import table
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -178,7 +177,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    from run import machine
 
     print(run_section(args.repeats, machine))
 

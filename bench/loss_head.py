@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 from common import LEARNING_RATE, ROOT, SEED, TOKENIZER_DIR, step_figures, write_results
+from harness import machine
 
 from toolkit.config import LossConfig
 from toolkit.train.metrics import read_metrics
@@ -366,7 +367,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rss-cap-gb", type=float, default=20.0, help="a run past this RSS is stopped")
     args = parser.parse_args()
-    from run import machine
 
     print(run_section(args.repeats, machine, args.rss_cap_gb))
 

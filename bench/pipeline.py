@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from common import LEARNING_RATE, ROOT, build_model_dir, write_data, write_results
+from harness import machine, run_process
 
 from toolkit.train.metrics import read_metrics
 
@@ -85,7 +86,6 @@ def theoretical_bubble(name: str) -> float | None:
 
 
 def run_once(name: str, work: Path) -> dict:
-    from run import run_process
 
     _, wall, _ = run_process(name, command(name, work), work)
     lines = [x for x in read_metrics(out_dir(name, work) / "metrics.jsonl") if "step_time_s" in x]
@@ -180,7 +180,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    from run import machine
 
     print(run_section(args.repeats, machine))
 

@@ -260,21 +260,6 @@ def load_config(
     return cfg
 
 
-def load_any_recipe_config(path: str | Path | None) -> RecipeConfig:
-    """A recipe config with the schema of the recipe it is for, told by its sections: `dpo` (preference
-    tuning), `grpo`, or neither (SFT; the demo when `path` is None)."""
-    sections = read_yaml_mapping(Path(path), "config file") if path else {}
-    if "dpo" in sections:
-        from toolkit.preference.config import PreferenceConfig
-
-        return load_config(path, schema=PreferenceConfig)
-    if "grpo" in sections:
-        from toolkit.grpo.config import GrpoRecipeConfig
-
-        return load_config(path, schema=GrpoRecipeConfig)
-    return load_config(path)
-
-
 def validate(cfg: RecipeConfig, source: str = "config") -> None:
     """Check every key against the values its field declares, then what single fields cannot express."""
     errors = field_errors(cfg)

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -79,11 +80,36 @@ def finish(recipe: str, code: int, message: str = "") -> int:
     if exit_dir and code != 0:
         record = {"code": code, "message": message}
         (Path(exit_dir) / f"rank-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record))
-    elif message and os.environ.get("RANK", "0") == "0":
-        # Every rank meets the same mistakes (a config, a path, an agreed check): one line per launch.
+    elif message and first_to_report(os.environ):
         close_progress_bars()
-        print(f"{recipe}: error: {message}", file=sys.stderr)
+        print(f"{recipe}: error: {message}", file=sys.stderr, flush=True)
     return code
+
+
+def first_to_report(env) -> bool:
+    """Whether this process is the first of its machine's launch to report an error. Every rank meets the
+    same mistakes (a config, a path, an agreed check), and the launcher ends the others once one exits: the
+    first to get here prints, whichever rank it is, and the rest stay quiet. The launch is told by the
+    launcher process all its ranks share (its pid and start time, so a reused pid is another launch)."""
+    if int(env.get("WORLD_SIZE", "1")) <= 1:
+        return True
+    launcher = os.getppid()
+    marker = Path(tempfile.gettempdir()) / f"ftkit-error-{launcher}-{_start_time(launcher)}"
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:
+        return env.get("RANK", "0") == "0"  # no writable temp dir: rank 0 speaks, as a last resort
+    return True
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot (Linux), else empty."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
 
 
 def say_once(line: str) -> None:

@@ -23,6 +23,7 @@ from toolkit.launch import backend, checks, machine
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE, StopRequest
 from toolkit.model import flops, quant, speed, tensor_parallel
 from toolkit.model import load as models
+from toolkit.model.facts import read_model_facts
 from toolkit.pipeline import runtime as pipeline_runtime
 from toolkit.train import batches, metrics, optim
 from toolkit.train.nonfinite import NonFiniteGuard
@@ -60,7 +61,8 @@ class Run:
         the Accelerator, the seed, output_dir claimed and prepared, resume found, trackers and metrics log."""
         stop = StopRequest()
         launch = backend.with_pipeline(backend.detect_launch(), cfg.pipeline.size, config_source)
-        notes = checks.check_launch(launch, cfg, config_source, machine.probe_machine(), os.environ)
+        facts = read_model_facts(cfg.model)
+        notes = checks.check_launch(launch, cfg, facts, config_source, machine.probe_machine(), os.environ)
         grad_accum = batches.grad_accum_steps(cfg.train, launch.mesh.data_parallel)
         accelerator = backend.setup(
             launch,
@@ -151,7 +153,7 @@ class Run:
         self.meter = metrics.StepSpeed(
             flops.ModelShape.of(model), self.accelerator.device, self.accelerator.num_processes
         )
-        model.register_forward_pre_hook(lambda module, args: self.watchdog.touch())
+        model.register_forward_pre_hook(self.watchdog.forward_hook)
         return model
 
     def pipeline(self, model, pad_id: int, loss_fn, rows_per_example: int = 1, uniform: bool = True):
@@ -175,7 +177,7 @@ class Run:
             uniform,
         )
         for module in self.pipe.modules:
-            module.register_forward_pre_hook(lambda module, args: self.watchdog.touch())
+            module.register_forward_pre_hook(self.watchdog.forward_hook)
         self.accelerator.print(self.pipe.describe())
         return self.pipe
 

@@ -2,9 +2,10 @@
 looks like a finished model is written."""
 
 import json
+import os
 
 import pytest
-from helpers import run_recipe
+from helpers import launch, recipe_command, run_launched, run_recipe
 
 
 def bad_jsonl(tmp_path):
@@ -56,3 +57,20 @@ def test_output_dir_of_another_run_is_refused(tmp_path):
     result = run_recipe(out, "train.overwrite=true", check=False)
     assert result.returncode == 2 and "was not created by ftkit" in result.stderr
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_a_mistake_met_first_by_a_non_main_rank_is_shown_once(tmp_path):
+    """Rank 0 is held back at start-up (a sitecustomize of the test's own), so rank 1 meets the launch
+    check's refusal first, exits 2 and the launcher ends rank 0 before it can print: the line still shows,
+    once."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(120)\n"
+    )
+    command, env = recipe_command(tmp_path / "run", "train.mixed_precision=fp16", launch=launch("ddp"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hold), env.get("PYTHONPATH")]))
+    result = run_launched(command, env, timeout=300)
+    shown = [line for line in result.stderr.splitlines() if line.startswith("finetune_llm: error:")]
+    assert result.returncode != 0 and len(shown) == 1, result.stderr[-3000:]
+    assert "train.mixed_precision fp16 in" in shown[0] and "needs a GPU" in shown[0]

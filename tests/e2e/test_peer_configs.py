@@ -102,7 +102,7 @@ def test_peer_fsdp1_full_fine_tune_trains_and_exports_like_one_process(tmp_path)
 
 @pytest.mark.multiproc
 def test_peer_fsdp1_full_state_dict_config_trains_and_checkpoints(one_process, tmp_path):
-    # As TRL ships it (FULL_STATE_DICT, bf16 in the YAML), with the one fix the README names for fp32.
+    # As TRL ships it (FULL_STATE_DICT, bf16 in the YAML), with the one fix docs/backends.md names for fp32.
     out = tmp_path / "run"
     result = run_recipe(out, *SETTINGS, launch=[*peer("fsdp1_full"), "--mixed_precision", "no"])
     assert "backend fsdp1 (gloo)" in result.stdout and "[before] sample:" in result.stdout

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from toolkit.config import TrainConfig
-from toolkit.launch import backend
+from toolkit.launch import backend, request
 
 # A launched script sees only its own folder; the shared test helpers are one up.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -110,7 +110,7 @@ def main() -> None:
                     "lora_r": LORA_R,
                     "after_backward": [int(row[0]) for row in gathered],
                     "after_step": [int(row[1]) for row in gathered],
-                    "backend": backend.backend_name(launch),
+                    "backend": request.backend_name(launch),
                 }
             )
         )

@@ -19,8 +19,9 @@ from test_data import (
 from transformers import AutoTokenizer
 
 from toolkit import data
+from toolkit.commands.check_config import check_chat_rows
 from toolkit.config import load_config
-from toolkit.data.agreement import check_template_cli, first_disagreement
+from toolkit.data.agreement import first_disagreement
 from toolkit.data.formats import to_example
 from toolkit.data.sources import read_source
 from toolkit.errors import UserError
@@ -293,12 +294,12 @@ def test_a_template_that_serves_other_text_than_it_trained_is_one_warning(tmp_pa
         data.build_datasets(config(path, assistant_only_loss=False), tokenizer, 0)
     assert [r.getMessage() for r in caplog.records if "generation prompt" in r.getMessage()] == [found]
     # `ftkit check-config` reports it too (the tokenizer stands in for the configured model's).
-    monkeypatch.setattr("toolkit.model.load.load_tokenizer", lambda cfg: tokenizer)
+    monkeypatch.setattr("toolkit.commands.check_config.load_tokenizer", lambda cfg: tokenizer)
     cfg = load_config(None)
     cfg.data.train = path
-    assert check_template_cli(cfg) == f"warning: {found}"
-    monkeypatch.setattr("toolkit.model.load.load_tokenizer", lambda cfg: make_tokenizer(bpe, CHATML))
-    assert check_template_cli(cfg).startswith("chat template: generation prompts agree")
+    assert check_chat_rows(cfg) == f"warning: {found}"
+    monkeypatch.setattr("toolkit.commands.check_config.load_tokenizer", lambda cfg: make_tokenizer(bpe, CHATML))
+    assert check_chat_rows(cfg).startswith("chat template: generation prompts agree")
 
 
 def test_the_shipped_tool_demo_trains_the_call_and_the_answer(tmp_path):

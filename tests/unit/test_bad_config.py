@@ -10,7 +10,7 @@ from helpers import REPO
 from toolkit import config, fields, typed_yaml
 from toolkit.commands import cli
 from toolkit.errors import run_main
-from toolkit.plan import estimate
+from toolkit.plan import request
 
 BAD = [
     ("train.keep_last=-1", "train.keep_last: must be >= 0, got -1"),
@@ -83,7 +83,7 @@ def test_every_count_size_and_ratio_key_declares_its_range():
                 yield prefix + name
 
     assert list(open_keys(config.RecipeConfig)) == []
-    assert list(open_keys(estimate.PlanRequest)) == []
+    assert list(open_keys(request.PlanRequest)) == []
 
 
 def test_cli_choices_and_docs_come_from_the_declarations(capsys):

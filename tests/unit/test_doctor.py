@@ -6,7 +6,9 @@ import json
 import pytest
 
 from toolkit.commands import cli
-from toolkit.commands.doctor import GIB, Gpu, Probes, diagnose, exit_code, render_text, to_json
+from toolkit.commands.doctor.records import Gpu, Probes
+from toolkit.commands.doctor.report import diagnose, exit_code, render_text, to_json
+from toolkit.launch.machine import GIB
 
 RTX_4090 = Gpu("NVIDIA GeForce RTX 4090", 24 * GIB)
 A100 = Gpu("NVIDIA A100-SXM4-80GB", 80 * GIB)
@@ -175,6 +177,6 @@ def test_bitsandbytes_backend_is_reported_and_a_gpu_without_its_library_warns():
 
 
 def test_this_machines_bitsandbytes_backend_is_probed():
-    from toolkit.commands.doctor import _bnb_backend
+    from toolkit.commands.doctor.probe import _bnb_backend
 
     assert _bnb_backend().startswith(("CPU, native library", "CUDA, native library"))

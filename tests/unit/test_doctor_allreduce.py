@@ -12,7 +12,7 @@ from pathlib import Path
 from test_doctor import A100, RTX_4090, finding, machine
 
 from toolkit.commands.allreduce_check import PairResult, check_pairs
-from toolkit.commands.doctor import diagnose, exit_code, render_text, to_json
+from toolkit.commands.doctor.report import diagnose, exit_code, render_text, to_json
 
 # Stands in for a NCCL hang: the pair's process forks a grandchild; both write their pid and sleep. The
 # grandchild lets go of stderr, so a check that killed only its child returns (and fails) instead of blocking.

@@ -264,8 +264,8 @@ def test_a_rollout_survives_its_checkpoint_form():
 
 
 def test_the_commands_read_a_grpo_config_with_its_own_schema(tmp_path):
-    from toolkit.config import load_any_recipe_config
-    from toolkit.launch.checks import check_config_cli
+    from toolkit.commands.check_config import check_config_cli
+    from toolkit.recipes import load_any_recipe_config
 
     cfg = load_any_recipe_config(REPO / "recipes" / "configs" / "demo-grpo.yaml")
     assert isinstance(cfg, GrpoRecipeConfig) and cfg.grpo.num_generations == 8

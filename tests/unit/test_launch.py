@@ -16,8 +16,10 @@ from toolkit.commands.cli import main as cli
 from toolkit.config import RecipeConfig, TrainConfig
 from toolkit.errors import UserError
 from toolkit.launch import backend, checks
-from toolkit.launch.backend import Launch, detect_launch
+from toolkit.launch.backend import detect_launch
 from toolkit.launch.machine import Machine
+from toolkit.launch.request import Launch, backend_name, batch_split
+from toolkit.model.facts import read_model_facts as facts_of
 
 ACCEL_CONFIGS = sorted((REPO / "accelerate_configs").rglob("*.yaml"))
 DS_CONFIGS = sorted((REPO / "ds_configs").rglob("*.json"))
@@ -60,7 +62,8 @@ def ds_yaml(tmp_path: Path, ds_json: dict, **extra) -> Path:
 
 def check(path: Path, cfg: RecipeConfig | None = None, machine: Machine = CPU, env: dict | None = None):
     launch = checks.launch_from_yaml(path, machine.gpu_count)
-    return checks.check_launch(launch, cfg or recipe(), RECIPE, machine, {} if env is None else env)
+    cfg = cfg or recipe()
+    return checks.check_launch(launch, cfg, facts_of(cfg.model), RECIPE, machine, {} if env is None else env)
 
 
 # --- the shipped configs -------------------------------------------------------------------------------
@@ -77,7 +80,7 @@ def test_shipped_accelerate_configs_load_and_pass_the_checker(path, machine, mon
     launch = checks.launch_from_yaml(path.relative_to(REPO), machine.gpu_count)
     assert (launch.backend, launch.zero_stage or launch.fsdp_version) == SHIPPED[path.stem]
     assert launch.world_size == raw.get("num_processes", 1) and launch.on_cpu == (machine.gpu_count == 0)
-    assert checks.check_launch(launch, recipe(), RECIPE, machine, {}) == []
+    assert checks.check_launch(launch, recipe(), facts_of(recipe().model), RECIPE, machine, {}) == []
     if launch.backend == "deepspeed":
         assert (REPO / launch.ds_config_file).is_file()
 
@@ -352,8 +355,8 @@ def test_accelerate_native_deepspeed_and_fsdp1_yaml_work_on_gpus(tmp_path):
         },
     }
     launch = checks.launch_from_yaml(write_yaml(tmp_path, native), gpu_count=2)
-    assert (launch.zero_stage, backend.backend_name(launch)) == (3, "deepspeed ZeRO-3 + offload")
-    assert checks.check_launch(launch, recipe(), RECIPE, TWO_A100, {}) == []
+    assert (launch.zero_stage, backend_name(launch)) == (3, "deepspeed ZeRO-3 + offload")
+    assert checks.check_launch(launch, recipe(), facts_of(recipe().model), RECIPE, TWO_A100, {}) == []
     fsdp1 = {
         "distributed_type": "FSDP",
         "num_processes": 2,
@@ -483,8 +486,8 @@ def test_pipeline_size_makes_pp_and_pp_x_ddp_meshes():
     assert (both.backend, both.mesh.pp, both.mesh.data_parallel) == ("pp", 2, 2)
     # Ranks of one pipeline are neighbours and read the same batches.
     assert [both.mesh.data_rank(rank) for rank in range(4)] == [0, 0, 1, 1]
-    assert backend.backend_name(both) == "pp 2 x ddp 2"
-    assert "data-parallel 2 (world 4 / pp 2)" in backend.batch_split(both)
+    assert backend_name(both) == "pp 2 x ddp 2"
+    assert "data-parallel 2 (world 4 / pp 2)" in batch_split(both)
     assert backend.with_pipeline(pp, 1, RECIPE) is pp
 
 
@@ -520,12 +523,14 @@ def test_pipeline_size_refuses_launches_it_cannot_run_on(yaml_name, size, messag
 def test_pipeline_checks_name_what_the_pipeline_refuses(keys, message):
     cfg = pipeline_recipe(**keys)
     with pytest.raises(UserError, match=message):
-        checks.check_launch(pipeline_launch("pp.yaml", cfg), cfg, RECIPE, CPU, {})
+        checks.check_launch(pipeline_launch("pp.yaml", cfg), cfg, facts_of(cfg.model), RECIPE, CPU, {})
 
 
 def test_a_pipeline_the_model_fits_passes_the_checks():
     cfg = pipeline_recipe(**{"pipeline.schedule": "interleaved_1f1b", "pipeline.chunks_per_process": 2})
-    assert checks.check_launch(pipeline_launch("pp.yaml", cfg), cfg, RECIPE, CPU, {}) == []
+    assert (
+        checks.check_launch(pipeline_launch("pp.yaml", cfg), cfg, facts_of(cfg.model), RECIPE, CPU, {}) == []
+    )
 
 
 def test_check_config_says_a_pipeline_launch_without_pipeline_size_runs_as_ddp(tmp_path, monkeypatch, capsys):

@@ -22,6 +22,7 @@ from toolkit.config import LoraConfig, load_config
 from toolkit.errors import UserError
 from toolkit.launch import checks
 from toolkit.launch.machine import Machine
+from toolkit.model.facts import read_model_facts
 from toolkit.model.load import _with_adapter
 from toolkit.preference.loss import batch_sequence_logps
 from toolkit.train import head
@@ -303,12 +304,12 @@ def test_the_launch_check_refuses_such_a_model_before_any_data_is_read(tmp_path)
     cfg = load_config(None, [f"model.path={tmp_path}"])
     launch = checks.launch_from_yaml(REPO / "accelerate_configs" / "single.yaml", gpu_count=0)
     with pytest.raises(UserError) as refused:
-        checks.check_launch(launch, cfg, "recipe.yaml", Machine(), {})
+        checks.check_launch(launch, cfg, read_model_facts(cfg.model), "recipe.yaml", Machine(), {})
     assert "\n" not in str(refused.value)
     assert str(refused.value).startswith("loss.head chunked in recipe.yaml: ")
     assert "(logit_scale)" in str(refused.value)
     cfg.loss.head = "full"
-    assert checks.check_launch(launch, cfg, "recipe.yaml", Machine(), {}) == []
+    assert checks.check_launch(launch, cfg, read_model_facts(cfg.model), "recipe.yaml", Machine(), {}) == []
 
 
 def test_the_scored_output_is_a_tensor_of_its_own_not_a_view():

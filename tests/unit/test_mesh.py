@@ -10,10 +10,11 @@ from transformers import GPT2Config, LlamaForCausalLM
 
 from toolkit.config import LoraConfig, ModelConfig, RecipeConfig, TrainConfig
 from toolkit.errors import UserError
-from toolkit.launch import backend, checks
+from toolkit.launch import checks, request
 from toolkit.launch.machine import Machine
 from toolkit.launch.mesh import Mesh, check_mesh
 from toolkit.model import tensor_parallel
+from toolkit.model.facts import read_model_facts
 from toolkit.model.load import peft_config
 
 CPU = Machine()
@@ -26,7 +27,7 @@ def recipe(model: ModelConfig | None = None, **lora) -> RecipeConfig:
 
 def check(path: Path, cfg: RecipeConfig, processes: int | None = None) -> list[str]:
     launch = checks.launch_from_yaml(path, 0, processes)
-    return checks.check_launch(launch, cfg, "recipe.yaml", CPU, {})
+    return checks.check_launch(launch, cfg, read_model_facts(cfg.model), "recipe.yaml", CPU, {})
 
 
 def config_dir(tmp_path: Path, config) -> ModelConfig:
@@ -55,9 +56,9 @@ def test_mesh_sizes_and_data_parallel_split():
 )
 def test_shipped_meshes_split_the_global_batch_over_data_parallel_processes(name, backend_name, split):
     launch = checks.launch_from_yaml(REPO / "accelerate_configs" / f"{name}.yaml", 0)
-    assert backend.backend_name(launch) == backend_name
+    assert request.backend_name(launch) == backend_name
     ga = {"tp": 8, "fsdp_tp": 4, "hsdp": 2}[name]
-    assert f"GA {ga} x {backend.batch_split(launch)}" == split
+    assert f"GA {ga} x {request.batch_split(launch)}" == split
     assert check(REPO / "accelerate_configs" / f"{name}.yaml", recipe()) == []
 
 
@@ -150,4 +151,4 @@ def test_plain_fsdp_written_as_a_mesh_is_plain_fsdp(tmp_path):
     )
     launch = checks.launch_from_yaml(path, 0)
     assert launch.uses_mesh and launch.mesh == Mesh(dp_shard=2)
-    assert (backend.backend_name(launch), backend.batch_split(launch)) == ("fsdp2", "world 2")
+    assert (request.backend_name(launch), request.batch_split(launch)) == ("fsdp2", "world 2")

@@ -12,8 +12,9 @@ from helpers import REPO
 
 from toolkit.config import RecipeConfig, TrainConfig, load_config
 from toolkit.errors import UserError
-from toolkit.launch import backend, checks, sections
+from toolkit.launch import backend, checks, deepspeed, request, sections
 from toolkit.launch.machine import Machine
+from toolkit.model.facts import read_model_facts
 
 PEERS = REPO / "tests" / "e2e" / "peer_configs"
 CPU = Machine()
@@ -41,7 +42,8 @@ def test_every_peer_config_has_an_expected_outcome():
 
 
 def recipe_for(path: Path) -> RecipeConfig:
-    """The demo recipe with the e2e tests' batch, at the precision the YAML names (the README's override)."""
+    """The demo recipe with the e2e tests' batch, at the precision the YAML names (the override
+    docs/backends.md names)."""
     precision = str(checks.read_yaml_mapping(path, "accelerate config").get("mixed_precision") or "no")
     demo = load_config(None, ["train.global_batch_size=8", "train.micro_batch_size=4"])
     return replace(demo, train=replace(demo.train, mixed_precision=precision))
@@ -59,9 +61,9 @@ def launched_env(path: Path) -> dict:
     return {**env, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
 
 
-def outcome(launch: backend.Launch, cfg: RecipeConfig) -> str | None:
+def outcome(launch: request.Launch, cfg: RecipeConfig) -> str | None:
     try:
-        checks.check_launch(launch, cfg, "recipe.yaml", CPU, {})
+        checks.check_launch(launch, cfg, read_model_facts(cfg.model), "recipe.yaml", CPU, {})
     except UserError as exc:
         return str(exc)
     return None
@@ -88,7 +90,7 @@ def test_the_launch_check_agrees_with_check_config(name, monkeypatch):
     # The launched process cannot name the YAML it came from, only the launch environment.
     assert (from_env is None) == (from_yaml is None)
     if from_yaml is not None:
-        assert from_env.replace(backend.ENV_SOURCE, str(path)) == from_yaml
+        assert from_env.replace(request.ENV_SOURCE, str(path)) == from_yaml
 
 
 def test_yaml_precision_refusal_names_the_file_and_both_fixes(monkeypatch):
@@ -124,7 +126,7 @@ def test_deepspeed_sections_refused_or_passed():
 def test_the_plugin_fills_the_gather_field_under_the_users_spelling(monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "tests/e2e/peer_configs/zero3_alt_gather.json")
-    zero = backend.deepspeed_plugin(TrainConfig(), 1).deepspeed_config["zero_optimization"]
+    zero = deepspeed.deepspeed_plugin(TrainConfig(), 1).deepspeed_config["zero_optimization"]
     assert zero["gather_16bit_weights_on_model_save"] is True
     assert "stage3_gather_16bit_weights_on_model_save" not in zero
 

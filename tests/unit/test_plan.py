@@ -11,9 +11,11 @@ from transformers import LlamaForCausalLM
 from toolkit.commands import cli
 from toolkit.errors import UserError
 from toolkit.plan import architectures, memory
+from toolkit.plan.cost import CostRequest, estimate_cost, measured_tokens_per_s
 from toolkit.plan.counts import count_parameters, load_model_config
-from toolkit.plan.estimate import CostRequest, PlanRequest, estimate_cost, make_plan, measured_tokens_per_s
+from toolkit.plan.estimate import make_plan
 from toolkit.plan.memory import FP32, model_state_bytes
+from toolkit.plan.request import PlanRequest
 
 # The launch line names recipes/configs/ files, looked up where the line is run: a checkout's root.
 pytestmark = pytest.mark.usefixtures("at_the_checkout_root")

@@ -4,7 +4,8 @@ and a launch line for the preference recipe and its shipped config."""
 import pytest
 
 from toolkit.errors import UserError
-from toolkit.plan.estimate import PlanRequest, make_plan
+from toolkit.plan.estimate import make_plan
+from toolkit.plan.request import PlanRequest
 
 LLAMA = dict(model="meta-llama/Meta-Llama-3-8B", gpus=2, gpu_mem=24, method="lora", seq_len=1024)
 

@@ -11,7 +11,8 @@ from toolkit.config import LossConfig
 from toolkit.errors import UserError
 from toolkit.grpo.config import load_grpo_config
 from toolkit.launch.machine import GIB
-from toolkit.plan.estimate import PlanRequest, make_plan
+from toolkit.plan.estimate import make_plan
+from toolkit.plan.request import PlanRequest
 
 # Llama-3-8B: 32 layers, 8 kv heads of 128, hidden 4096, MLP 14336, vocab 128,256; LoRA on bf16 weights.
 GRPO = dict(

@@ -10,9 +10,10 @@ from toolkit.commands import cli
 from toolkit.config import LossConfig
 from toolkit.launch.machine import GIB
 from toolkit.plan.counts import count_parameters
-from toolkit.plan.estimate import PlanRequest, make_plan
+from toolkit.plan.estimate import make_plan
 from toolkit.plan.memory import FP32, Head, Precision, head_bytes
 from toolkit.plan.report import render_text, to_json
+from toolkit.plan.request import PlanRequest
 
 CHUNK = LossConfig.chunk_tokens
 
@@ -145,7 +146,7 @@ def test_the_flags_reach_the_plan_and_its_launch_line(capsys):
 
 def test_auto_backend_plans_the_recipe_configs_loss_head():
     from toolkit.commands.auto_backend import plan_request
-    from toolkit.commands.train import recipe_config
+    from toolkit.recipes import load_recipe_config as recipe_config
 
     config = "recipes/configs/llama3-8b-lora.yaml"
     default = plan_request(recipe_config("sft", config, []), [], 2, 24.0)

@@ -17,9 +17,10 @@ from transformers import GPT2Config
 from toolkit.commands import cli
 from toolkit.plan import memory
 from toolkit.plan.counts import count_parameters
-from toolkit.plan.estimate import PlanRequest, make_plan
+from toolkit.plan.estimate import make_plan
 from toolkit.plan.parallel import Mesh, meshes, refusal
 from toolkit.plan.report import render_text, to_json
+from toolkit.plan.request import PlanRequest
 
 LLAMA3 = "meta-llama/Meta-Llama-3-8B"
 

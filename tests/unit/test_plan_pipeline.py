@@ -25,10 +25,11 @@ from transformers import GPT2Config
 from toolkit.pipeline import stages
 from toolkit.plan import comm, pipeline
 from toolkit.plan.counts import build_meta_model
-from toolkit.plan.estimate import PlanRequest, make_plan
+from toolkit.plan.estimate import make_plan
 from toolkit.plan.parallel import Mesh
 from toolkit.plan.pipeline import Pipe, gpu_counts, meshes
 from toolkit.plan.report import render_text, to_json
+from toolkit.plan.request import PlanRequest
 
 LLAMA3 = "meta-llama/Meta-Llama-3-8B"
 LAYER, NORM, KEPT, HEAD, HEAD_KEPT = 2_448, 384, 128, 57_344, 24_576

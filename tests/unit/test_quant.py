@@ -12,8 +12,10 @@ import torch
 from toolkit.config import LoraConfig, ModelConfig
 from toolkit.errors import UserError
 from toolkit.model import quant
+from toolkit.model.facts import read_model_facts
 from toolkit.model.load import load_model
-from toolkit.plan.estimate import PlanRequest, make_plan
+from toolkit.plan.estimate import make_plan
+from toolkit.plan.request import PlanRequest
 
 ASSETS = str(files("toolkit") / "assets")
 Q64, TINY = f"{ASSETS}/tiny-llama-q64", f"{ASSETS}/tiny-llama"
@@ -121,7 +123,7 @@ def test_the_70b_qlora_config_passes_the_launch_checks_on_two_4090s_and_the_plan
     assert quant.width_problem(quant.layer_widths(architectures.lookup(cfg.model.path))) is None
     box = Machine(gpu_count=2, gpu_names=("NVIDIA GeForce RTX 4090",) * 2, gpu_mem_gib=24, p2p=False)
     launch = launch_from_yaml(repo / "accelerate_configs" / "zero3_offload.yaml", box.gpu_count)
-    check_launch(launch, cfg, "llama3-70b-qlora.yaml", box, {})
+    check_launch(launch, cfg, read_model_facts(cfg.model), "llama3-70b-qlora.yaml", box, {})
     plan = make_plan(PlanRequest(model=cfg.model.path, gpus=2, gpu_mem=24.0, method="qlora"))
     assert plan.choice.backend == "zero3_offload" and plan.choice.checkpointing
     assert "--config recipes/configs/llama3-70b-qlora.yaml" in plan.command

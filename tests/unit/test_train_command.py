@@ -8,10 +8,11 @@ import io
 import pytest
 
 from toolkit.commands import cli, relay, train
-from toolkit.commands.doctor import Finding
+from toolkit.commands.doctor.records import Finding
 from toolkit.config import load_config
 from toolkit.errors import UserError
 from toolkit.launch.machine import Machine
+from toolkit.recipes import load_recipe_config
 
 CPU_BOX = Machine(gpu_count=0, ram_gib=24.0)
 TWO_4090 = Machine(gpu_count=2, gpu_mem_gib=24.0, ram_gib=64.0)
@@ -29,7 +30,7 @@ def args(*argv: str) -> argparse.Namespace:
 
 def build(*argv: str, hardware=CPU_BOX, env=None) -> train.LaunchPlan:
     parsed = args(*argv)
-    name, overrides = train.split_items(parsed.items)
+    name, overrides = train.split_items(parsed.items, parsed.config)
     cfg = load_config(parsed.config, overrides)
     nodes = train.resolve_nodes(parsed, env or {}, hostnames=lambda nodelist: ["node-a", "node-b"])
     return train.plan_launch(parsed, overrides, cfg, hardware, nodes, train.recipe_path(name))
@@ -189,7 +190,10 @@ def test_cli_passes_options_overrides_and_accelerate_args_apart(monkeypatch):
     assert (got.items, got.backend, got.accelerate_args) == (
         ["dpo", "x.y=1", "z=2"], "ddp", ["--main_process_port", "9"]
     )  # fmt: skip
-    assert train.split_items(["a=1"]) == ("sft", ["a=1"])
+    assert train.split_items(["a=1"], None) == ("sft", ["a=1"])
+    # Without a recipe name, the config's own sections choose, as `ftkit check-config` does.
+    assert train.split_items(["a=1"], "recipes/configs/demo-dpo.yaml") == ("dpo", ["a=1"])
+    assert train.split_items([], "recipes/configs/demo-grpo.yaml") == ("grpo", [])
 
 
 def test_exit_files_are_read_by_rank(tmp_path):
@@ -201,8 +205,8 @@ def test_exit_files_are_read_by_rank(tmp_path):
 
 
 def test_each_recipe_is_checked_with_its_own_config_schema_and_default():
-    from toolkit.commands.train import recipe_config
     from toolkit.preference.config import PreferenceConfig
+    from toolkit.recipes import load_recipe_config as recipe_config
 
     dpo = recipe_config("dpo", None, ["dpo.beta=0.2"])
     assert isinstance(dpo, PreferenceConfig) and dpo.dpo.beta == 0.2 and dpo.output_dir == "runs/demo-dpo"
@@ -214,8 +218,8 @@ def test_each_recipe_is_checked_with_its_own_config_schema_and_default():
 
 def test_auto_plans_preference_tuning_with_two_sequences_and_the_reference():
     from toolkit.commands.auto_backend import plan_request
-    from toolkit.commands.train import recipe_config
     from toolkit.plan.estimate import make_plan
+    from toolkit.recipes import load_recipe_config as recipe_config
 
     config = "recipes/configs/llama3-8b-dpo-lora.yaml"
     dpo = plan_request(recipe_config("dpo", config, []), [], 2, 24.0)
@@ -239,8 +243,8 @@ def test_grpo_launches_its_recipe_with_its_config_and_auto_plans_its_generation_
     from toolkit.grpo.config import GrpoRecipeConfig
 
     parsed = args("grpo", "--backend", "auto", "grpo.max_new_tokens=16")
-    name, overrides = train.split_items(parsed.items)
-    cfg = train.recipe_config(name, parsed.config, overrides)
+    name, overrides = train.split_items(parsed.items, parsed.config)
+    cfg = load_recipe_config(name, parsed.config, overrides)
     assert isinstance(cfg, GrpoRecipeConfig) and cfg.output_dir == "runs/demo-grpo"
     nodes = train.resolve_nodes(parsed, {})
     plan = train.plan_launch(parsed, overrides, cfg, CPU_BOX, nodes, train.recipe_path(name))
@@ -250,9 +254,7 @@ def test_grpo_launches_its_recipe_with_its_config_and_auto_plans_its_generation_
     assert (request.objective, request.generations, request.max_new_tokens) == ("grpo", 8, 16)
     assert (request.seq_len, request.global_batch) == (cfg.data.max_length, cfg.train.global_batch_size)
     # grpo.beta 0 loads no reference, so a named one costs nothing.
-    unused = train.recipe_config(name, None, ["grpo.reference_model=toolkit/assets/tiny-llama"])
+    unused = load_recipe_config(name, None, ["grpo.reference_model=toolkit/assets/tiny-llama"])
     assert not plan_request(unused, [], 2, 12.0).reference_model
-    used = train.recipe_config(
-        name, None, ["grpo.reference_model=toolkit/assets/tiny-llama", "grpo.beta=0.1"]
-    )
+    used = load_recipe_config(name, None, ["grpo.reference_model=toolkit/assets/tiny-llama", "grpo.beta=0.1"])
     assert plan_request(used, [], 2, 12.0).reference_model

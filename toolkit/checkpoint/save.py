@@ -235,7 +235,7 @@ def layout(accelerator, model) -> dict:
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     mesh = accelerator.state.device_mesh
     sizes = dict(zip(mesh.mesh_dim_names, mesh.shape)) if mesh is not None else {}
-    # A pipeline's processes are accelerate's `tp` dimension (toolkit/launch/backend.py).
+    # A pipeline's processes are accelerate's `tp` dimension (toolkit/launch/model_parallel.py).
     pp = sizes.get("tp", 1) if stages.is_part(model) else 1
     return {
         "backend": accelerator.distributed_type.value,

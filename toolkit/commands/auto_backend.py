@@ -12,8 +12,9 @@ from pathlib import Path
 from toolkit.config import RecipeConfig
 from toolkit.errors import UserError
 from toolkit.grpo.config import GrpoRecipeConfig
-from toolkit.plan.estimate import PlanRequest, make_plan
+from toolkit.plan.estimate import make_plan
 from toolkit.plan.memory import GIB
+from toolkit.plan.request import PlanRequest
 from toolkit.preference.config import PreferenceConfig
 
 REPO = Path(__file__).resolve().parent.parent.parent

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         "--trust-remote-code", action="store_true", help="run modelling code shipped with the model"
     )
 
-    # plan: options left out take the defaults of toolkit.plan.estimate.PlanRequest (the one place they live).
+    # plan: options left out take the defaults of toolkit.plan.request.PlanRequest (the one place they live).
     plan = commands.add_parser(
         "plan",
         help="memory per GPU per backend, what to launch, what it costs",
@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         "--loss-head", choices=choices(LossHead), help="chunked (default): the logits never exist whole; full"
     )
     plan.add_argument(
-        "--chunk-tokens", type=int, help="label tokens per chunk of the chunked head (default 1024)"
+        "--chunk-tokens",
+        type=int,
+        help="label tokens per chunk of the chunked head (default: loss.chunk_tokens, 512)",
     )
     plan.add_argument("--cpu-mem", type=float, help="GiB of CPU RAM; setups needing more do not fit")
     plan.add_argument(
@@ -171,18 +173,18 @@ def _run(args) -> int:
         print(json.dumps(report.to_json(result), indent=2) if args.json else report.render_text(result))
         return 0 if result.choice is not None else 1
     if args.command == "doctor":
-        from toolkit.commands import doctor
+        from toolkit.commands.doctor import probe, report
 
-        timeout_s = None if args.no_allreduce else doctor.ALLREDUCE_TIMEOUT_S
-        probes = doctor.gather_probes(Path(args.output_dir), allreduce_timeout_s=timeout_s)
-        findings = doctor.diagnose(probes)
-        report = doctor.to_json(findings, probes) if args.json else None
-        print(json.dumps(report, indent=2) if args.json else doctor.render_text(findings, probes))
-        return doctor.exit_code(findings)
+        timeout_s = None if args.no_allreduce else probe.ALLREDUCE_TIMEOUT_S
+        probes = probe.gather_probes(Path(args.output_dir), allreduce_timeout_s=timeout_s)
+        findings = report.diagnose(probes)
+        shown = report.to_json(findings, probes) if args.json else None
+        print(json.dumps(shown, indent=2) if args.json else report.render_text(findings, probes))
+        return report.exit_code(findings)
     if args.command == "check-config":
         import os
 
-        from toolkit.launch.checks import check_config_cli
+        from toolkit.commands.check_config import check_config_cli
 
         # A copy: what the check would set for NCCL only applies inside a launched process.
         print(check_config_cli(args.accelerate_config, args.config, args.num_processes, dict(os.environ)))

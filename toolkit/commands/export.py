@@ -13,10 +13,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from toolkit import data
 from toolkit.checkpoint import CONFIG, MARKER, damage, export, portable, read_marker
 from toolkit.checkpoint.rundir import MARKER as RUN_MARKER
-from toolkit.config import RecipeConfig, load_any_recipe_config
+from toolkit.config import RecipeConfig
 from toolkit.errors import UserError
 from toolkit.model import load as models
 from toolkit.model import quant
+from toolkit.recipes import load_any_recipe_config
 
 EXPORT_MARKER = ".ftkit-export"
 """Left in every export, so that a later export may replace it (and nothing else)."""

@@ -17,12 +17,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.config import RecipeConfig, load_config
+from toolkit.config import RecipeConfig
 from toolkit.errors import UserError
 from toolkit.launch.machine import Machine, probe_machine
+from toolkit.recipes import SCRIPTS, check_recipe_name, load_recipe_config, recipe_of
 
 REPO = Path(__file__).resolve().parent.parent.parent
-RECIPES = {"sft": "recipes/finetune_llm.py", "dpo": "recipes/dpo_llm.py", "grpo": "recipes/grpo_llm.py"}
 CPU_PROCESSES = 2  # without GPUs: a dry run of the same command on gloo CPU processes
 DEFAULT_PORT = 29500
 # Launch files whose recipe needs pipeline.size (accelerate takes no such key): the size they imply, None
@@ -77,33 +77,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", action="store_true", help="show third-party output unfiltered")
 
 
-def split_items(items: list[str]) -> tuple[str, list[str]]:
-    """The recipe name (first item without '=') and the dotted.key=value overrides."""
+def split_items(items: list[str], config: str | None) -> tuple[str, list[str]]:
+    """The recipe name (first item without '='; else the one `config` is for) and the dotted.key=value
+    overrides."""
     if items and "=" not in items[0]:
         return items[0], items[1:]
-    return "sft", items
+    return recipe_of(config), items
 
 
 def recipe_path(name: str, repo: Path = REPO) -> Path:
-    if name not in RECIPES:
-        raise UserError(f"recipe {name}: not one of {', '.join(RECIPES)}")
-    path = repo / RECIPES[name]
+    path = repo / SCRIPTS[check_recipe_name(name)]
     if not path.is_file():
-        raise UserError(f"recipe {name}: {RECIPES[name]} does not exist in this version of ftkit")
+        raise UserError(f"recipe {name}: {SCRIPTS[name]} does not exist in this version of ftkit")
     return path
-
-
-def recipe_config(name: str, path: str | None, overrides: list[str]) -> RecipeConfig:
-    """The config the recipe itself will read (its own schema and default), for the checks and the plan."""
-    if name == "dpo":
-        from toolkit.preference.config import load_preference_config
-
-        return load_preference_config(path, overrides)
-    if name == "grpo":
-        from toolkit.grpo.config import load_grpo_config
-
-        return load_grpo_config(path, overrides)
-    return load_config(path, overrides)
 
 
 def backend_names(repo: Path = REPO) -> list[str]:
@@ -201,6 +187,7 @@ def _deepspeed_json_args(config_file: Path) -> list[str]:
 def preflight(plan: LaunchPlan, cfg: RecipeConfig, config_source: str, findings, machine, env) -> None:
     """The fail-level checks of `ftkit doctor` (`findings`) and `ftkit check-config`, as one UserError."""
     from toolkit.launch.checks import check_launch, launch_from_yaml
+    from toolkit.model.facts import read_model_facts
 
     failed = [f for f in findings if f.status == "fail"]
     if failed:
@@ -213,23 +200,24 @@ def preflight(plan: LaunchPlan, cfg: RecipeConfig, config_source: str, findings,
     launch = dataclasses.replace(launch, procs_per_node=plan.per_node, source=shown(config_file))
     launch = with_pipeline(launch, cfg.pipeline.size, config_source)
     # A copy: what the check sets for NCCL belongs to the launched processes, which set it themselves.
-    check_launch(launch, cfg, config_source, machine, dict(env))
+    check_launch(launch, cfg, read_model_facts(cfg.model), config_source, machine, dict(env))
 
 
 def train_cli(args) -> int:
     """Build, print, check and run the launch; the exit code is the worker's own."""
-    from toolkit.commands import doctor, relay
+    from toolkit.commands import relay
+    from toolkit.commands.doctor import probe, report
 
-    name, overrides = split_items(args.items)
+    name, overrides = split_items(args.items, args.config)
     recipe = recipe_path(name)
-    cfg = recipe_config(name, args.config, overrides)
+    cfg = load_recipe_config(name, args.config, overrides)
     nodes = resolve_nodes(args, os.environ)
     machine = probe_machine()
     plan = plan_launch(args, overrides, cfg, machine, nodes, recipe)
-    cfg = recipe_config(name, args.config, plan.overrides)
+    cfg = load_recipe_config(name, args.config, plan.overrides)
     if plan.reason:
         print(plan.reason)
     print(plan.display(), flush=True)
-    findings = doctor.diagnose(doctor.gather_probes(Path(cfg.output_dir), deepspeed_ops=False))
+    findings = report.diagnose(probe.gather_probes(Path(cfg.output_dir), deepspeed_ops=False))
     preflight(plan, cfg, args.config or "the demo config", findings, machine, os.environ)
     return relay.run(plan.argv, os.environ, recipe.stem, verbose=args.verbose)

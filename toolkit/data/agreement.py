@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from toolkit.data.chat import render
 from toolkit.data.formats import to_example
-from toolkit.data.sources import read_source
 
 SAMPLE = 8
 SHOWN = 30
@@ -44,18 +43,3 @@ def first_disagreement(tokenizer, source, fmt: str) -> str | None:
                 return found
         return None
     return None
-
-
-def check_template_cli(cfg) -> str:
-    """`ftkit check-config`'s line on the recipe's chat template and training data."""
-    from toolkit.data.build import data_format
-    from toolkit.model.load import load_tokenizer
-
-    tokenizer = load_tokenizer(cfg.model)
-    names = cfg.data.train if isinstance(cfg.data.train, list) else [cfg.data.train]
-    for name in names:
-        source = read_source(name, cfg.data.split)
-        found = first_disagreement(tokenizer, source, data_format(source, cfg.data, tokenizer))
-        if found:
-            return f"warning: {found}"
-    return f"chat template: generation prompts agree with the training text ({SAMPLE} records per source)"

@@ -17,11 +17,12 @@ from toolkit.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-# The fallback's documented form (README, "Tool calls and reasoning"): tools are listed in the system
-# turn one JSON schema a line inside <tools>; an assistant turn writes its reasoning inside <think>, its
-# text, then each call as {"name", "arguments"} JSON inside <tool_call>; a tool result is a `tool` turn
-# inside <tool_response>. Turns close with the tokenizer's own eos token, so a base model learns to emit
-# the token that already stops generation; no token is added and the embeddings need no resizing.
+# The fallback's documented form (docs/data.md, "Tool calls in the ChatML fallback, and the tools demo"):
+# tools are listed in the system turn one JSON schema a line inside <tools>; an assistant turn writes its
+# reasoning inside <think>, its text, then each call as {"name", "arguments"} JSON inside <tool_call>; a
+# tool result is a `tool` turn inside <tool_response>. Turns close with the tokenizer's own eos token, so a
+# base model learns to emit the token that already stops generation; no token is added and the embeddings
+# need no resizing.
 CHATML_EOS = """
 {%- set rest = messages %}
 {%- if tools %}

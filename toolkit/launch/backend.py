@@ -3,26 +3,24 @@
 toolkit/run.py asks for the Accelerator in one call; this module builds it and checks the result:
 
     launch = backend.detect_launch()
-    notes = checks.check_launch(launch, cfg, config_path, machine.probe_machine(), os.environ)
+    notes = checks.check_launch(launch, cfg, facts, config_path, machine.probe_machine(), os.environ)
     ga = batches.grad_accum_steps(cfg.train, launch.mesh.data_parallel)
     accelerator = backend.setup(launch, cfg.train, ga, project_dir=..., ...)
     log(backend.setup_summary(accelerator, launch, cfg.train, ga)), then each of `notes`
+
+What only one backend family needs lives beside it: deepspeed.py, fsdp.py, model_parallel.py (meshes and
+pipelines); the `Launch` they all read is in request.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.state import PartialState
 from accelerate.utils import (
     DistributedType,
     GradientAccumulationPlugin,
@@ -32,71 +30,18 @@ from accelerate.utils import (
 
 from toolkit.config import TrainConfig
 from toolkit.errors import UserError
+from toolkit.launch.deepspeed import (
+    DS_SETTINGS_ENV,
+    deepspeed_installed,
+    deepspeed_plugin,
+    read_ds_config,
+    zero_stage,
+)
+from toolkit.launch.fsdp import FSDP_SETTINGS_ENV, cpu_fsdp_plugin, switch_on_cpu_fsdp
 from toolkit.launch.machine import count_gpus
-from toolkit.launch.mesh import Mesh
-from toolkit.launch.sections import PARALLEL_SIZES, gather_setting
-
-# Accelerate-native DeepSpeed settings: env variable `accelerate launch` sets -> the YAML key it came from.
-DS_SETTINGS_ENV = {
-    "ACCELERATE_DEEPSPEED_ZERO_STAGE": "zero_stage",
-    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "gradient_accumulation_steps",
-    "ACCELERATE_GRADIENT_CLIPPING": "gradient_clipping",
-    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "offload_optimizer_device",
-    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "offload_param_device",
-    "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "zero3_save_16bit_model",
-}
-ENV_SOURCE = "the accelerate launch environment"
-# FSDP settings the launch checks read: env variable `accelerate launch` sets -> YAML key without fsdp_.
-FSDP_SETTINGS_ENV = {
-    "FSDP_OFFLOAD_PARAMS": "offload_params",
-    "FSDP_TRANSFORMER_CLS_TO_WRAP": "transformer_layer_cls_to_wrap",
-    "FSDP_STATE_DICT_TYPE": "state_dict_type",
-    "FSDP_USE_ORIG_PARAMS": "use_orig_params",
-    "FSDP_CPU_RAM_EFFICIENT_LOADING": "cpu_ram_efficient_loading",
-}
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What the launcher asked for, read from the environment `accelerate launch` sets or from its YAML."""
-
-    backend: str
-    """single | ddp | fsdp | deepspeed | tp (tensor parallel across every process, no FSDP) | pp (pipeline
-    stages, replicated by data parallel when there are more processes than stages)."""
-    world_size: int
-    """Processes on all machines together."""
-    procs_per_node: int
-    """Processes on this machine."""
-    on_cpu: bool
-    """No GPU here: the backend runs on gloo CPU processes (a dry run of the same command)."""
-    source: str = ENV_SOURCE
-    """Where the request came from, for messages (an accelerate YAML, or the launch environment)."""
-    fsdp_version: int = 0
-    """1 or 2 with FSDP, else 0."""
-    zero_stage: int = 0
-    """ZeRO stage with DeepSpeed, else 0."""
-    ds_config_file: str = ""
-    """DeepSpeed JSON the YAML points to ("" for accelerate-native DeepSpeed settings)."""
-    ds_config: dict = field(default_factory=dict)
-    """That JSON's content."""
-    ds_settings: dict = field(default_factory=dict)
-    """Accelerate-native DeepSpeed settings given to the launcher (YAML deepspeed_config keys), as strings."""
-    launcher_precision: str = ""
-    """mixed_precision given to the launcher; "" when unset (a launched process cannot tell unset from no)."""
-    fsdp_settings: dict = field(default_factory=dict)
-    """FSDP settings given to the launcher, keys without the fsdp_ prefix (offload_params, ...)."""
-    parallel_sizes: dict = field(default_factory=dict)
-    """parallelism_config sizes given to the launcher (dp_replicate, dp_shard, tp, cp, sp)."""
-
-    @property
-    def mesh(self) -> Mesh:
-        """How the processes split the work: replicas, shards, tensor-parallel groups."""
-        return Mesh.of(self.parallel_sizes, self.world_size, self.backend == "fsdp")
-
-    @property
-    def uses_mesh(self) -> bool:
-        """A parallelism_config with a size above 1 was given (ftkit then installs accelerate's mesh)."""
-        return any(size > 1 for size in self.parallel_sizes.values())
+from toolkit.launch.model_parallel import install_mesh, without_fsdp
+from toolkit.launch.request import ENV_SOURCE, Launch, backend_name, batch_split
+from toolkit.launch.sections import PARALLEL_SIZES
 
 
 def detect_launch(env: Mapping[str, str] | None = None, gpu_count: int | None = None) -> Launch:
@@ -166,25 +111,14 @@ def with_pipeline(launch: Launch, size: int, where: str) -> Launch:
 def deepspeed_launch(config_file: str, settings: dict, **common) -> Launch:
     """A DeepSpeed Launch from its JSON (if any) and accelerate-native settings (stage 2 unless given)."""
     ds_config = read_ds_config(config_file, common["source"]) if config_file else {}
-    stage = ds_config.get("zero_optimization", {}).get("stage", settings.get("zero_stage", 2))
     return Launch(
         "deepspeed",
-        zero_stage=int(stage),
+        zero_stage=zero_stage(ds_config, settings),
         ds_config_file=config_file,
         ds_config=ds_config,
         ds_settings=settings,
         **common,
     )
-
-
-def read_ds_config(path: str, source: str) -> dict:
-    file = Path(path)
-    if not file.is_file():
-        raise UserError(f"DeepSpeed config {path} (deepspeed_config_file in {source}) not found")
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
 
 
 def setup(launch: Launch, train: TrainConfig, grad_accum_steps: int, **options) -> Accelerator:
@@ -215,7 +149,7 @@ def accelerator_kwargs(launch: Launch, train: TrainConfig, grad_accum_steps: int
         # Without cpu=True, accelerate finds no GPU and gives each launched process a world of its own.
         kwargs["cpu"] = True
     if launch.on_cpu and launch.backend == "fsdp":
-        kwargs["fsdp_plugin"] = _cpu_fsdp_plugin(launch.fsdp_version)
+        kwargs["fsdp_plugin"] = cpu_fsdp_plugin(launch.fsdp_version)
     # A stalled rank fails the collective after this long instead of hanging the job forever; the watchdog
     # (toolkit/train/watchdog.py) reports first, and the main process may prepare data meanwhile.
     group = {"timeout": timedelta(minutes=2 * train.stall_timeout_minutes)}
@@ -243,114 +177,15 @@ def refuse_unsupported(launch: Launch) -> None:
         )
 
 
-def deepspeed_installed() -> bool:
-    return importlib.util.find_spec("deepspeed") is not None
-
-
-def deepspeed_plugin(train: TrainConfig, grad_accum_steps: int):
-    """The launched DeepSpeed settings, each "auto" batch, accumulation and clipping field from the recipe.
-
-    Accelerate alone would fill `gradient_clipping: auto` with 1.0 whatever the recipe says, and leave
-    ZeRO-3 unable to gather a full state dict; the Accelerator fills precision from its mixed_precision.
-    """
-    from accelerate.utils import DeepSpeedPlugin
-
-    plugin = DeepSpeedPlugin(
-        gradient_accumulation_steps=grad_accum_steps,
-        gradient_clipping=train.max_grad_norm,
-        zero3_save_16bit_model=True,
-    )
-    config = plugin.deepspeed_config
-    for key, value in (
-        ("train_micro_batch_size_per_gpu", train.micro_batch_size),
-        ("train_batch_size", train.global_batch_size),
-    ):
-        if config.get(key, "auto") == "auto":
-            config[key] = value
-    zero = config["zero_optimization"]
-    key, value = gather_setting(zero)
-    if value == "auto":
-        zero[key] = True
-    return plugin
-
-
-def _cpu_fsdp_plugin(version: int):
-    """FSDP settings from the launch, minus the two that need a GPU to move meta weights onto (FSDP2 has
-    no sync_module_states, and accelerate warns when it is given).
-
-    FSDP1 checkpoints are sharded on CPU: gathering a FULL_STATE_DICT onto rank 0 over gloo crashes it
-    (SIGSEGV) inside torch, and ftkit's export gathers the full model from sharded checkpoints itself."""
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
-    v1 = {"sync_module_states": False, "state_dict_type": "SHARDED_STATE_DICT"} if version == 1 else {}
-    return FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=False, **v1)
-
-
 def _finish_setup(accelerator, launch: Launch) -> None:
     """Switch on FSDP where accelerate skipped it for lack of a GPU, then `verify` the result."""
-    if (
-        launch.on_cpu
-        and launch.backend == "fsdp"
-        and accelerator.distributed_type == DistributedType.MULTI_CPU
-    ):
-        state = accelerator.state
-        plugin = _cpu_fsdp_plugin(launch.fsdp_version)
-        if state.mixed_precision != "no":
-            plugin.set_mixed_precision(state.mixed_precision)
-        state.fsdp_plugin = plugin
-        state.distributed_type = DistributedType.FSDP
-        # Every later AcceleratorState() copies PartialState's fields over its own.
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-        if launch.fsdp_version == 1:
-            # FSDP1 computes on `cpu` and refuses accelerate's `cpu:0` as a different device.
-            state.device = PartialState._shared_state["device"] = torch.device("cpu")
+    if launch.on_cpu and launch.backend == "fsdp":
+        switch_on_cpu_fsdp(accelerator, launch.fsdp_version)
     if launch.backend == "tp":
-        _without_fsdp(accelerator.state)
+        without_fsdp(accelerator.state)
     if launch.uses_mesh:
-        _install_mesh(accelerator, launch.mesh)
+        install_mesh(accelerator, launch.mesh)
     verify(accelerator, launch)
-
-
-def _without_fsdp(state) -> None:
-    """Plain multi-process state for a model split across every process (the FSDP launch it came from
-    has nothing to shard); on gloo CPU processes accelerate never switched FSDP on."""
-    if state.distributed_type != DistributedType.FSDP:
-        return
-    state.fsdp_plugin = None
-    state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
-
-
-def _install_mesh(accelerator, mesh: Mesh) -> None:
-    """Give accelerate the launch's device mesh, now that the state has its final type.
-
-    A pipeline's processes are given as its `tp` dimension: like tensor-parallel ranks they share their
-    batches (accelerate's loaders then shard by replica) and take no DDP wrapper (toolkit/pipeline
-    averages each stage's gradients over the replicas, accelerate's `dp_shard` dimension).
-
-    accelerate's own check of the mesh runs for FSDP2. It refuses a tensor-parallel-only launch on CPU
-    processes (MULTI_CPU), although that trains exactly (accelerate puts no DDP wrapper around a split
-    model); `checks.check_launch` has checked its sizes.
-
-    Under FSDP x TP accelerate is told of the data-parallel dimensions only: its tensor-parallel preparation
-    (1.15) imports a transformers class that transformers 5 no longer has, and ftkit has split the model
-    itself. FSDP shards over the data-parallel dimensions of the whole mesh, and the loaders read the whole
-    mesh, so tensor-parallel ranks still share their batches."""
-    if mesh.pp > 1:
-        # accelerate takes tp only with a dp_shard dimension; nothing is sharded, it names the replicas.
-        config = ParallelismConfig(dp_replicate_size=1, dp_shard_size=mesh.data_parallel, tp_size=mesh.pp)
-    else:
-        config = ParallelismConfig(
-            dp_replicate_size=mesh.dp_replicate, dp_shard_size=mesh.dp_shard, tp_size=mesh.tp
-        )
-    state = accelerator.state
-    state.parallelism_config = config
-    state.device_mesh = config.get_device_mesh(accelerator.device.type)
-    if state.distributed_type == DistributedType.FSDP:
-        config._validate_accelerator(accelerator)
-        if mesh.tp > 1:
-            state.parallelism_config = ParallelismConfig(
-                dp_replicate_size=mesh.dp_replicate, dp_shard_size=mesh.dp_shard, tp_size=1
-            )
 
 
 # The accelerate type each backend must end up as; ddp is any MULTI_<device> type.
@@ -388,34 +223,6 @@ def setup_summary(accelerator, launch: Launch, train: TrainConfig, grad_accum_st
         f"global batch {train.micro_batch_size * ga * launch.mesh.data_parallel} = "
         f"micro {train.micro_batch_size} x GA {ga} x {batch_split(launch)}"
     )
-
-
-def batch_split(launch: Launch) -> str:
-    """`world 4`, or where tensor-parallel ranks share batches `data-parallel 2 (world 4 / tp 2)`."""
-    mesh = launch.mesh
-    if mesh.pp > 1:
-        return f"data-parallel {mesh.data_parallel} (world {launch.world_size} / pp {mesh.pp})"
-    if mesh.tp == 1:
-        return f"world {launch.world_size}"
-    return f"data-parallel {mesh.data_parallel} (world {launch.world_size} / tp {mesh.tp})"
-
-
-def backend_name(launch: Launch) -> str:
-    fsdp = f"fsdp{launch.fsdp_version}"
-    if launch.mesh.describe(fsdp):
-        return launch.mesh.describe(fsdp)
-    if launch.backend == "deepspeed":
-        return f"deepspeed ZeRO-{launch.zero_stage}" + (" + offload" if _offloads(launch) else "")
-    if launch.backend == "fsdp":
-        return fsdp
-    return launch.backend
-
-
-def _offloads(launch: Launch) -> bool:
-    zero = launch.ds_config.get("zero_optimization", {})
-    devices = [zero.get(key, {}).get("device") for key in ("offload_optimizer", "offload_param")]
-    devices += [launch.ds_settings.get(key) for key in ("offload_optimizer_device", "offload_param_device")]
-    return any(str(device).lower() not in ("none", "") for device in devices if device is not None)
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:

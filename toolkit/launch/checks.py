@@ -6,24 +6,16 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import MutableMapping
 from pathlib import Path
 
 from toolkit.config import ModelConfig, RecipeConfig, TrainConfig
 from toolkit.errors import UserError
-from toolkit.launch.backend import (
-    DS_SETTINGS_ENV,
-    Launch,
-    as_tensor_parallel,
-    backend_name,
-    batch_split,
-    deepspeed_launch,
-    refuse_unsupported,
-    with_pipeline,
-)
-from toolkit.launch.machine import GEFORCE_40, Machine, probe_machine
+from toolkit.launch.backend import as_tensor_parallel, deepspeed_launch, refuse_unsupported
+from toolkit.launch.deepspeed import DS_SETTINGS_ENV
+from toolkit.launch.machine import GEFORCE_40, Machine
 from toolkit.launch.mesh import check_mesh
+from toolkit.launch.request import Launch, backend_name
 from toolkit.launch.sections import (
     PARALLEL_SIZES,
     gather_setting,
@@ -33,7 +25,7 @@ from toolkit.launch.sections import (
     refuse_unknown_wrap_classes,
 )
 from toolkit.model import quant, tensor_parallel
-from toolkit.model.load import model_config, model_module_classes
+from toolkit.model.facts import ModelFacts
 from toolkit.pipeline import stages
 from toolkit.train import head
 from toolkit.train.batches import grad_accum_steps
@@ -104,9 +96,15 @@ def _refuse_ignored_offload(raw: dict, backend: str, path: Path) -> None:
 
 
 def check_launch(
-    launch: Launch, cfg: RecipeConfig, recipe_source: str, machine: Machine, env: MutableMapping[str, str]
+    launch: Launch,
+    cfg: RecipeConfig,
+    facts: ModelFacts,
+    recipe_source: str,
+    machine: Machine,
+    env: MutableMapping[str, str],
 ) -> list[str]:
-    """Raise UserError where the launch and the recipe config disagree; return notes worth logging once.
+    """Raise UserError where the launch, the recipe config and the model (`facts`, its config read once)
+    disagree; return notes worth logging once.
 
     On RTX 40xx GPUs without peer-to-peer access this sets NCCL_P2P_DISABLE and NCCL_IB_DISABLE in `env`,
     which must happen before the Accelerator starts NCCL (accelerate only does so for drivers before 550).
@@ -117,14 +115,14 @@ def check_launch(
     if launch.parallel_sizes:
         check_mesh(launch.mesh, launch.world_size, launch.fsdp_version, launch.backend, launch.source)
     if launch.mesh.tp > 1:
-        _check_tensor_parallel(launch.mesh.tp, cfg, recipe_source)
+        _check_tensor_parallel(launch.mesh.tp, cfg, facts, recipe_source)
     if launch.mesh.pp > 1:
-        _check_pipeline(cfg, ga, recipe_source)
+        _check_pipeline(cfg, facts, ga, recipe_source)
     _check_precision(launch, cfg.train, recipe_source, machine)
     if launch.backend == "fsdp":
         refuse_fsdp_settings(launch.fsdp_settings, launch.on_cpu, launch.source)
         wrap = launch.fsdp_settings.get("transformer_layer_cls_to_wrap", "")
-        refuse_unknown_wrap_classes(wrap, model_module_classes(cfg.model), cfg.model.path, launch.source)
+        refuse_unknown_wrap_classes(wrap, facts.module_classes, cfg.model.path, launch.source)
     if launch.backend == "deepspeed":
         _check_deepspeed(launch, cfg.train, recipe_source, ga)
     if machine.gpu_count and launch.procs_per_node > machine.gpu_count:
@@ -133,25 +131,24 @@ def check_launch(
             f"GPU(s) are visible: pass --num_processes {machine.gpu_count} (or fewer)"
         )
     if cfg.model.method == "qlora":
-        _check_qlora(launch, cfg.model, cfg.train.mixed_precision, recipe_source)
+        _check_qlora(launch, cfg.model, facts, cfg.train.mixed_precision, recipe_source)
     if cfg.loss.head == "chunked":
-        _check_loss_head(cfg.model, recipe_source)
+        _check_loss_head(facts, recipe_source)
     return _disable_nccl_p2p(machine, env)
 
 
-def _check_tensor_parallel(tp: int, cfg: RecipeConfig, recipe_source: str) -> None:
+def _check_tensor_parallel(tp: int, cfg: RecipeConfig, facts: ModelFacts, recipe_source: str) -> None:
     """A model without a tensor-parallel plan, or whose heads or widths do not split `tp` ways, and the
     methods that cannot be split are refused before any data is prepared."""
     method = tensor_parallel.method_problem(cfg.model.method, cfg.lora.use_dora)
     if method:
         raise UserError(f"{recipe_source}: tensor parallelism (tp {tp}) refuses {method}")
-    config = model_config(cfg.model)
-    problem = tensor_parallel.plan_problem(config, tp) if config is not None else None
+    problem = tensor_parallel.plan_problem(facts.config, tp) if facts.config is not None else None
     if problem:
         raise UserError(f"model.path {cfg.model.path} in {recipe_source}: {problem}")
 
 
-def _check_pipeline(cfg: RecipeConfig, ga: int, recipe_source: str) -> None:
+def _check_pipeline(cfg: RecipeConfig, facts: ModelFacts, ga: int, recipe_source: str) -> None:
     """What a pipeline cannot run, refused before any data is prepared, naming the key."""
     pipe, where = cfg.pipeline, f"{recipe_source}: pipeline.size {cfg.pipeline.size}"
     refusals = {
@@ -176,29 +173,29 @@ def _check_pipeline(cfg: RecipeConfig, ga: int, recipe_source: str) -> None:
             f"per step, and train.global_batch_size {cfg.train.global_batch_size} / train.micro_batch_size "
             f"{cfg.train.micro_batch_size} / replicas gives {ga}: lower train.micro_batch_size"
         )
-    config = model_config(cfg.model)
-    if config is None:
+    if facts.config is None:
         return
     stage_count = pipe.size * pipe.chunks_per_process
-    problem = stages.model_problem(config, stage_count) or stages.layers_problem(
-        pipe.layers, stage_count, config.num_hidden_layers
+    problem = stages.model_problem(facts.config, stage_count) or stages.layers_problem(
+        pipe.layers, stage_count, facts.num_layers
     )
     if problem:
         raise UserError(f"model.path {cfg.model.path} in {recipe_source}: {problem}")
 
 
-def _check_loss_head(model: ModelConfig, recipe_source: str) -> None:
+def _check_loss_head(facts: ModelFacts, recipe_source: str) -> None:
     """A model that changes its logits after the head is refused before any data is prepared."""
-    config = model_config(model)
-    problem = head.logit_change_problem(config) if config is not None else None
+    problem = head.logit_change_problem(facts.config) if facts.config is not None else None
     if problem:
         raise UserError(
-            f"loss.head chunked in {recipe_source}: {model.path} changes its logits after the head "
+            f"loss.head chunked in {recipe_source}: {facts.path} changes its logits after the head "
             f"({problem}), which the chunked head does not reproduce; set loss.head: full"
         )
 
 
-def _check_qlora(launch: Launch, model: ModelConfig, mixed_precision: str, recipe_source: str) -> None:
+def _check_qlora(
+    launch: Launch, model: ModelConfig, facts: ModelFacts, mixed_precision: str, recipe_source: str
+) -> None:
     """The 4-bit mistakes that train on without an error, refused before anything loads."""
     name = backend_name(launch)
     if name == "fsdp1":
@@ -210,9 +207,8 @@ def _check_qlora(launch: Launch, model: ModelConfig, mixed_precision: str, recip
     problem = quant.storage_problem(quant.storage_name(model.quant_storage, cast), cast, name)
     if problem:
         raise UserError(f"{recipe_source}: {problem}")
-    config_file = Path(model.path).expanduser() / "config.json"
-    if config_file.is_file():  # a hub id is checked once its config is downloaded, as the model loads
-        problem = quant.width_problem(quant.layer_widths(json.loads(config_file.read_text())))
+    if facts.raw is not None:  # a hub id not read here is checked once its config is downloaded
+        problem = quant.width_problem(quant.layer_widths(facts.raw))
         if problem:
             raise UserError(f"model.path {model.path} in {recipe_source}: {problem}, which QLoRA needs")
 
@@ -312,32 +308,3 @@ def _disable_nccl_p2p(machine: Machine, env: MutableMapping[str, str]) -> list[s
     return [
         f"RTX 40xx GPUs without peer-to-peer access: the launch sets {' and '.join(f'{v}=1' for v in unset)}"
     ]
-
-
-def check_config_cli(
-    accel_yaml: str, recipe_path: str | None, num_processes: int | None, env: MutableMapping[str, str]
-) -> str:
-    """`ftkit check-config`: check an accelerate YAML against a recipe config (the demo one by default)."""
-    from toolkit.config import load_any_recipe_config
-
-    cfg = load_any_recipe_config(recipe_path)
-    machine = probe_machine()
-    launch = launch_from_yaml(Path(accel_yaml), machine.gpu_count, num_processes)
-    launch = with_pipeline(launch, cfg.pipeline.size, recipe_path or "the demo config")
-    notes = check_launch(launch, cfg, recipe_path or "the demo config", machine, env)
-    ga = grad_accum_steps(cfg.train, launch.mesh.data_parallel)
-    if Path(accel_yaml).stem in ("pp", "pp_ddp") and cfg.pipeline.size == 1:
-        # accelerate's YAML cannot carry the pipeline; the shipped pipeline launches say so here.
-        notes.append(
-            f"note: {accel_yaml} is a plain multi-process launch and the recipe config leaves pipeline.size "
-            "at 1, so this runs as ddp: add pipeline.size=2 for the pipeline (ftkit train --backend pp does)"
-        )
-    where = " as gloo CPU processes (no GPU here)" if launch.on_cpu and launch.world_size > 1 else ""
-    summary = (
-        f"{accel_yaml}: ok: {backend_name(launch)} on {launch.world_size} process(es){where}, global batch "
-        f"{cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x GA {ga} x "
-        f"{batch_split(launch)}"
-    )
-    from toolkit.data.agreement import check_template_cli
-
-    return "\n".join([summary, *notes, check_template_cli(cfg)])

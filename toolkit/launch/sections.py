@@ -42,7 +42,7 @@ def refuse_deepspeed_sections(ds_config: dict, stage: int, where: str) -> None:
     if isinstance(compile_block, dict) and not _switched_off(compile_block):
         raise UserError(
             f"{where}: the compile block is refused (DeepSpeed compiles its own engine, not the recipe's "
-            "model): remove it and set train.compile=true instead"
+            "model): remove it and set model.compile=true instead"
         )
     autotp = (ds_config.get("tensor_parallel") or {}).get("autotp_size", 1)
     if int(autotp) > 1:

@@ -178,36 +178,3 @@ def _from_pretrained(cls, cfg: ModelConfig, what: str, key: str = "model.path", 
         raise UserError(
             f"{key}: cannot load the {what} from {cfg.path}: {str(exc).splitlines()[0]}"
         ) from None
-
-
-def model_config(cfg: ModelConfig):
-    """The model's transformers config, or None where it cannot be read without running the model's own
-    code (or from a path the model load itself will refuse)."""
-    if cfg.trust_remote_code:
-        return None
-    try:
-        return AutoConfig.from_pretrained(local_path(cfg.path))
-    except (OSError, ValueError):
-        return None
-
-
-def model_module_classes(cfg: ModelConfig) -> set[str] | None:
-    """Names of the module classes the model is built from, or None where transformers cannot tell
-    without loading it (its own code, or a path the model load itself will refuse)."""
-    import importlib
-
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    config = model_config(cfg)
-    if config is None:
-        return None
-    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
-    if class_name is None:
-        return None
-    module = importlib.import_module(getattr(transformers, class_name).__module__)
-    return {
-        name
-        for name, obj in vars(module).items()
-        if isinstance(obj, type) and issubclass(obj, torch.nn.Module)
-    }

@@ -19,38 +19,16 @@ part of the model.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from toolkit.plan import memory
-from toolkit.plan.memory import ModelStateBytes, Precision
+from toolkit.plan.footprint import GenerationBytes, ModelStateBytes
+from toolkit.plan.memory import Precision
 
 SAMPLING_BYTES = 4 + 4 + 3 * 8
 """Bytes per row and vocabulary entry the sampler adds to the model's logits (toolkit/grpo/sampling.py):
 generate's float32 copy, the processor's scaled float32 scores, and its Gumbel noise (float64 uniforms with
 two float64 temporaries at once); top-k and top-p add their own copies, not counted."""
-
-
-@dataclass(frozen=True)
-class GenerationBytes:
-    """One GPU while a GRPO round generates; `total` is its peak."""
-
-    rows: int
-    """Completions the GPU generates at once."""
-    tokens: int
-    """Prompt budget plus new tokens of each."""
-    resident: int
-    """What stays from training: model states after a step on this GPU, a separate reference's weights."""
-    gathered: int
-    """Weights gathered for generation (sharded backends only)."""
-    kv_cache: int
-    logits: int
-    prefill: int
-    overhead: int
-    """CUDA context, NCCL, DeepSpeed's buckets, fragmentation on this phase's tensors."""
-
-    @property
-    def total(self) -> int:
-        return sum(getattr(self, f.name) for f in fields(self) if f.name not in ("rows", "tokens"))
 
 
 @dataclass(frozen=True)

@@ -12,20 +12,18 @@ backend keeps per rank; activations and overhead are estimates (formulas in thei
 
 The model-parallel layouts (tp, fsdp_tp, hsdp) are in `plan.parallel`, the pipelines (pp, pp x ddp) in
 `plan.pipeline`; what each backend sends between GPUs is in `plan.comm`; GRPO's generation phase is in
-`plan.generation`.
+`plan.generation`; the records these formulas fill (`ModelStateBytes`, `MemoryEstimate`) are in
+`plan.footprint`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from toolkit.config import LossConfig
 from toolkit.launch.machine import GIB
-
-if TYPE_CHECKING:
-    from toolkit.plan.generation import GenerationBytes
+from toolkit.plan.footprint import MemoryEstimate, ModelStateBytes
 
 BACKENDS = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload")
 DEEPSPEED = ("zero1", "zero2", "zero3", "zero3_offload")
@@ -64,51 +62,6 @@ class Head:
     """Label tokens the chunked head scores at once (loss.chunk_tokens)."""
     log_probs: bool = False
     """Per-token log-probs (preference tuning): the chunk is recomputed in backward, nothing V-sized kept."""
-
-
-@dataclass(frozen=True)
-class ModelStateBytes:
-    """Bytes of model state one rank holds at the end of a backward pass, its peak (`total`).
-
-    To compare with a measurement: `after_step` is what is left once the optimizer has stepped and zeroed the
-    gradients, and a walk of Python-visible tensors misses `grad_buckets`.
-    """
-
-    frozen: int
-    """Frozen parameters (the base model under LoRA; 0 under full fine-tuning), this rank's shard."""
-    trainable: int
-    """Trainable parameters (the adapters under LoRA, all weights under full), this rank's shard."""
-    persistent: int
-    """ZeRO-3's whole copies of small parameters (<= 10 x hidden elements), kept beside their shards."""
-    grads: int
-    """Gradients as the optimizer reads them: param.grad, or DeepSpeed's flat gradient partitions."""
-    grad_buckets: int
-    """DDP's bucket copy of every gradient, held by its C++ reducer (a Python tensor walk does not see it)."""
-    optimizer: int
-    """AdamW exp_avg and exp_avg_sq."""
-    master: int
-    """DeepSpeed's fp32 master copy of its partition of the trainable parameters."""
-    grads_persist: bool
-    """The gradient buffers outlive the optimizer step (ZeRO-3); elsewhere zero_grad frees them."""
-    in_cpu_ram: bool
-    """All of it but `persistent` lives in CPU RAM (offload), not on the GPU."""
-
-    @property
-    def total(self) -> int:
-        return (
-            self.frozen
-            + self.trainable
-            + self.persistent
-            + self.grads
-            + self.grad_buckets
-            + self.optimizer
-            + self.master
-        )
-
-    @property
-    def after_step(self) -> int:
-        """What stays allocated after optimizer.step() and zero_grad() (gradients set to None)."""
-        return self.total - (0 if self.grads_persist else self.grads)
 
 
 def model_state_bytes(counts, backend: str, n_ranks: int, precision: Precision = FP32) -> ModelStateBytes:
@@ -311,58 +264,6 @@ def qlora_load_bytes(counts) -> int:
     """One whole 4-bit base with its unquantized parameters in bf16: what each process holds while loading
     before a sharded backend splits it (ftkit loads a full copy per process)."""
     return math.ceil(counts.quantizable * QLORA_BYTES_PER_PARAM) + 2 * (counts.frozen - counts.quantizable)
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """One backend at one micro-batch size, with or without gradient checkpointing."""
-
-    backend: str
-    checkpointing: bool
-    micro_batch: int
-    states: ModelStateBytes
-    working: int
-    activations: int
-    head: int
-    """Of `activations`, the loss head's: the logits (full), or a chunk and what training keeps (chunked)."""
-    overhead: int
-    cpu_ram: int
-    reference: int = 0
-    """A separate frozen reference model's weights on this GPU (preference tuning; 0 otherwise)."""
-    generation: GenerationBytes | None = None
-    """GRPO's generation phase on this GPU (`plan.generation`); None for the other objectives."""
-
-    def per_gpu(self) -> dict[str, int]:
-        """Bytes on each GPU by kind during training; `weights` includes gathered or autocast working copies.
-        With a generation phase, `training` and `generation` are each phase's total and `total` the larger."""
-        on_gpu = not self.states.in_cpu_ram
-        # Under LoRA the trainable parameters are the adapters; under full fine-tuning (none frozen), weights.
-        adapters = self.states.trainable if self.states.frozen else 0
-        parts = {
-            "weights": (self.states.frozen + self.states.trainable - adapters if on_gpu else 0)
-            + self.working
-            + self.states.persistent,
-            "lora": adapters if on_gpu else 0,
-            "grads": self.states.grads + self.states.grad_buckets if on_gpu else 0,
-            "optimizer": self.states.optimizer + self.states.master if on_gpu else 0,
-            "activations": self.activations,
-            "overhead": self.overhead,
-        }
-        if self.reference:
-            parts["reference"] = self.reference
-        training = sum(parts.values())
-        if self.generation is None:
-            return {**parts, "total": training}
-        generating = self.generation.total
-        return {**parts, "training": training, "generation": generating, "total": max(training, generating)}
-
-    @property
-    def peak_phase(self) -> str:
-        """training | generation: the phase `per_gpu()["total"]` comes from."""
-        if self.generation is None:
-            return "training"
-        parts = self.per_gpu()
-        return "generation" if parts["generation"] > parts["training"] else "training"
 
 
 def estimate(

@@ -18,13 +18,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from toolkit.plan import comm, generation, memory
-from toolkit.plan.memory import MemoryEstimate, Precision
-
-if TYPE_CHECKING:
-    from toolkit.plan.estimate import PlanRequest
+from toolkit.plan.footprint import MemoryEstimate
+from toolkit.plan.memory import Precision
+from toolkit.plan.request import PlanRequest
 
 TP_STYLES = ("colwise", "rowwise")
 """The split styles ftkit's tensor parallelism applies."""

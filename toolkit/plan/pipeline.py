@@ -38,17 +38,16 @@ import itertools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, get_args
+from typing import get_args
 
 from toolkit.config import PipelineSchedule
 from toolkit.pipeline import stages as runtime
 from toolkit.pipeline.batches import pipeline_width
 from toolkit.plan import comm, memory
-from toolkit.plan.memory import MemoryEstimate, Precision
+from toolkit.plan.footprint import MemoryEstimate
+from toolkit.plan.memory import Precision
 from toolkit.plan.parallel import Layout, Mesh
-
-if TYPE_CHECKING:
-    from toolkit.plan.estimate import PlanRequest
+from toolkit.plan.request import PlanRequest
 
 SCHEDULES = get_args(PipelineSchedule)
 INTERLEAVED_CHUNKS = 2

@@ -58,6 +58,10 @@ class Watchdog:
         """Progress in what this rank was already doing (a forward pass)."""
         self.last = time.monotonic()
 
+    def forward_hook(self, module, args) -> None:
+        """`touch` as a forward pre-hook: every forward pass of the hooked module counts as progress."""
+        self.touch()
+
     def _watch(self) -> None:
         while not self._closed.wait(self.period_s):
             if not self._armed:

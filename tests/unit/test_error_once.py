@@ -1,0 +1,30 @@
+"""A mistake is shown once per launch, by whichever rank reports it first (the launcher may end the
+others before they print anything)."""
+
+import subprocess
+import sys
+
+from helpers import REPO
+
+REPORT = "from toolkit import console; console.finish('finetune_llm', 2, 'train.max_steps: must be positive')"
+
+
+def ranks_reporting(order: list[int], world: int = 2) -> str:
+    """stderr of `order`'s ranks reporting the same mistake in turn, as children of one launcher (a shell)."""
+    runs = "; ".join(f"WORLD_SIZE={world} RANK={rank} {sys.executable} -c {REPORT!r}" for rank in order)
+    # The trailing `true` keeps the shell alive as the parent of the last rank too.
+    return subprocess.run(["bash", "-c", f"{runs}; true"], cwd=REPO, capture_output=True, text=True).stderr
+
+
+def test_a_non_main_rank_that_fails_before_the_launcher_ends_rank_0_prints_the_line():
+    assert ranks_reporting([1]) == "finetune_llm: error: train.max_steps: must be positive\n"
+    assert ranks_reporting([1, 0]) == "finetune_llm: error: train.max_steps: must be positive\n"
+
+
+def test_the_line_is_printed_once_whatever_the_order_and_again_for_the_next_launch():
+    assert ranks_reporting([0, 1, 2], world=3).count("finetune_llm: error:") == 1
+    assert ranks_reporting([0, 1]).count("finetune_llm: error:") == 1  # another launcher: its own line
+
+
+def test_one_process_always_prints():
+    assert ranks_reporting([0, 0], world=1).count("finetune_llm: error:") == 2

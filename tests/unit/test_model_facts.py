@@ -1,0 +1,62 @@
+"""The launch check reads the model's config once and hands what it learned to every check."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from helpers import REPO
+from transformers import MixtralConfig
+
+from toolkit.config import ModelConfig, load_config
+from toolkit.errors import UserError
+from toolkit.launch.backend import with_pipeline
+from toolkit.launch.checks import check_launch, launch_from_yaml
+from toolkit.launch.machine import Machine
+from toolkit.model import facts
+
+TINY = str(REPO / "toolkit" / "assets" / "tiny-llama")
+
+
+def test_the_facts_of_the_embedded_model():
+    got = facts.read_model_facts(ModelConfig(path=TINY))
+    assert (got.model_type, got.num_layers, got.experts) == ("llama", 4, 0)
+    assert {"LlamaDecoderLayer", "LlamaAttention"} <= got.module_classes
+    assert got.tp_plan and got.raw["hidden_size"] == 160
+
+
+def test_an_mixture_of_experts_says_so_and_remote_code_reads_only_the_json(tmp_path):
+    MixtralConfig(hidden_size=64, num_hidden_layers=2, num_local_experts=4, vocab_size=128).save_pretrained(
+        tmp_path
+    )
+    assert facts.read_model_facts(ModelConfig(path=str(tmp_path))).experts == 4
+    remote = facts.read_model_facts(ModelConfig(path=str(tmp_path), trust_remote_code=True))
+    assert remote.config is None and remote.module_classes is None and remote.experts == 4
+
+
+def test_an_unreadable_path_gives_unknown_facts(tmp_path):
+    unknown = facts.read_model_facts(ModelConfig(path=str(tmp_path)))
+    assert (unknown.config, unknown.raw, unknown.module_classes, unknown.experts) == (None, None, None, 0)
+
+
+def test_the_checks_read_nothing_more_than_the_facts_they_are_given(tmp_path, monkeypatch):
+    """A pipeline launch, the chunked head, QLoRA's widths and an FSDP wrap class all need the config:
+    with the facts read first, the checks themselves never read it again."""
+    pipeline = load_config(None, [f"model.path={TINY}", "pipeline.size=2", "train.micro_batch_size=4"])
+    qlora = load_config(None, [f"model.path={TINY}", "model.method=qlora"])
+    known = facts.read_model_facts(pipeline.model)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the config was read again")
+
+    launch = with_pipeline(launch_from_yaml(REPO / "accelerate_configs" / "pp.yaml", 0), 2, "recipe.yaml")
+    single = launch_from_yaml(REPO / "accelerate_configs" / "single.yaml", 0)
+    plain = load_config(None, [f"model.path={TINY}"])
+    monkeypatch.setattr(facts.AutoConfig, "from_pretrained", refused)
+    monkeypatch.setattr(Path, "read_text", refused)
+    assert check_launch(launch, pipeline, known, "recipe.yaml", Machine(), {}) == []
+    with pytest.raises(UserError, match="hidden_size 160 is not a multiple of the 4-bit block size 64"):
+        check_launch(single, qlora, known, "recipe.yaml", Machine(), {})
+    fsdp = dataclasses.replace(single, backend="fsdp", fsdp_version=2)
+    fsdp.fsdp_settings.update(transformer_layer_cls_to_wrap="NotALayer")
+    with pytest.raises(UserError, match="NotALayer is not a layer of .*: use LlamaDecoderLayer"):
+        check_launch(fsdp, plain, known, "recipe.yaml", Machine(), {})

@@ -1,0 +1,65 @@
+"""The walk a newcomer takes from the SFT recipe's `main(argv)` to its loop: every call the run makes
+until the first step, traced. A room is a folder of the tree (recipes/, toolkit/'s root, each toolkit
+package); a climb back up is a module of a package calling into toolkit/'s root, counted once per (caller,
+callee) pair. `pytest tests/unit/test_recipe_walk.py -s` prints the walk."""
+
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import QUICK, REPO
+
+ROOMS, CLIMBS = 8, 5
+
+
+class FirstStep(Exception):
+    """Raised where the loop would take its first step: the walk ends there."""
+
+
+def room(path: str) -> str:
+    parts = Path(path).parts
+    return "recipes" if parts[0] == "recipes" else "/".join(parts[:-1])
+
+
+def project_module(frame) -> str | None:
+    name = frame.f_code.co_filename
+    inside = name.startswith((str(REPO / "toolkit"), str(REPO / "recipes")))
+    return str(Path(name).relative_to(REPO)) if inside else None
+
+
+def walk(recipe, out: Path) -> list[tuple[str, str]]:
+    """(caller module, callee module) of every call between two project modules, in order."""
+    calls = []
+
+    def profile(frame, event, arg):
+        callee = project_module(frame) if event == "call" else None
+        caller = frame.f_back
+        while callee and caller is not None and project_module(caller) is None:
+            caller = caller.f_back
+        if callee and caller is not None and project_module(caller) != callee:
+            calls.append((project_module(caller), callee))
+
+    sys.setprofile(profile)
+    try:
+        recipe.main([f"output_dir={out}", *QUICK])
+    except FirstStep:
+        pass
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.usefixtures("signal_handlers_restored")
+def test_from_argv_to_the_loop_the_recipe_enters_few_rooms_and_climbs_back_rarely(
+    recipe, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(recipe.Run, "steps", lambda *args, **kwargs: (_ for _ in ()).throw(FirstStep()))
+    calls = walk(recipe, tmp_path / "run")
+    rooms = list(dict.fromkeys(room(module) for pair in calls for module in pair))
+    climbs = sorted(
+        {(a, b) for a, b in calls if room(b) == "toolkit" and room(a) not in ("toolkit", "recipes")}
+    )
+    print(f"\nrooms ({len(rooms)}): {', '.join(rooms)}\nclimbs back up ({len(climbs)}):")
+    print("\n".join(f"  {a} -> {b}" for a, b in climbs))
+    assert "toolkit/launch" in rooms and "toolkit/train" in rooms, "the walk did not reach the launch"
+    assert len(rooms) <= ROOMS and len(climbs) <= CLIMBS, (rooms, climbs)

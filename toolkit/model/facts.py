@@ -1,0 +1,81 @@
+"""What the launch checks learn from the model's config, read once per launch and handed to each check: its
+type and sizes, the module classes it is built from, the tensor-parallel plan transformers ships for it, and
+whether it is a mixture of experts. Reading runs none of the model's own code: with `trust_remote_code` only
+the plain config.json of a local model is read, and what needs the config class stays unknown (None) until
+the model loads."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from toolkit.config import ModelConfig
+from toolkit.model.load import local_path
+
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    path: str
+    """model.path as the config gives it."""
+    config: object | None = None
+    """The transformers config; None where it cannot be read without the model's code, or not at all."""
+    raw: dict | None = None
+    """config.json's keys and values (known for a local model even when `config` is not)."""
+    module_classes: frozenset[str] | None = None
+    """Names of the torch module classes the model is built from (None: not known before loading)."""
+
+    @property
+    def model_type(self) -> str | None:
+        return (self.raw or {}).get("model_type")
+
+    @property
+    def num_layers(self) -> int | None:
+        return (self.raw or {}).get("num_hidden_layers")
+
+    @property
+    def tp_plan(self) -> dict | None:
+        return getattr(self.config, "base_model_tp_plan", None)
+
+    @property
+    def experts(self) -> int:
+        """Routed experts per MoE layer (0: a dense model)."""
+        raw = self.raw or {}
+        return max((int(raw.get(key) or 0) for key in EXPERT_COUNT_KEYS), default=0)
+
+
+def read_model_facts(cfg: ModelConfig) -> ModelFacts:
+    """The facts of `cfg.path`, from one read of its config (a path that cannot be read gives facts that
+    are all unknown: the model load itself says why, in one line)."""
+    if cfg.trust_remote_code:
+        config_file = Path(cfg.path).expanduser() / "config.json"
+        raw = json.loads(config_file.read_text()) if config_file.is_file() else None
+        return ModelFacts(cfg.path, raw=raw)
+    try:
+        config = AutoConfig.from_pretrained(local_path(cfg.path))
+    except (OSError, ValueError):
+        return ModelFacts(cfg.path)
+    return ModelFacts(cfg.path, config, config.to_dict(), _module_classes(config.model_type))
+
+
+def _module_classes(model_type: str) -> frozenset[str] | None:
+    """Every torch module class in the modeling file of `model_type`'s causal LM, or None where
+    transformers has no causal LM of that type."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if class_name is None:
+        return None
+    module = importlib.import_module(getattr(transformers, class_name).__module__)
+    return frozenset(
+        name
+        for name, obj in vars(module).items()
+        if isinstance(obj, type) and issubclass(obj, torch.nn.Module)
+    )

@@ -1,0 +1,151 @@
+"""What `ftkit plan` is asked: the machine, the method, the objective and the recipe settings it assumes, with
+the recipes' defaults, checked as the recipe would check them. The estimate and every layout read it, so it
+sits below them all."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Annotated
+
+from toolkit.config import LossConfig, LossHead, Method
+from toolkit.errors import UserError
+from toolkit.fields import (
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Probability,
+    Range,
+    field_errors,
+)
+from toolkit.grpo.config import GrpoConfig
+from toolkit.plan import GradCkpt, Objective, PlanDtype, PlanPrecision, generation
+from toolkit.plan.memory import Head
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: str
+    """Local model dir, config.json path, or hub id (built-in table or local cache)."""
+    gpus: PositiveInt = 1
+    """GPUs on the machine (one process each)."""
+    gpu_mem: PositiveFloat = 24.0
+    """Memory of one GPU in GiB (a "24 GB" RTX 4090 has 24 GiB)."""
+    method: Method = "lora"
+    """How the model is fine-tuned, as the recipe's model.method."""
+    seq_len: PositiveInt = 2048
+    """Tokens per example (data.max_length); under grpo a prompt's, before its completion."""
+    micro_batch: PositiveInt | None = None
+    """Examples per forward pass per GPU; None: the largest that fits."""
+    global_batch: PositiveInt = 32
+    """Examples per optimizer step across all GPUs."""
+    lora_r: PositiveInt = 16
+    """LoRA rank (adapters on every linear layer)."""
+    lora_dropout: Probability = 0.0
+    """LoRA dropout; above 0 it stores a dropped copy of every adapted input."""
+    grad_ckpt: GradCkpt = "auto"
+    """Gradient checkpointing (auto: try off, then on)."""
+    dtype: PlanDtype = "auto"
+    """Weights dtype (auto: bfloat16 for LoRA/QLoRA, float32 for full, as recipes)."""
+    mixed_precision: PlanPrecision = "bf16"
+    """Autocast."""
+    cpu_mem: NonNegativeFloat | None = None
+    """CPU RAM of the machine in GiB; when set, setups needing more do not fit."""
+    objective: Objective = "sft"
+    """What is trained: sft; dpo (preference tuning: two sequences, chosen and rejected, per example); grpo
+    (online RL: a round generates completions, then training reads prompt + completion rows)."""
+    reference_model: bool = False
+    """dpo or grpo with a separate reference model: its frozen weights too (none with LoRA's adapter off or
+    precomputed reference log-probs)."""
+    loss_head: LossHead = LossConfig.head
+    """How the loss reads the output head (loss.head; chunked: the logits never exist whole)."""
+    chunk_tokens: PositiveInt = LossConfig.chunk_tokens
+    """Label tokens per chunk of the chunked head (loss.chunk_tokens)."""
+    generations: Annotated[int, Range(low=2)] = GrpoConfig.num_generations
+    """grpo: completions sampled per prompt (grpo.num_generations)."""
+    max_new_tokens: PositiveInt = GrpoConfig.max_new_tokens
+    """grpo: tokens a completion may have, after its prompt (grpo.max_new_tokens)."""
+    generation_batch: NonNegativeInt = GrpoConfig.generation_batch_size
+    """grpo: completions a GPU generates at once (grpo.generation_batch_size; 0: its share of a round)."""
+    steps_per_generation: PositiveInt = GrpoConfig.steps_per_generation
+    """grpo: optimizer steps one round feeds (grpo.steps_per_generation)."""
+    gather_for_generation: bool = GrpoConfig.gather_for_generation
+    """grpo: under ZeRO-3/FSDP the whole model is gathered on each GPU to generate."""
+    beta: NonNegativeFloat = GrpoConfig.beta
+    """grpo: KL weight (grpo.beta); above 0 a reference is scored (LoRA's adapter off costs nothing)."""
+
+    def validate(self) -> None:
+        errors = field_errors(self)
+        if errors:
+            name, _, message = errors[0].partition(": ")
+            raise UserError(f"--{_flag(name)} {message}")
+        if self.reference_model and self.objective == "sft":
+            raise UserError("--reference-model is for --objective dpo or grpo")
+        per_step = (self.micro_batch or 1) * self.gpus
+        if self.global_batch % per_step:
+            raise UserError(
+                f"--global-batch {self.global_batch} is not a multiple of micro-batch x GPUs ({per_step})"
+            )
+        if self.objective == "grpo":
+            self._validate_grpo()
+            return
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        changed = [name for name in GRPO_OPTIONS if getattr(self, name) != defaults[name]]
+        if changed:
+            raise UserError(f"--{_flag(changed[0])} is for --objective grpo")
+
+    def _validate_grpo(self) -> None:
+        """What the GRPO recipe would refuse (toolkit/grpo/config.py), in the plan's words."""
+        completions = self.global_batch * self.steps_per_generation
+        if completions % self.generations:
+            raise UserError(
+                f"--global-batch x --steps-per-generation ({completions}) must be a multiple of "
+                f"--generations ({self.generations}): a round generates whole groups"
+            )
+        if self.reference_model and self.beta == 0:
+            raise UserError("--reference-model with --objective grpo needs --beta > 0 (at 0 none is loaded)")
+        if self.beta > 0 and self.method == "full" and not self.reference_model:
+            raise UserError("--objective grpo --method full with --beta > 0 needs --reference-model")
+
+    @property
+    def rows_per_example(self) -> int:
+        """Sequences one example puts through the model: chosen and rejected under dpo."""
+        return 2 if self.objective == "dpo" else 1
+
+    @property
+    def row_tokens(self) -> int:
+        """Tokens of one trained sequence: under grpo a prompt and its completion."""
+        return self.seq_len + (self.max_new_tokens if self.objective == "grpo" else 0)
+
+    @property
+    def head(self) -> Head:
+        """The loss head; dpo and grpo read per-token log-probs of the labels."""
+        return Head(self.loss_head, self.chunk_tokens, log_probs=self.objective != "sft")
+
+    def generation_round(self) -> generation.Round | None:
+        """GRPO's round (None for the other objectives)."""
+        if self.objective != "grpo":
+            return None
+        return generation.Round(
+            completions=self.global_batch * self.steps_per_generation,
+            batch=self.generation_batch,
+            prompt_tokens=self.seq_len,
+            new_tokens=self.max_new_tokens,
+            gather=self.gather_for_generation,
+        )
+
+
+GRPO_OPTIONS = (
+    "generations",
+    "max_new_tokens",
+    "generation_batch",
+    "steps_per_generation",
+    "gather_for_generation",
+    "beta",
+)
+"""The options only --objective grpo reads."""
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
