@@ -298,7 +298,9 @@ def test_a_template_that_serves_other_text_than_it_trained_is_one_warning(tmp_pa
     cfg = load_config(None)
     cfg.data.train = path
     assert check_chat_rows(cfg) == f"warning: {found}"
-    monkeypatch.setattr("toolkit.commands.check_config.load_tokenizer", lambda cfg: make_tokenizer(bpe, CHATML))
+    monkeypatch.setattr(
+        "toolkit.commands.check_config.load_tokenizer", lambda cfg: make_tokenizer(bpe, CHATML)
+    )
     assert check_chat_rows(cfg).startswith("chat template: generation prompts agree")
 
 

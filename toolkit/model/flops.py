@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit.model import moe
+
 # Peak dense bf16 tensor-core FLOP/s (fp32 accumulate), never the 2:4-sparse figure vendors headline.
 # Each entry: substrings that must all appear in the upper-cased device name; the first match wins.
 PEAK_BF16_FLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
@@ -28,7 +30,8 @@ def training_flops_per_token(
 ) -> int:
     """FLOPs to train on one token of a causal LM (model FLOPs: gradient-checkpoint recompute not counted).
 
-    Weights of matrix multiplications (linear layers and the output head), 2 FLOPs (multiply, add) per weight:
+    Weights of matrix multiplications (linear layers, routers and the output head; of a mixture of experts'
+    routed experts only the share a token is sent to, `toolkit.model.moe`), 2 FLOPs (multiply, add) a weight:
         forward                          2 per weight, frozen or trainable
         backward, input gradient         2 per weight, frozen too: it carries the gradient to earlier adapters
         backward, weight gradient        2 per trainable weight only
@@ -81,14 +84,12 @@ class ModelShape:
 
     @classmethod
     def of(cls, model) -> ModelShape:
-        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        # ZeRO-3 partitions weights as the model loads; `ds_numel` keeps their full size.
-        sizes = [(getattr(m.weight, "ds_numel", m.weight.numel()), m.weight.requires_grad) for m in linears]
+        frozen, trainable = moe.matmul_weights(model, moe.routing(model.config).active_share)
         text = model.config.get_text_config()
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         return cls(
-            matmul_frozen=sum(n for n, trained in sizes if not trained),
-            matmul_trainable=sum(n for n, trained in sizes if trained),
+            matmul_frozen=frozen,
+            matmul_trainable=trainable,
             layers=text.num_hidden_layers,
             attn_dim=text.num_attention_heads * head_dim,
         )

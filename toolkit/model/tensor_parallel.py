@@ -64,14 +64,15 @@ def parallelize(model, mesh, config):
 
 
 def split_styles(model, plan: dict[str, str]) -> dict[str, str]:
-    """Full module name -> colwise | rowwise for every linear layer (and adapter piece) that splits."""
+    """Full module name -> colwise | rowwise for every linear layer (and adapter piece) that splits; the
+    plan's other styles (an MoE's packed experts, say) are left out."""
     patterns = [
         (re.compile(r"(^|\.)" + re.escape(key).replace(r"\*", r"\d+") + "$"), s) for key, s in plan.items()
     ]
     styles = {}
     for name, module in model.named_modules():
         style = next((s for pattern, s in patterns if pattern.search(name)), None)
-        if style is None:
+        if style not in SPLIT_STYLES:  # none, or a style ftkit does not apply (`plan_problem` refuses those)
             continue
         if not hasattr(module, "base_layer"):
             styles[name] = style

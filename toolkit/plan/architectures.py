@@ -137,6 +137,51 @@ _TABLE = [
         {**_GEMMA2, **_layers(4608, 36864, 46, 32, 16, head_dim=128, query_pre_attn_scalar=144)},
         27_227_128_320,
     ),
+    # Mixtures of experts: 128, 32 and 8 routed experts a layer, 8, 4 and 2 of them per token.
+    (
+        ("Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B-Base", "Qwen/Qwen3-30B-A3B-Instruct-2507"),
+        dict(
+            model_type="qwen3_moe",
+            vocab_size=151936,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            max_position_embeddings=40960,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            router_aux_loss_coef=0.001,
+            **_layers(2048, 6144, 48, 32, 4, head_dim=128, tie_word_embeddings=False),
+        ),
+        30_532_122_624,
+    ),
+    (
+        ("openai/gpt-oss-20b",),
+        dict(
+            model_type="gpt_oss",
+            vocab_size=201088,
+            sliding_window=128,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            router_aux_loss_coef=0.9,
+            **_layers(2880, 2880, 24, 64, 8, head_dim=64, tie_word_embeddings=False),
+        ),
+        20_914_757_184,
+    ),
+    (
+        ("mistralai/Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x7B-Instruct-v0.1"),
+        dict(
+            model_type="mixtral",
+            vocab_size=32000,
+            rope_theta=1000000.0,
+            max_position_embeddings=32768,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            router_aux_loss_coef=0.02,
+            **_layers(4096, 14336, 32, 32, 8, tie_word_embeddings=False),
+        ),
+        46_702_792_704,
+    ),
 ]
 
 ARCHITECTURES: dict[str, dict] = {name.lower(): config for names, config, _ in _TABLE for name in names}

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from toolkit.errors import UserError
+from toolkit.model import moe
 from toolkit.plan import architectures
 
 
@@ -43,10 +44,18 @@ class ModelCounts:
     layers: int
     hidden: int
     intermediate: int
+    """The MLP width one token's activations span (an MoE's: its experts' and the shared expert's)."""
     heads: int
     kv_heads: int
     head_dim: int
     vocab: int
+    experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)."""
+    experts_per_token: int = 0
+    expert_params: int = 0
+    """Parameters of the routed experts' fused 3-D tensors, every layer's: unquantized under QLoRA."""
+    active: int = 0
+    """Parameters one token goes through: all but the routed experts it is not sent to."""
     tp_styles: tuple[str, ...] = ()
     """The split styles of the model's transformers `base_model_tp_plan` (none: it has no such plan)."""
     tp_split_frozen: int = 0
@@ -95,6 +104,8 @@ def count_parameters(config, method: str, lora_r: int, source: str = "") -> Mode
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             warnings.filterwarnings("ignore", "fan_in_fan_out", UserWarning)
+            # all-linear on a model with fused experts: peft's own patterns for them (counted as built).
+            warnings.filterwarnings("ignore", "The following (rank|alpha)_pattern keys", RuntimeWarning)
             model = get_peft_model(
                 model, LoraConfig(r=lora_r, target_modules="all-linear", task_type="CAUSAL_LM")
             )
@@ -137,8 +148,9 @@ def _counts(model, text, method: str, lora_r: int, source: str) -> ModelCounts:
     total = sum(p.numel() for p in params)
     head = model.get_output_embeddings()
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    matmul_frozen = sum(m.weight.numel() for m in linears if not m.weight.requires_grad)
-    matmul_trainable = sum(m.weight.numel() for m in linears if m.weight.requires_grad)
+    routing = moe.routing(text)
+    matmul_frozen, matmul_trainable = moe.matmul_weights(model, routing.active_share)
+    expert_params = sum(p.numel() for p in params if moe.is_routed_expert(p))
     quantizable = sum(m.weight.numel() for m in linears if m is not head and not m.weight.requires_grad)
     layer_names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_names]
@@ -162,11 +174,15 @@ def _counts(model, text, method: str, lora_r: int, source: str) -> ModelCounts:
         lm_head=head.weight.numel() if head is not None else 0,
         layers=text.num_hidden_layers,
         hidden=text.hidden_size,
-        intermediate=_mlp_width(text),
+        intermediate=routing.active_width or _mlp_width(text),
         heads=heads,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         vocab=text.vocab_size,
+        experts=routing.experts,
+        experts_per_token=routing.per_token,
+        expert_params=expert_params,
+        active=total - round(expert_params * (1 - routing.active_share)),
         tp_styles=tuple(sorted(set(tp_plan.values()))),
         tp_split_frozen=split_frozen,
         tp_split_trainable=split_trainable,

@@ -137,6 +137,10 @@ def activation_bytes(
         attention                 5e*h_a + 4a     q, k and v (repeated to every head), the SDPA output and its
                                                   contiguous copy for o_proj; fp32 log-sum-exp per head
         SwiGLU MLP                4e*i            gate, up, SiLU(gate), and their product
+        mixture of experts        2ekh + 8E       the token's k copies sent to its experts and their outputs
+                                                  before the weighted sum; fp32 router logits and
+                                                  probabilities over the E experts. Its i is the width the
+                                                  token spans: k experts' (and a shared expert's)
         LoRA dropout (p > 0)      (e+1)(5h+h_a+i) a dropped copy of each adapted input, with its 1-byte mask
     The head adds one RMSNorm (the loss head's own memory is `head_bytes`). With gradient checkpointing only
     each layer's input is kept (r bytes per h, r the weights' dtype size: the residual stream's dtype), plus
@@ -159,6 +163,8 @@ def token_activation_bytes(
     h, h_a, i = counts.hidden, counts.heads * counts.head_dim, counts.intermediate
     norm = 4 * h + 2 * e * h
     layer = 2 * norm + (5 * e * h_a + 4 * counts.heads + 4 * e * i) // tp
+    if counts.experts:
+        layer += 2 * e * counts.experts_per_token * h + 8 * counts.experts
     if counts.method != "full" and lora_dropout > 0:
         layer += (e + 1) * (5 * h + (h_a + i) // tp)
     return layer, residual_bytes(counts, precision) * h, norm

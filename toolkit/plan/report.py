@@ -44,8 +44,25 @@ def _header(plan: Plan) -> list[str]:
         f"({100 * c.trainable / c.total:.2f}%: {trained})",
         f"setup    {c.method} on {r.gpus} GPU x {r.gpu_mem:g} GiB | {base}, {autocast} | "
         f"seq {r.seq_len} | global batch {r.global_batch} | {head}",
+        *_experts(c),
         f"compute  {plan.flops_per_token / 1e9:.2f} GFLOP per trained token (see toolkit/model/flops.py)",
         *_grpo_setup(plan),
+    ]
+
+
+def _experts(c) -> list[str]:
+    """A mixture of experts' line: what a token goes through, and what QLoRA leaves unquantized."""
+    if not c.experts:
+        return []
+    kept = (
+        f"; under QLoRA its {c.expert_params:,} expert parameters stay unquantized (bitsandbytes quantizes "
+        "linear layers only, and the experts are fused 3-D tensors)"
+        if c.method == "qlora"
+        else ""
+    )
+    return [
+        f"experts  {c.experts} routed experts a layer, {c.experts_per_token} per token: {c.active:,} "
+        f"parameters active per token{kept}"
     ]
 
 

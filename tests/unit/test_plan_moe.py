@@ -1,0 +1,90 @@
+"""`ftkit plan` on mixtures of experts: the three models of the built-in table answer on 2 x 24 GiB with a
+launch line, active parameters and FLOPs count only the experts a token is sent to (checked against torch's
+FLOP counter on a tiny model), and QLoRA says what it leaves unquantized."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from toolkit.model import moe
+from toolkit.model.flops import ModelShape, flops_per_token
+from toolkit.model.tensor_parallel import split_styles
+from toolkit.plan.counts import count_parameters, load_model_config
+from toolkit.plan.estimate import make_plan
+from toolkit.plan.report import render_text
+from toolkit.plan.request import PlanRequest
+
+MOE_MODELS = ("Qwen/Qwen3-30B-A3B", "openai/gpt-oss-20b", "mistralai/Mixtral-8x7B-v0.1")
+SEQ = 6
+# One layer, 4 experts of width 8, 2 per token, hidden 16 (4 heads of 4), vocab 32: every matmul is small.
+TINY_MOE = dict(
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=24,
+    moe_intermediate_size=8,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=16,
+)
+
+
+@pytest.mark.parametrize("model_id", MOE_MODELS)
+def test_each_real_mixture_of_experts_gets_an_answer_on_two_24_gib_gpus(model_id):
+    plan = make_plan(PlanRequest(model=model_id, gpus=2, gpu_mem=24.0, method="qlora"))
+    text = render_text(plan)
+    assert plan.choice is not None and "accelerate launch --config_file" in text
+    assert "routed experts a layer" in text and "stay unquantized" in text
+
+
+def test_active_parameters_are_what_the_model_cards_give():
+    """Mixtral-8x7B: 12.9B active; gpt-oss-20b: 3.6B active without its input embeddings; Qwen3-30B-A3B:
+    3.3B."""
+    active = {}
+    for model_id in MOE_MODELS:
+        counts = count_parameters(load_model_config(model_id)[0], "full", 16)
+        input_embeddings = counts.embed if model_id == "openai/gpt-oss-20b" else 0
+        active[model_id] = counts.active - input_embeddings
+    assert active == pytest.approx(
+        {MOE_MODELS[0]: 3.35e9, MOE_MODELS[1]: 3.61e9, MOE_MODELS[2]: 12.88e9}, rel=0.01
+    )
+
+
+def test_routing_of_dense_and_mixture_models():
+    assert moe.routing(AutoConfig.for_model("llama")) == moe.Routing()
+    qwen2 = moe.routing(AutoConfig.for_model("qwen2_moe"))
+    assert (qwen2.experts, qwen2.per_token, qwen2.expert_width, qwen2.shared_width) == (60, 4, 1408, 5632)
+    assert qwen2.active_width == 4 * 1408 + 5632 and qwen2.active_share == 4 / 60
+
+
+@pytest.mark.parametrize("kernel", ["eager", "batched_mm"])
+def test_flops_count_only_the_experts_a_token_is_sent_to_as_torch_counts_them(kernel):
+    """Torch's counter has no rule for the grouped_mm kernel (transformers' default): the loop over experts
+    and the batched kernel show what every kernel computes."""
+    config = AutoConfig.for_model(
+        "qwen3_moe", **TINY_MOE, attn_implementation="eager", experts_implementation=kernel
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    batch = torch.randint(0, 32, (3, SEQ))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=batch).logits.sum().backward()
+    measured = counter.get_total_flops() / batch.numel()
+    counted = ModelShape.of(model).flops_per_token(SEQ)
+    assert counted == flops_per_token(count_parameters(config, "full", 2), SEQ)
+    # Attention: q, k, v, o (16 x 16 each); the router (16 x 4); 2 of 4 experts (gate+up 16 x 16, down 8 x
+    # 16); the head (16 x 32); 6 FLOPs a weight, and 12 x seq x 16 for the scores.
+    assert counted == 6 * (4 * 256 + 64 + 2 * (256 + 128) + 512) + 12 * SEQ * 16
+    assert measured == counted
+
+
+def test_tensor_parallel_counts_skip_the_expert_styles_it_does_not_apply():
+    config = AutoConfig.for_model("qwen3_moe", **TINY_MOE)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    styles = split_styles(model, config.base_model_tp_plan)
+    assert set(styles.values()) == {"colwise", "rowwise"} and not any("experts" in name for name in styles)

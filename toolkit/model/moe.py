@@ -1,0 +1,85 @@
+"""What ftkit knows of a mixture of experts: how many routed experts a layer has, how many each token goes
+to, how wide each expert is, and which tensors are the routed experts. Transformers stores a layer's routed
+experts fused, as 3-D tensors [experts, out, in] (`mlp.experts.gate_up_proj`, `down_proj`): every token
+multiplies by `experts_per_token / experts` of them, and bitsandbytes, which quantizes `nn.Linear` only,
+leaves them unquantized."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+PER_TOKEN_KEYS = ("num_experts_per_tok", "experts_per_token")
+
+
+@dataclass(frozen=True)
+class Routing:
+    experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)."""
+    per_token: int = 0
+    """Experts each token is sent to."""
+    expert_width: int = 0
+    """Inner width of one routed expert's MLP."""
+    shared_width: int = 0
+    """Inner width of the shared expert every token also goes through (0: none)."""
+
+    @property
+    def active_share(self) -> float:
+        """The share of the routed experts' weights one token multiplies by (1 for a dense model)."""
+        return self.per_token / self.experts if self.experts else 1.0
+
+    @property
+    def active_width(self) -> int:
+        """The MLP width one token's activations span: its experts' and the shared expert's."""
+        return self.per_token * self.expert_width + self.shared_width
+
+
+def routing(config) -> Routing:
+    """The routing of a transformers config (a dense model's is all zeros)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = max((int(getattr(text, key, None) or 0) for key in EXPERT_KEYS), default=0)
+    if experts < 2:
+        return Routing()
+    per_token = next((int(getattr(text, k)) for k in PER_TOKEN_KEYS if getattr(text, k, None)), 1)
+    width = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
+    return Routing(experts, per_token, width, getattr(text, "shared_expert_intermediate_size", None) or 0)
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The whole tensor's shape, under ZeRO-3's partitioning too (it keeps the original in `ds_shape`)."""
+    return tuple(getattr(param, "ds_shape", None) or param.shape)
+
+
+def is_routed_expert(param: torch.Tensor) -> bool:
+    """Fused routed experts are the model's only 3-D weights."""
+    return len(full_shape(param)) == 3
+
+
+def matmul_weights(model, share: float) -> tuple[int, int]:
+    """(frozen, trainable) weights one token multiplies by: every linear layer's, a router's (a 2-D weight
+    outside linear layers and embeddings), and `share` of the fused routed experts'."""
+    frozen = trainable = 0.0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            shape = full_shape(param)
+            if len(shape) == 3:
+                numel = share * _numel(shape)
+            elif len(shape) == 2 and (isinstance(module, torch.nn.Linear) or name == "weight"):
+                numel = _numel(shape)
+            else:
+                continue
+            frozen, trainable = (
+                (frozen, trainable + numel) if param.requires_grad else (frozen + numel, trainable)
+            )
+    return round(frozen), round(trainable)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
