@@ -72,7 +72,7 @@ class Run:
             project_dir=cfg.output_dir,
             step_scheduler_with_optimizer=False,  # one scheduler step per optimizer step, any world size
         )
-        features = speed.resolve(cfg.model, cfg.train, accelerator.device)
+        features = speed.resolve(cfg.model, cfg.train, accelerator.device, kernels=facts.attention_kernels)
         summary = backend.setup_summary(accelerator, launch, cfg.train, grad_accum)
         for line in [summary, *notes, *features.notes]:
             accelerator.print(line)

@@ -1,13 +1,17 @@
 """Optional speed features: used where the machine has them, a one-line note where not (the runs that
 prove a working run and unchanged math are in tests/e2e)."""
 
+import math
+
 import pytest
 import torch
+from helpers import REPO
 
 from toolkit.config import ModelConfig, TrainConfig, load_config
 from toolkit.errors import UserError
 from toolkit.model import load as models
 from toolkit.model.speed import resolve
+from toolkit.train.metrics import read_metrics
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -71,3 +75,48 @@ def test_auto_checkpointing_is_for_adapters_on_large_bases(monkeypatch):
     assert models.wants_checkpointing(ModelConfig(method="lora"), tiny)
     assert not models.wants_checkpointing(ModelConfig(method="full"), tiny)
     assert models.wants_checkpointing(ModelConfig(method="full", gradient_checkpointing=True), tiny)
+
+
+def test_an_attention_kernel_the_model_does_not_take_falls_back_to_eager_with_one_note():
+    model, train = ModelConfig(path="m"), TrainConfig()
+    got = resolve(model, train, CPU, kernels=frozenset({"eager", "flash_attention_2"}))
+    assert got.attention == "eager" and got.notes == [
+        "model.attn_implementation: m does not take sdpa; using eager"
+    ]
+    assert resolve(model, train, CPU, kernels=frozenset({"eager", "sdpa"})).notes == []
+
+
+@pytest.mark.usefixtures("signal_handlers_restored")
+def test_gpt_oss_trains_with_the_kernel_it_takes(recipe, tmp_path, capsys):
+    """gpt-oss's attention sinks have no SDPA kernel: a tiny random gpt-oss trains LoRA steps on eager, with
+    the note, where asking for the default used to stop the load."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from toolkit.errors import run_main
+
+    tiny = REPO / "toolkit" / "assets" / "tiny-llama"
+    config = GptOssConfig(
+        vocab_size=2048,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=3,
+    )
+    torch.manual_seed(0)
+    GptOssForCausalLM(config).save_pretrained(tmp_path / "gpt-oss")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "gpt-oss" / name).write_bytes((tiny / name).read_bytes())
+    argv = [f"model.path={tmp_path / 'gpt-oss'}", f"output_dir={tmp_path / 'run'}", "train.max_steps=2"]
+    argv += ["data.max_length=64", "eval.exact_match_samples=0", "eval.max_batches=1"]
+    assert run_main(recipe.main, argv, "finetune_llm") == 0
+    out = capsys.readouterr().out
+    assert out.count("does not take sdpa; using eager") == 1
+    logged = [line for line in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in line]
+    assert logged[-1]["step"] == 2 and math.isfinite(logged[-1]["loss"])

@@ -30,6 +30,8 @@ class ModelFacts:
     """config.json's keys and values (known for a local model even when `config` is not)."""
     module_classes: frozenset[str] | None = None
     """Names of the torch module classes the model is built from (None: not known before loading)."""
+    attention_kernels: frozenset[str] | None = None
+    """The `attn_implementation`s its causal LM class takes (None: not known before loading)."""
 
     @property
     def model_type(self) -> str | None:
@@ -61,19 +63,31 @@ def read_model_facts(cfg: ModelConfig) -> ModelFacts:
         config = AutoConfig.from_pretrained(local_path(cfg.path))
     except (OSError, ValueError):
         return ModelFacts(cfg.path)
-    return ModelFacts(cfg.path, config, config.to_dict(), _module_classes(config.model_type))
+    causal_lm = _causal_lm_class(config.model_type)
+    if causal_lm is None:
+        return ModelFacts(cfg.path, config, config.to_dict())
+    return ModelFacts(
+        cfg.path, config, config.to_dict(), _module_classes(causal_lm), _attention_kernels(causal_lm)
+    )
 
 
-def _module_classes(model_type: str) -> frozenset[str] | None:
-    """Every torch module class in the modeling file of `model_type`'s causal LM, or None where
-    transformers has no causal LM of that type."""
+def _causal_lm_class(model_type: str):
+    """Transformers' causal LM class for `model_type`, or None where it has none."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    if class_name is None:
-        return None
-    module = importlib.import_module(getattr(transformers, class_name).__module__)
+    return getattr(transformers, class_name, None) if class_name else None
+
+
+def _attention_kernels(causal_lm) -> frozenset[str]:
+    flags = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}
+    return frozenset(["eager", *(name for name, flag in flags.items() if getattr(causal_lm, flag, False))])
+
+
+def _module_classes(causal_lm) -> frozenset[str]:
+    """Every torch module class in the modeling file of the model's causal LM."""
+    module = importlib.import_module(causal_lm.__module__)
     return frozenset(
         name
         for name, obj in vars(module).items()

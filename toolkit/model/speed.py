@@ -2,6 +2,8 @@
 not, the run goes on without it and says so in one line.
 
     model.attn_implementation: flash_attention_2   CUDA and the flash-attn package, else sdpa
+    model.attn_implementation: sdpa                 eager for a model whose attention torch's SDPA cannot run
+                                                    (gpt-oss's sinks, Gemma-2's soft-capping)
     model.liger_kernels: true                      Liger's RMSNorm, RoPE, SwiGLU kernels: CUDA + liger-kernel
     model.compile: true                            torch.compile of the model's forward (in place)
     train.fused_adamw: auto | true | false         torch's fused AdamW kernel, CUDA only; auto: where it can
@@ -36,8 +38,10 @@ def resolve(
     device: torch.device,
     installed: Callable[[str], bool] | None = None,
     has_compiler: Callable[[], bool] | None = None,
+    kernels: frozenset[str] | None = None,
 ) -> SpeedFeatures:
-    """Match the config's speed requests against the device and the installed packages."""
+    """Match the config's speed requests against the device, the installed packages and the attention
+    `kernels` the model takes (`ModelFacts.attention_kernels`; None: not known, the request stands)."""
     installed = installed or _installed
     has_compiler = has_compiler or can_compile
     cuda = device.type == "cuda"
@@ -48,6 +52,9 @@ def resolve(
         need = "a CUDA GPU" if not cuda else "the flash-attn package (pip install flash-attn)"
         notes.append(f"model.attn_implementation: flash_attention_2 needs {need}; using sdpa")
         attention = "sdpa"
+    if kernels is not None and attention not in kernels:
+        notes.append(f"model.attn_implementation: {model.path} does not take {attention}; using eager")
+        attention = "eager"
 
     liger = model.liger_kernels
     if liger and not (cuda and installed("liger_kernel")):
