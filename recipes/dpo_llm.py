@@ -87,10 +87,11 @@ def train(run: Run, cfg) -> int:
             sums = pref_loss.PairSums(accelerator.device)
             for batch in micro_batches:
                 ref_logps = ref.logps(batch)
-                with accelerator.accumulate(model):
+                with accelerator.accumulate(model), run.routed() as router:
                     logps, counts = pref_loss.batch_sequence_logps(model, batch)
                     terms = pref_loss.pair_terms(cfg.dpo, logps, counts, ref_logps)
-                    accelerator.backward(pref_loss.micro_objective(terms, pair_scale, token_scale))
+                    objective = pref_loss.micro_objective(terms, pair_scale, token_scale)
+                    accelerator.backward(objective + router.loss(batch["attention_mask"]))
                     sums.add(terms, logps, counts)
         step_metrics = sums.reduce(accelerator).metrics()
         grad_norm = run.update(model, optimizer, scheduler, step, step_metrics["loss"])

@@ -67,9 +67,9 @@ def train(run: Run, cfg) -> int:
         else:
             loss_sum = torch.zeros((), device=accelerator.device)
             for batch in micro_batches:
-                with accelerator.accumulate(model):
+                with accelerator.accumulate(model), run.routed() as router:
                     micro_loss = loss.batch_loss(model, batch)
-                    accelerator.backward(micro_loss * scale)
+                    accelerator.backward(micro_loss * scale + router.loss(data.real_tokens(batch)))
                     loss_sum += micro_loss.detach()
         step_loss = run.global_sum(loss_sum).item() / max(step_targets, 1)
         grad_norm = run.update(model, optimizer, scheduler, step, step_loss)

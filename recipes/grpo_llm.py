@@ -69,10 +69,10 @@ def train(run: Run, cfg) -> int:
             rows, prompts, cfg, tokenizer.pad_token_id, rank, world, accelerator.device
         )
         for batch in micro_batches:
-            with accelerator.accumulate(model):
+            with accelerator.accumulate(model), run.routed() as router:
                 logps = grpo_loss.completion_logps(model, batch)
                 terms = grpo_loss.micro_terms(cfg.grpo, logps, batch)
-                accelerator.backward(terms["objective"] * scale)
+                accelerator.backward(terms["objective"] * scale + router.loss(batch["attention_mask"]))
                 sums += torch.stack([t.detach().double() for t in terms.values()])
         step_metrics = stats.metrics(rollout, rows, run.global_sum(sums).cpu(), completion_tokens)
         grad_norm = run.update(model, optimizer, scheduler, step, step_metrics["loss"])

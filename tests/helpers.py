@@ -199,6 +199,30 @@ def write_yaml(tmp_path: Path, content: dict, name: str = "accel.yaml") -> Path:
     return path
 
 
+# Tiny random mixtures of experts on the embedded tokenizer: 4 experts a layer, 2 per token.
+TINY_MOE = {
+    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32, head_dim=16),
+    "mixtral": dict(num_local_experts=4),
+    "gpt_oss": dict(num_local_experts=4, head_dim=16),
+}
+
+
+def tiny_moe(path: Path, model_type: str = "qwen3_moe", **overrides) -> Path:
+    """A random `model_type` mixture of experts saved at `path` with the embedded tokenizer beside it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = dict(
+        vocab_size=2048, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4
+    )
+    shape.update(num_key_value_heads=2, num_experts_per_tok=2, bos_token_id=0, eos_token_id=2, pad_token_id=3)
+    config = AutoConfig.for_model(model_type, **shape, **TINY_MOE[model_type], **overrides)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "toolkit" / "assets" / "tiny-llama" / name, path / name)
+    return path
+
+
 def tiny_llama_config(**overrides) -> LlamaConfig:
     """A Llama that builds in milliseconds: 2 layers, hidden 32, 4 heads sharing 2 key/value heads."""
     shape = dict(

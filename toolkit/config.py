@@ -169,6 +169,13 @@ class TrainConfig:
 
 
 @dataclass
+class MoeConfig:
+    router_aux_loss_coef: NonNegativeFloat | None = None
+    """Weight of the routers' load-balancing loss for a mixture of experts (0: off); unset: the model
+    config's router_aux_loss_coef, else 0.001. Pooled over the data-parallel ranks (train/router.py)."""
+
+
+@dataclass
 class LossConfig:
     head: LossHead = "chunked"
     """How the output head scores target tokens: chunked (log-probs of the label tokens only, a chunk of
@@ -231,6 +238,7 @@ class RecipeConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)

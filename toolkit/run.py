@@ -21,12 +21,13 @@ from toolkit.checkpoint.resume import Resume
 from toolkit.errors import UserError, run_main
 from toolkit.launch import backend, checks, machine
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE, StopRequest
-from toolkit.model import flops, quant, speed, tensor_parallel
+from toolkit.model import flops, moe, quant, speed, tensor_parallel
 from toolkit.model import load as models
 from toolkit.model.facts import read_model_facts
 from toolkit.pipeline import runtime as pipeline_runtime
 from toolkit.train import batches, metrics, optim
 from toolkit.train.nonfinite import NonFiniteGuard
+from toolkit.train.router import RouterBalance, router_coef
 from toolkit.train.steps import apply_update, every, export_final
 from toolkit.train.watchdog import Watchdog
 from toolkit.typed_yaml import flat_dict
@@ -150,6 +151,14 @@ class Run:
         self.accelerator.print(
             f"model: {cfg.model.path} ({cfg.model.method}), {trainable:,} of {total:,} parameters trained"
         )
+        routing = moe.routing(model.config)
+        coef = router_coef(cfg.moe, model.config)
+        self.router = RouterBalance(model, routing, coef, self.global_sum, self.data_parallel)
+        if routing.experts:
+            self.accelerator.print(
+                f"experts: {routing.experts} a layer, {routing.per_token} per token; router balance "
+                f"{coef:g} x the load-balancing loss, pooled over {self.data_parallel} data-parallel rank(s)"
+            )
         self.meter = metrics.StepSpeed(
             flops.ModelShape.of(model), self.accelerator.device, self.accelerator.num_processes
         )
@@ -236,6 +245,11 @@ class Run:
         averages gradients over these, and the global batch is split across these."""
         return self.launch.mesh.data_parallel
 
+    def routed(self):
+        """Around one micro-batch's forward and backward pass: `router.loss(token_mask)` is the routers'
+        balancing term to add to what `backward` is given (0 for a dense model)."""
+        return self.router.micro_batch()
+
     def global_counts(self, counts: list[int]) -> list[int]:
         """Collective: this rank's per-step counts summed over every batch of the step."""
         return self.global_sum(torch.tensor(counts, device=self.accelerator.device)).tolist()
@@ -262,6 +276,7 @@ class Run:
         """Count the step's tokens; on logging steps write `values` with the learning rate, speed and
         throughput (`per_second`: {"pairs": n} logs pairs_per_s) to metrics.jsonl and the progress bar."""
         self.tokens_seen += tokens
+        values = {**values, **self.router.step_metrics()}
         train = self.cfg.train
         if not every(step, train.log_every_steps, train.max_steps):
             return

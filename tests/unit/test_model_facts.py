@@ -60,3 +60,14 @@ def test_the_checks_read_nothing_more_than_the_facts_they_are_given(tmp_path, mo
     fsdp.fsdp_settings.update(transformer_layer_cls_to_wrap="NotALayer")
     with pytest.raises(UserError, match="NotALayer is not a layer of .*: use LlamaDecoderLayer"):
         check_launch(fsdp, plain, known, "recipe.yaml", Machine(), {})
+
+
+def test_moe_keys_on_a_dense_model_are_one_line():
+    cfg = load_config(None, [f"model.path={TINY}", "moe.router_aux_loss_coef=0.01"])
+    single = launch_from_yaml(REPO / "accelerate_configs" / "single.yaml", 0)
+    with pytest.raises(
+        UserError, match=r"^moe.router_aux_loss_coef in recipe.yaml: .*tiny-llama \(llama\) is not"
+    ):
+        check_launch(single, cfg, facts.read_model_facts(cfg.model), "recipe.yaml", Machine(), {})
+    with pytest.raises(UserError, match="moe.router_aux_loss_coef: must be"):
+        load_config(None, ["moe.router_aux_loss_coef=-1"])

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from helpers import REPO
+from helpers import tiny_moe
 
 from toolkit.config import ModelConfig, TrainConfig, load_config
 from toolkit.errors import UserError
@@ -87,36 +87,22 @@ def test_an_attention_kernel_the_model_does_not_take_falls_back_to_eager_with_on
 
 
 @pytest.mark.usefixtures("signal_handlers_restored")
-def test_gpt_oss_trains_with_the_kernel_it_takes(recipe, tmp_path, capsys):
+@pytest.mark.parametrize("model_type", ["gpt_oss", "qwen3_moe"])
+def test_a_mixture_of_experts_trains_with_the_kernel_it_takes_and_its_router_balanced(
+    model_type, recipe, tmp_path, capsys
+):
     """gpt-oss's attention sinks have no SDPA kernel: a tiny random gpt-oss trains LoRA steps on eager, with
-    the note, where asking for the default used to stop the load."""
-    from transformers import GptOssConfig, GptOssForCausalLM
-
+    the note, where asking for the default used to stop the load; Qwen3-MoE keeps SDPA. Both log the
+    routers' balancing loss."""
     from toolkit.errors import run_main
 
-    tiny = REPO / "toolkit" / "assets" / "tiny-llama"
-    config = GptOssConfig(
-        vocab_size=2048,
-        hidden_size=64,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        bos_token_id=0,
-        eos_token_id=2,
-        pad_token_id=3,
-    )
-    torch.manual_seed(0)
-    GptOssForCausalLM(config).save_pretrained(tmp_path / "gpt-oss")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / "gpt-oss" / name).write_bytes((tiny / name).read_bytes())
-    argv = [f"model.path={tmp_path / 'gpt-oss'}", f"output_dir={tmp_path / 'run'}", "train.max_steps=2"]
+    tiny_moe(tmp_path / "moe", model_type)
+    argv = [f"model.path={tmp_path / 'moe'}", f"output_dir={tmp_path / 'run'}", "train.max_steps=2"]
     argv += ["data.max_length=64", "eval.exact_match_samples=0", "eval.max_batches=1"]
     assert run_main(recipe.main, argv, "finetune_llm") == 0
     out = capsys.readouterr().out
-    assert out.count("does not take sdpa; using eager") == 1
+    assert out.count("does not take sdpa; using eager") == (model_type == "gpt_oss")
+    assert "experts: 4 a layer, 2 per token; router balance" in out
     logged = [line for line in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in line]
     assert logged[-1]["step"] == 2 and math.isfinite(logged[-1]["loss"])
+    assert logged[-1]["router_aux_loss"] >= 2 * 0.99 and logged[-1]["expert_load_max"] >= 1.0

@@ -3,7 +3,7 @@ held out and mixed deterministically, optionally packed, and batched with paddin
 
 from toolkit.data.build import DataStats, build_datasets
 from toolkit.data.chat import ensure_chat_template
-from toolkit.data.collate import Collator, PackedCollator, count_tokens, model_inputs
+from toolkit.data.collate import Collator, PackedCollator, count_tokens, model_inputs, real_tokens
 from toolkit.data.encode import IGNORE
 from toolkit.data.loader import RankShard, eval_loader, train_loader
 from toolkit.data.packing import LengthGroupedSampler, row_lengths
@@ -20,6 +20,7 @@ __all__ = [
     "ensure_chat_template",
     "eval_loader",
     "model_inputs",
+    "real_tokens",
     "row_lengths",
     "train_loader",
 ]

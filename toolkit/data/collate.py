@@ -86,6 +86,11 @@ def model_inputs(batch: dict) -> dict:
     return {"use_cache": False, **{key: batch[key] for key in MODEL_KEYS if key in batch}}
 
 
+def real_tokens(batch: dict) -> torch.Tensor:
+    """The mask of real (not padding) tokens of a batch of either collator."""
+    return batch["token_mask" if "token_mask" in batch else "attention_mask"]
+
+
 def count_tokens(batch: dict) -> int:
     """Real (not padding) tokens in a batch of either collator."""
-    return int(batch["token_mask" if "token_mask" in batch else "attention_mask"].sum())
+    return int(real_tokens(batch).sum())

@@ -134,6 +134,11 @@ def check_launch(
         _check_qlora(launch, cfg.model, facts, cfg.train.mixed_precision, recipe_source)
     if cfg.loss.head == "chunked":
         _check_loss_head(facts, recipe_source)
+    if cfg.moe.router_aux_loss_coef is not None and facts.raw is not None and not facts.experts:
+        raise UserError(
+            f"moe.router_aux_loss_coef in {recipe_source}: {facts.path} ({facts.model_type}) is not a "
+            "mixture of experts; remove the moe section"
+        )
     return _disable_nccl_p2p(machine, env)
 
 

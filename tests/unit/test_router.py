@@ -1,0 +1,114 @@
+"""The routers' load-balancing loss: transformers' value on one process, and the same value and gradient
+when the micro-batch is split across data-parallel ranks (their counts and probabilities pooled)."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+from toolkit.config import MoeConfig
+from toolkit.model import moe
+from toolkit.train.router import DEFAULT_COEF, RouterBalance, router_coef
+
+TINY_MOE = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=32,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    router_aux_loss_coef=0.02,
+)
+
+
+def tiny_moe():
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3_moe", **TINY_MOE)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def batch(rows: int = 4, length: int = 7):
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (rows, length), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, 5:] = 0  # padding: the router's choice there is no load
+    mask[3, 2:] = 0
+    return ids, mask
+
+
+def router_loss(model, ids, mask, sum_over_data, data_parallel):
+    """(the loss term for backward, the balance) of one rank's rows."""
+    balance = RouterBalance(model, moe.routing(model.config), 1.0, sum_over_data, data_parallel)
+    with balance.micro_batch():
+        model(input_ids=ids, attention_mask=mask)
+        return balance.loss(mask), balance
+
+
+def test_one_process_gives_transformers_value_and_the_step_metrics():
+    model, (ids, mask) = tiny_moe(), batch()
+    logits = []
+    for module in model.modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            module.register_forward_hook(lambda m, a, out: logits.append(out[0]))
+    term, balance = router_loss(model, ids, mask, lambda x: x, 1)
+    expected = load_balancing_loss_func(tuple(logits), 4, 2, mask)
+    metrics = balance.step_metrics()
+    assert term.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert metrics["router_aux_loss"] == pytest.approx(expected.item(), rel=1e-6)
+    assert 1.0 <= metrics["expert_load_max"] <= 2.0 and balance.step_metrics() == {}
+
+
+def test_two_ranks_pool_into_the_one_process_value_and_gradient():
+    ids, mask = batch()
+    whole = tiny_moe()
+    term, balance = router_loss(whole, ids, mask, lambda x: x, 1)
+    term.backward()
+    value = balance.step_metrics()["router_aux_loss"]
+    expected = {n: p.grad.clone() for n, p in whole.named_parameters() if p.grad is not None}
+
+    halves = [(ids[:2], mask[:2]), (ids[2:], mask[2:])]
+    local = []  # each rank's counts and probability sums, as the all-reduce would add them
+    for part in halves:
+        router_loss(tiny_moe(), *part, lambda x: local.append(x.clone()) or x, 2)
+    grads, values = {}, []
+    for rank, part in enumerate(halves):
+        model = tiny_moe()
+        term, balance = router_loss(model, *part, lambda x, other=local[1 - rank]: x + other, 2)
+        term.backward()
+        values.append(balance.step_metrics()["router_aux_loss"])
+        for name, param in model.named_parameters():
+            if param.grad is not None:  # the backend averages the two ranks' gradients
+                grads[name] = grads.get(name, 0) + param.grad / 2
+    assert values == pytest.approx([value, value], rel=1e-6)
+    assert grads.keys() == expected.keys() and any("gate" in name for name in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7)
+
+
+def test_the_coefficient_comes_from_the_config_the_model_or_the_default():
+    config = AutoConfig.for_model("qwen3_moe", **TINY_MOE)
+    assert router_coef(MoeConfig(), config) == 0.02
+    assert router_coef(MoeConfig(router_aux_loss_coef=0.0), config) == 0.0
+    assert router_coef(MoeConfig(), AutoConfig.for_model("llama")) == DEFAULT_COEF
+
+
+def test_a_dense_model_adds_nothing():
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=32,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    balance = RouterBalance(model, moe.routing(config), 1.0, lambda x: x, 1)
+    with balance.micro_batch():
+        model(input_ids=torch.zeros(1, 3, dtype=torch.long))
+        assert balance.loss(torch.ones(1, 3)) == 0.0
+    assert balance.step_metrics() == {}
