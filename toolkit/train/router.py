@@ -3,7 +3,7 @@
 Each MoE layer's router gives every token a probability over the E experts and sends it to its top k. The
 loss (Switch Transformer's, as transformers computes it) pools every layer's real tokens:
 
-    f_e = share of the top-k assignments that went to expert e      (no gradient: a count)
+    f_e = top-k assignments to expert e per token (they add up to k; no gradient: a count)
     P_e = mean probability the router gave expert e
     aux = E x sum_e f_e P_e             (k when the load is even: f_e = k/E, P_e = 1/E)
 
