@@ -88,3 +88,16 @@ def test_tensor_parallel_counts_skip_the_expert_styles_it_does_not_apply():
         model = AutoModelForCausalLM.from_config(config)
     styles = split_styles(model, config.base_model_tp_plan)
     assert set(styles.values()) == {"colwise", "rowwise"} and not any("experts" in name for name in styles)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b-qlora", "gpt-oss-20b-lora"])
+def test_the_shipped_moe_configs_fit_as_their_headers_say(name):
+    from helpers import REPO
+
+    from toolkit.recipes import load_any_recipe_config
+
+    cfg = load_any_recipe_config(REPO / "recipes" / "configs" / f"{name}.yaml")
+    request = PlanRequest(model=cfg.model.path, gpus=2, gpu_mem=24.0, method=cfg.model.method, grad_ckpt="on")
+    plan = make_plan(request)
+    assert plan.choice.backend == "zero3_offload" and plan.choice.checkpointing
+    assert "accelerate_configs/zero3_offload.yaml --num_processes 2" in render_text(plan)
