@@ -112,3 +112,37 @@ def test_a_dense_model_adds_nothing():
         model(input_ids=torch.zeros(1, 3, dtype=torch.long))
         assert balance.loss(torch.ones(1, 3)) == 0.0
     assert balance.step_metrics() == {}
+
+
+COMMON = ["model.adapter=null", "train.max_steps=2", "train.log_every_steps=1", "train.global_batch_size=8"]
+COMMON += [
+    "train.micro_batch_size=4",
+    "data.max_length=48",
+    "eval.max_batches=0",
+    "eval.exact_match_samples=0",
+]
+RECIPE_ARGS = {
+    "dpo_llm": ["data.eval=null", "data.eval_fraction=0.1"],
+    "grpo_llm": [
+        "data.eval=null",
+        "data.eval_fraction=0.02",
+        "grpo.num_generations=4",
+        "grpo.max_new_tokens=4",
+        "grpo.rewards=[length]",
+    ],
+}
+
+
+@pytest.mark.usefixtures("signal_handlers_restored")
+@pytest.mark.parametrize("name", RECIPE_ARGS)
+def test_preference_tuning_and_grpo_balance_the_router_too(name, tmp_path, capsys):
+    from helpers import load_recipe, tiny_moe
+
+    from toolkit.errors import run_main
+    from toolkit.train.metrics import read_metrics
+
+    model = tiny_moe(tmp_path / "moe")
+    argv = [f"model.path={model}", f"output_dir={tmp_path / 'run'}", *COMMON, *RECIPE_ARGS[name]]
+    assert run_main(load_recipe(name).main, argv, name) == 0, capsys.readouterr().err[-2000:]
+    logged = [line for line in read_metrics(tmp_path / "run" / "metrics.jsonl") if "router_aux_loss" in line]
+    assert [line["step"] for line in logged] == [1, 2] and all(line["router_aux_loss"] > 1 for line in logged)
