@@ -146,3 +146,17 @@ def test_preference_tuning_and_grpo_balance_the_router_too(name, tmp_path, capsy
     assert run_main(load_recipe(name).main, argv, name) == 0, capsys.readouterr().err[-2000:]
     logged = [line for line in read_metrics(tmp_path / "run" / "metrics.jsonl") if "router_aux_loss" in line]
     assert [line["step"] for line in logged] == [1, 2] and all(line["router_aux_loss"] > 1 for line in logged)
+
+
+def test_lora_on_fused_experts_gives_gate_up_twice_the_rank_and_says_nothing(recwarn):
+    from toolkit.config import LoraConfig
+    from toolkit.model.load import _with_adapter
+
+    model = _with_adapter(tiny_moe(), LoraConfig(r=4, target_modules="all-linear"))
+    shapes = {
+        n.split("layers.0.mlp.")[1]: tuple(p.shape) for n, p in model.named_parameters() if "0.mlp.exp" in n
+    }
+    # (rank x experts, in): gate_up_proj (hidden 32 -> 2 x 16) at rank 8, down_proj (16 -> 32) at rank 4.
+    assert shapes["experts.base_layer.lora_A.default.weight"] == (8 * 4, 32)
+    assert shapes["experts.lora_A.default.weight"] == (4 * 4, 16)
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
