@@ -155,9 +155,11 @@ class Run:
         coef = router_coef(cfg.moe, model.config)
         self.router = RouterBalance(model, routing, coef, self.global_sum, self.data_parallel)
         if routing.experts:
+            parts = ", ".join(f"{part} {count:,}" for part, count in moe.trained_parts(model).items())
             self.accelerator.print(
                 f"experts: {routing.experts} a layer, {routing.per_token} per token; router balance "
-                f"{coef:g} x the load-balancing loss, pooled over {self.data_parallel} data-parallel rank(s)"
+                f"{coef:g} x the load-balancing loss, pooled over {self.data_parallel} data-parallel "
+                f"rank(s); trained: {parts}"
             )
         self.meter = metrics.StepSpeed(
             flops.ModelShape.of(model), self.accelerator.device, self.accelerator.num_processes

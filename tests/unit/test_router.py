@@ -160,3 +160,17 @@ def test_lora_on_fused_experts_gives_gate_up_twice_the_rank_and_says_nothing(rec
     assert shapes["experts.base_layer.lora_A.default.weight"] == (8 * 4, 32)
     assert shapes["experts.lora_A.default.weight"] == (4 * 4, 16)
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def test_the_trained_parts_of_a_mixture_of_experts_are_counted_apart():
+    from toolkit.config import LoraConfig
+    from toolkit.model.load import _with_adapter
+
+    model = _with_adapter(tiny_moe(), LoraConfig(r=4, target_modules="all-linear"))
+    parts = moe.trained_parts(model)
+    assert set(parts) == {"attention", "experts", "router"}
+    # A layer: gate_up_proj's adapter (rank 8 x 4 experts, 32 -> 32) and down_proj's (rank 4 x 4, 16 -> 32);
+    # the router's (rank 4, 32 -> 4).
+    assert parts["experts"] == 2 * (32 * 32 + 32 * 32 + 16 * 16 + 32 * 16)
+    assert parts["router"] == 2 * (4 * 32 + 4 * 4)
+    assert sum(parts.values()) == sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -47,6 +47,26 @@ def routing(config) -> Routing:
     return Routing(experts, per_token, width, getattr(text, "shared_expert_intermediate_size", None) or 0)
 
 
+PARTS = (("shared expert", ".shared_expert"), ("experts", ".experts."), ("router", (".gate.", ".router.")))
+
+
+def trained_parts(model) -> dict[str, int]:
+    """Trainable parameters of a mixture of experts by part: the routed experts, the shared expert, the
+    router, attention, and the rest (embeddings, norms, head), the parts with none left out."""
+    counts: dict[str, int] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        part = next((p for p, keys in PARTS if any(k in f"{name}." for k in _tuple(keys))), None)
+        part = part or ("attention" if ".self_attn." in name else "other")
+        counts[part] = counts.get(part, 0) + getattr(param, "ds_numel", param.numel())
+    return counts
+
+
+def _tuple(keys) -> tuple[str, ...]:
+    return keys if isinstance(keys, tuple) else (keys,)
+
+
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     """The whole tensor's shape, under ZeRO-3's partitioning too (it keeps the original in `ds_shape`)."""
     return tuple(getattr(param, "ds_shape", None) or param.shape)
