@@ -207,17 +207,23 @@ TINY_MOE = {
 }
 
 
-def tiny_moe(path: Path, model_type: str = "qwen3_moe", **overrides) -> Path:
-    """A random `model_type` mixture of experts saved at `path` with the embedded tokenizer beside it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def tiny_moe_config(model_type: str = "qwen3_moe", **overrides):
+    """A tiny `model_type` mixture of experts' config: 2 layers, hidden 64, the embedded tokenizer's vocab."""
+    from transformers import AutoConfig
 
     shape = dict(
         vocab_size=2048, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4
     )
     shape.update(num_key_value_heads=2, num_experts_per_tok=2, bos_token_id=0, eos_token_id=2, pad_token_id=3)
-    config = AutoConfig.for_model(model_type, **shape, **TINY_MOE[model_type], **overrides)
+    return AutoConfig.for_model(model_type, **{**shape, **TINY_MOE[model_type], **overrides})
+
+
+def tiny_moe(path: Path, model_type: str = "qwen3_moe", **overrides) -> Path:
+    """A random `model_type` mixture of experts saved at `path` with the embedded tokenizer beside it."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    AutoModelForCausalLM.from_config(tiny_moe_config(model_type, **overrides)).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(REPO / "toolkit" / "assets" / "tiny-llama" / name, path / name)
     return path

@@ -3,6 +3,7 @@ when the micro-batch is split across data-parallel ranks (their counts and proba
 
 import pytest
 import torch
+from helpers import tiny_moe_config
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -10,30 +11,16 @@ from toolkit.config import MoeConfig
 from toolkit.model import moe
 from toolkit.train.router import DEFAULT_COEF, RouterBalance, router_coef
 
-TINY_MOE = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=32,
-    moe_intermediate_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    router_aux_loss_coef=0.02,
-)
 
-
-def tiny_moe():
+def random_moe():
     torch.manual_seed(0)
-    config = AutoConfig.for_model("qwen3_moe", **TINY_MOE)
+    config = tiny_moe_config(router_aux_loss_coef=0.02)
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 
 def batch(rows: int = 4, length: int = 7):
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (rows, length), generator=generator)
+    ids = torch.randint(0, 2048, (rows, length), generator=generator)
     mask = torch.ones_like(ids)
     mask[0, 5:] = 0  # padding: the router's choice there is no load
     mask[3, 2:] = 0
@@ -49,7 +36,7 @@ def router_loss(model, ids, mask, sum_over_data, data_parallel):
 
 
 def test_one_process_gives_transformers_value_and_the_step_metrics():
-    model, (ids, mask) = tiny_moe(), batch()
+    model, (ids, mask) = random_moe(), batch()
     logits = []
     for module in model.modules():
         if type(module).__name__.endswith("TopKRouter"):
@@ -64,7 +51,7 @@ def test_one_process_gives_transformers_value_and_the_step_metrics():
 
 def test_two_ranks_pool_into_the_one_process_value_and_gradient():
     ids, mask = batch()
-    whole = tiny_moe()
+    whole = random_moe()
     term, balance = router_loss(whole, ids, mask, lambda x: x, 1)
     term.backward()
     value = balance.step_metrics()["router_aux_loss"]
@@ -73,10 +60,10 @@ def test_two_ranks_pool_into_the_one_process_value_and_gradient():
     halves = [(ids[:2], mask[:2]), (ids[2:], mask[2:])]
     local = []  # each rank's counts and probability sums, as the all-reduce would add them
     for part in halves:
-        router_loss(tiny_moe(), *part, lambda x: local.append(x.clone()) or x, 2)
+        router_loss(random_moe(), *part, lambda x: local.append(x.clone()) or x, 2)
     grads, values = {}, []
     for rank, part in enumerate(halves):
-        model = tiny_moe()
+        model = random_moe()
         term, balance = router_loss(model, *part, lambda x, other=local[1 - rank]: x + other, 2)
         term.backward()
         values.append(balance.step_metrics()["router_aux_loss"])
@@ -90,7 +77,7 @@ def test_two_ranks_pool_into_the_one_process_value_and_gradient():
 
 
 def test_the_coefficient_comes_from_the_config_the_model_or_the_default():
-    config = AutoConfig.for_model("qwen3_moe", **TINY_MOE)
+    config = tiny_moe_config(router_aux_loss_coef=0.02)
     assert router_coef(MoeConfig(), config) == 0.02
     assert router_coef(MoeConfig(router_aux_loss_coef=0.0), config) == 0.0
     assert router_coef(MoeConfig(), AutoConfig.for_model("llama")) == DEFAULT_COEF
@@ -152,13 +139,13 @@ def test_lora_on_fused_experts_gives_gate_up_twice_the_rank_and_says_nothing(rec
     from toolkit.config import LoraConfig
     from toolkit.model.load import _with_adapter
 
-    model = _with_adapter(tiny_moe(), LoraConfig(r=4, target_modules="all-linear"))
+    model = _with_adapter(random_moe(), LoraConfig(r=4, target_modules="all-linear"))
     shapes = {
         n.split("layers.0.mlp.")[1]: tuple(p.shape) for n, p in model.named_parameters() if "0.mlp.exp" in n
     }
-    # (rank x experts, in): gate_up_proj (hidden 32 -> 2 x 16) at rank 8, down_proj (16 -> 32) at rank 4.
-    assert shapes["experts.base_layer.lora_A.default.weight"] == (8 * 4, 32)
-    assert shapes["experts.lora_A.default.weight"] == (4 * 4, 16)
+    # (rank x experts, in): gate_up_proj (hidden 64 -> 2 x 32) at rank 8, down_proj (32 -> 64) at rank 4.
+    assert shapes["experts.base_layer.lora_A.default.weight"] == (8 * 4, 64)
+    assert shapes["experts.lora_A.default.weight"] == (4 * 4, 32)
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
 
@@ -166,11 +153,11 @@ def test_the_trained_parts_of_a_mixture_of_experts_are_counted_apart():
     from toolkit.config import LoraConfig
     from toolkit.model.load import _with_adapter
 
-    model = _with_adapter(tiny_moe(), LoraConfig(r=4, target_modules="all-linear"))
+    model = _with_adapter(random_moe(), LoraConfig(r=4, target_modules="all-linear"))
     parts = moe.trained_parts(model)
     assert set(parts) == {"attention", "experts", "router"}
-    # A layer: gate_up_proj's adapter (rank 8 x 4 experts, 32 -> 32) and down_proj's (rank 4 x 4, 16 -> 32);
-    # the router's (rank 4, 32 -> 4).
-    assert parts["experts"] == 2 * (32 * 32 + 32 * 32 + 16 * 16 + 32 * 16)
-    assert parts["router"] == 2 * (4 * 32 + 4 * 4)
+    # A layer: gate_up_proj's adapter (rank 8 x 4 experts, 64 -> 64) and down_proj's (rank 4 x 4, 32 -> 64);
+    # the router's (rank 4, 64 -> 4).
+    assert parts["experts"] == 2 * (32 * 64 + 64 * 32 + 16 * 32 + 64 * 16)
+    assert parts["router"] == 2 * (4 * 64 + 4 * 4)
     assert sum(parts.values()) == sum(p.numel() for p in model.parameters() if p.requires_grad)
