@@ -81,6 +81,9 @@ class LoraConfig:
     """Module names to adapt, or "all-linear" for every linear layer but the output head."""
     use_dora: bool = False
     """Weight-decomposed LoRA (DoRA)."""
+    experts: bool = True
+    """Also adapt a mixture of experts' routed experts (their fused 3-D tensors, which no module name
+    reaches on every family); no effect on a dense model."""
 
 
 @dataclass

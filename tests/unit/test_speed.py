@@ -2,6 +2,8 @@
 prove a working run and unchanged math are in tests/e2e)."""
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,6 +88,24 @@ def test_an_attention_kernel_the_model_does_not_take_falls_back_to_eager_with_on
     assert resolve(model, train, CPU, kernels=frozenset({"eager", "sdpa"})).notes == []
 
 
+def assert_merged_equals_adapter(base: Path, final: Path) -> None:
+    """The adapter loads in plain peft on the base, the merged export loads alone, and both give the same
+    logits: the experts' update was merged into the right tensors."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    probe = torch.arange(5, 37).reshape(2, 16)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), final).eval()
+    merged = AutoModelForCausalLM.from_pretrained(final / "merged").eval()
+    with torch.no_grad():
+        expected, got = adapted(input_ids=probe).logits, merged(input_ids=probe).logits
+    trained = adapted.get_base_model()
+    assert any(
+        "experts" in name and "lora_B" in name and p.abs().max() > 0 for name, p in trained.named_parameters()
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.usefixtures("signal_handlers_restored")
 @pytest.mark.parametrize("model_type", ["gpt_oss", "qwen3_moe"])
 def test_a_mixture_of_experts_trains_with_the_kernel_it_takes_and_its_router_balanced(
@@ -98,11 +118,13 @@ def test_a_mixture_of_experts_trains_with_the_kernel_it_takes_and_its_router_bal
 
     tiny_moe(tmp_path / "moe", model_type)
     argv = [f"model.path={tmp_path / 'moe'}", f"output_dir={tmp_path / 'run'}", "train.max_steps=2"]
-    argv += ["data.max_length=64", "eval.exact_match_samples=0", "eval.max_batches=1"]
+    argv += ["data.max_length=64", "eval.exact_match_samples=0", "eval.max_batches=1", "export.merge=true"]
     assert run_main(recipe.main, argv, "finetune_llm") == 0
     out = capsys.readouterr().out
     assert out.count("does not take sdpa; using eager") == (model_type == "gpt_oss")
-    assert "experts: 4 a layer, 2 per token; router balance" in out
+    assert_merged_equals_adapter(tmp_path / "moe", tmp_path / "run" / "final")
+    assert "experts: 4 a layer, 2 per token; router balance" in out and "trained: attention " in out
+    assert re.search(r"trained: .*experts [\d,]+", out), "LoRA left the routed experts alone"
     logged = [line for line in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in line]
     assert logged[-1]["step"] == 2 and math.isfinite(logged[-1]["loss"])
     assert logged[-1]["router_aux_loss"] >= 2 * 0.99 and logged[-1]["expert_load_max"] >= 1.0

@@ -208,8 +208,18 @@ def _expected_shapes(path: Path, trust_remote_code: bool) -> tuple[dict[str, tup
     unique = {name for name, _ in model.named_parameters()}
     every = dict(model.named_parameters(remove_duplicate=False))
     buffers = {name: b for name, b in model.named_buffers() if _persistent(model, name)}
-    shapes = {name: tuple(p.shape) for name, p in {**every, **buffers}.items()}
-    return shapes, set(every) - unique
+    state = {**every, **buffers} if is_adapter else _as_saved(model, {**every, **buffers})
+    return {name: tuple(p.shape) for name, p in state.items()}, set(every) - unique
+
+
+def _as_saved(model, state: dict) -> dict:
+    """`state` under the names and shapes `save_pretrained` writes: transformers 5 saves some families in
+    their hub layout (a mixture of experts' fused expert tensors split back into one weight per expert)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4 keeps the layout it loads
+        return state
+    return revert_weight_conversion(model, state)
 
 
 def _adapter_key(name: str) -> str:

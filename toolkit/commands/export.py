@@ -160,7 +160,7 @@ def model_skeleton(cfg: RecipeConfig) -> torch.nn.Module:
         if cfg.model.method != "full":
             from peft import get_peft_model
 
-            model = get_peft_model(model, models.peft_config(cfg.lora))
+            model = get_peft_model(model, models.peft_config(cfg.lora, model))
     return model
 
 

@@ -16,7 +16,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from toolkit.config import LoraConfig, LossConfig, ModelConfig, check_local_path
 from toolkit.errors import UserError
-from toolkit.model import quant, speed
+from toolkit.model import moe, quant, speed
 from toolkit.model.speed import SpeedFeatures
 from toolkit.train import head
 
@@ -112,13 +112,15 @@ def trainable_and_total(model) -> tuple[int, int]:
     return sum(n for n, trained in sizes if trained), sum(n for n, _ in sizes)
 
 
-def peft_config(lora: LoraConfig) -> PeftLoraConfig:
-    """The peft LoRA/DoRA settings for a recipe's `lora` section."""
+def peft_config(lora: LoraConfig, model) -> PeftLoraConfig:
+    """The peft LoRA/DoRA settings for a recipe's `lora` section on `model` (its routed experts' tensors
+    named as peft's parameter targets when `lora.experts`)."""
     return PeftLoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=lora.target_modules,
+        target_parameters=moe.expert_parameter_names(model) if lora.experts else None,
         use_dora=lora.use_dora,
         task_type="CAUSAL_LM",
     )
@@ -131,7 +133,7 @@ def _with_adapter(model, lora: LoraConfig):
             # the parameter (the adapter gets the doubled rank, tests/unit/test_router.py checks it), then
             # warns that no module name matched the pattern.
             warnings.filterwarnings("ignore", "The following (rank|alpha)_pattern keys", RuntimeWarning)
-            return get_peft_model(model, peft_config(lora))
+            return get_peft_model(model, peft_config(lora, model))
     except ValueError as exc:  # peft's "target modules not found" and its kin
         raise UserError(f"lora.target_modules: {lora.target_modules}: {str(exc).splitlines()[0]}") from None
 

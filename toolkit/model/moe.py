@@ -67,6 +67,17 @@ def _tuple(keys) -> tuple[str, ...]:
     return keys if isinstance(keys, tuple) else (keys,)
 
 
+def expert_parameter_names(model) -> list[str] | None:
+    """The routed experts' fused tensors as peft names parameter targets (`mlp.experts.gate_up_proj`, ...),
+    or None for a dense model."""
+    names = {
+        name.split(".layers.")[-1].split(".", 1)[-1]
+        for name, param in model.named_parameters()
+        if is_routed_expert(param)
+    }
+    return sorted(names) or None
+
+
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     """The whole tensor's shape, under ZeRO-3's partitioning too (it keeps the original in `ds_shape`)."""
     return tuple(getattr(param, "ds_shape", None) or param.shape)

@@ -106,8 +106,12 @@ def count_parameters(config, method: str, lora_r: int, source: str = "") -> Mode
             warnings.filterwarnings("ignore", "fan_in_fan_out", UserWarning)
             # all-linear on a model with fused experts: peft's own patterns for them (counted as built).
             warnings.filterwarnings("ignore", "The following (rank|alpha)_pattern keys", RuntimeWarning)
+            experts = moe.expert_parameter_names(model)  # as lora.experts (the default) adapts them
             model = get_peft_model(
-                model, LoraConfig(r=lora_r, target_modules="all-linear", task_type="CAUSAL_LM")
+                model,
+                LoraConfig(
+                    r=lora_r, target_modules="all-linear", target_parameters=experts, task_type="CAUSAL_LM"
+                ),
             )
     else:
         model.requires_grad_(True)

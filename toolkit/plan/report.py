@@ -33,7 +33,8 @@ def render_text(plan: Plan) -> str:
 
 def _header(plan: Plan) -> list[str]:
     c, r, p = plan.counts, plan.request, plan.precision
-    trained = "all weights" if c.method == "full" else f"LoRA r={c.lora_r} on all linear layers"
+    experts = " and the routed experts" if c.experts else ""
+    trained = "all weights" if c.method == "full" else f"LoRA r={c.lora_r} on all linear layers{experts}"
     autocast = "bf16 autocast" if p.mixed == "bf16" else "no autocast"
     base = "4-bit NF4 base" if c.method == "qlora" else f"weights {p.weights}"
     head = f"chunked loss head ({r.chunk_tokens} tokens)" if r.loss_head == "chunked" else "full logits"
