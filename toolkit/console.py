@@ -32,6 +32,10 @@ FSDP1_WARNINGS = (
     (r"Multiple backends are registered with this ProcessGroup", UserWarning),
 )
 SCHEDULER_ORDER = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+# peft's all-linear on fused experts sets gate_up_proj's rank by a pattern it matches on the parameter, then
+# warns (at every adapter it builds: load, export check) that no module name matched: the rank is applied
+# (tests/unit/test_router.py checks the adapter's shape).
+PEFT_PATTERNS = r"The following (rank|alpha)_pattern keys did not match any targeted module"
 # Whole lines from the launcher and libraries, matched wherever they appear (`ftkit train` drops them).
 KNOWN_LINES = re.compile(
     "|".join(
@@ -56,6 +60,7 @@ def quiet_third_party() -> None:
         return
     for pattern in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)
+    warnings.filterwarnings("ignore", message=PEFT_PATTERNS, category=RuntimeWarning)
     for pattern, category in FSDP1_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=category, module=r"torch\.distributed")
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import traceback
-import warnings
 from pathlib import Path
 
 import torch
@@ -128,12 +127,7 @@ def peft_config(lora: LoraConfig, model) -> PeftLoraConfig:
 
 def _with_adapter(model, lora: LoraConfig):
     try:
-        with warnings.catch_warnings():
-            # all-linear on fused experts: peft sets gate_up_proj's rank and alpha by a pattern matched on
-            # the parameter (the adapter gets the doubled rank, tests/unit/test_router.py checks it), then
-            # warns that no module name matched the pattern.
-            warnings.filterwarnings("ignore", "The following (rank|alpha)_pattern keys", RuntimeWarning)
-            return get_peft_model(model, peft_config(lora, model))
+        return get_peft_model(model, peft_config(lora, model))
     except ValueError as exc:  # peft's "target modules not found" and its kin
         raise UserError(f"lora.target_modules: {lora.target_modules}: {str(exc).splitlines()[0]}") from None
 

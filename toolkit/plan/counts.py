@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit import console
 from toolkit.errors import UserError
 from toolkit.model import moe
 from toolkit.plan import architectures
@@ -104,8 +105,7 @@ def count_parameters(config, method: str, lora_r: int, source: str = "") -> Mode
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             warnings.filterwarnings("ignore", "fan_in_fan_out", UserWarning)
-            # all-linear on a model with fused experts: peft's own patterns for them (counted as built).
-            warnings.filterwarnings("ignore", "The following (rank|alpha)_pattern keys", RuntimeWarning)
+            warnings.filterwarnings("ignore", console.PEFT_PATTERNS, RuntimeWarning)  # see there
             experts = moe.expert_parameter_names(model)  # as lora.experts (the default) adapts them
             model = get_peft_model(
                 model,
