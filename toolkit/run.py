@@ -151,9 +151,16 @@ class Run:
         self.accelerator.print(
             f"model: {cfg.model.path} ({cfg.model.method}), {trainable:,} of {total:,} parameters trained"
         )
-        routing = moe.routing(model.config)
-        coef = router_coef(cfg.moe, model.config)
-        self.router = RouterBalance(model, routing, coef, self.global_sum, self.data_parallel)
+        self.router = self._router_balance(model)
+        self.meter = metrics.StepSpeed(
+            flops.ModelShape.of(model), self.accelerator.device, self.accelerator.num_processes
+        )
+        model.register_forward_pre_hook(self.watchdog.forward_hook)
+        return model
+
+    def _router_balance(self, model) -> RouterBalance:
+        """A mixture of experts' router balance (inert for a dense model), announced with what is trained."""
+        routing, coef = moe.routing(model.config), router_coef(self.cfg.moe, model.config)
         if routing.experts:
             parts = ", ".join(f"{part} {count:,}" for part, count in moe.trained_parts(model).items())
             self.accelerator.print(
@@ -161,11 +168,7 @@ class Run:
                 f"{coef:g} x the load-balancing loss, pooled over {self.data_parallel} data-parallel "
                 f"rank(s); trained: {parts}"
             )
-        self.meter = metrics.StepSpeed(
-            flops.ModelShape.of(model), self.accelerator.device, self.accelerator.num_processes
-        )
-        model.register_forward_pre_hook(self.watchdog.forward_hook)
-        return model
+        return RouterBalance(model, routing, coef, self.global_sum, self.data_parallel)
 
     def pipeline(self, model, pad_id: int, loss_fn, rows_per_example: int = 1, uniform: bool = True):
         """The Pipeline `model` runs under when the recipe asks for one (pipeline.size), `model` trimmed to
