@@ -31,7 +31,7 @@ def main() -> None:
     torch.manual_seed(0)
     config = tiny_llama_config()
     base = LlamaForCausalLM(config).double()
-    dense = get_peft_model(base, peft_config(LoraConfig(target_modules="all-linear", dropout=0.0)))
+    dense = get_peft_model(base, peft_config(LoraConfig(target_modules="all-linear", dropout=0.0), base))
     for name, param in dense.named_parameters():  # B starts at zero: give every adapter a gradient path
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.02)

@@ -111,7 +111,8 @@ def test_methods_that_cannot_be_split_are_refused(model, lora, key):
 
 def test_layers_split_with_their_adapter_pieces_and_the_head_stays_whole():
     config = tiny_llama_config()
-    model = get_peft_model(LlamaForCausalLM(config), peft_config(LoraConfig(target_modules="all-linear")))
+    base = LlamaForCausalLM(config)
+    model = get_peft_model(base, peft_config(LoraConfig(target_modules="all-linear"), base))
     styles = tensor_parallel.split_styles(model, config.base_model_tp_plan)
     layer = "base_model.model.model.layers.1"
     assert styles[f"{layer}.self_attn.q_proj.base_layer"] == "colwise"

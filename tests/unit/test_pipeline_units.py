@@ -157,7 +157,8 @@ def test_trim_to_interleaved_stages_keeps_the_ends_of_the_model():
 
 
 def test_trim_of_a_lora_model_keeps_the_adapter_names():
-    model = get_peft_model(tiny_model(), peft_config(LoraConfig(target_modules="all-linear", dropout=0.0)))
+    base = tiny_model()
+    model = get_peft_model(base, peft_config(LoraConfig(target_modules="all-linear", dropout=0.0), base))
     whole = {n for n, p in model.named_parameters() if p.requires_grad}
     assert not stages.is_part(model)
     stages.trim(model, [2, 2], [1])
