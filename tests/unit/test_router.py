@@ -168,21 +168,3 @@ def test_the_trained_parts_of_a_mixture_of_experts_are_counted_apart():
     assert parts["experts"] == 2 * (32 * 64 + 64 * 32 + 16 * 32 + 64 * 16)
     assert parts["router"] == 2 * (4 * 64 + 4 * 4)
     assert sum(parts.values()) == sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-@pytest.mark.usefixtures("signal_handlers_restored")
-def test_gradient_checkpointing_recomputes_the_routers_without_counting_them_twice(tmp_path):
-    from helpers import load_recipe, tiny_moe
-
-    from toolkit.errors import run_main
-    from toolkit.train.metrics import read_metrics
-
-    model, recipe, logged = tiny_moe(tmp_path / "moe"), load_recipe(), {}
-    for checkpointing in ("false", "true"):
-        out = tmp_path / f"run-{checkpointing}"
-        argv = [f"model.path={model}", f"output_dir={out}", f"model.gradient_checkpointing={checkpointing}"]
-        argv += [*COMMON, "moe.router_aux_loss_coef=0.1"]
-        assert run_main(recipe.main, argv, "finetune_llm") == 0
-        lines = [line for line in read_metrics(out / "metrics.jsonl") if "loss" in line]
-        logged[checkpointing] = [value for line in lines for value in (line["loss"], line["router_aux_loss"])]
-    assert len(logged["true"]) == 4 and logged["true"] == pytest.approx(logged["false"], rel=1e-6)
