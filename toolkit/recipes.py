@@ -27,6 +27,11 @@ def recipe_of(path: str | Path | None) -> str:
     return "grpo" if "grpo" in sections else "sft"
 
 
+def recipe_name(cfg: RecipeConfig) -> str:
+    """The recipe a loaded config is for, by its schema."""
+    return next(name for name, schema in SCHEMAS.items() if type(cfg) is schema)
+
+
 def check_recipe_name(name: str) -> str:
     if name not in SCRIPTS:
         raise UserError(f"recipe {name}: not one of {', '.join(SCRIPTS)}")

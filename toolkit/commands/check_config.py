@@ -18,7 +18,7 @@ from toolkit.model.facts import read_model_facts
 from toolkit.model.load import load_tokenizer
 from toolkit.preference.data import render_pair
 from toolkit.preference.records import detect_layout, to_pair
-from toolkit.recipes import load_any_recipe_config, recipe_of
+from toolkit.recipes import load_any_recipe_config, recipe_name
 from toolkit.train.batches import grad_accum_steps
 
 PIPELINE_LAUNCHES = ("pp", "pp_ddp")
@@ -28,8 +28,8 @@ def check_config_cli(
     accel_yaml: str, recipe_path: str | None, num_processes: int | None, env: MutableMapping[str, str]
 ) -> str:
     """The report: the launch's summary line, its notes, and the line on the recipe's data."""
-    recipe = recipe_of(recipe_path)
     cfg = load_any_recipe_config(recipe_path)
+    recipe = recipe_name(cfg)
     source = recipe_path or "the demo config"
     machine = probe_machine()
     launch = launch_from_yaml(Path(accel_yaml), machine.gpu_count, num_processes)
@@ -52,15 +52,11 @@ def check_config_cli(
     return "\n".join([summary, *notes, data_line])
 
 
-def train_sources(cfg) -> list[str]:
-    return cfg.data.train if isinstance(cfg.data.train, list) else [cfg.data.train]
-
-
 def check_chat_rows(cfg) -> str:
     """SFT and GRPO data (GRPO's prompts are SFT rows): the chat template's generation prompt must open
     the text each answer is trained after."""
     tokenizer = load_tokenizer(cfg.model)
-    for name in train_sources(cfg):
+    for name in cfg.data.train_sources():
         source = read_source(name, cfg.data.split)
         found = first_disagreement(tokenizer, source, data_format(source, cfg.data, tokenizer))
         if found:
@@ -73,7 +69,7 @@ def check_pairs(cfg) -> str:
     the recipe will read them (a mistake is one line naming the file and record)."""
     tokenizer = load_tokenizer(cfg.model)
     layouts = []
-    for name in train_sources(cfg):
+    for name in cfg.data.train_sources():
         source = read_source(name, cfg.data.split)
         for chunk in source.read(SAMPLE):
             records = list(chunk.records())

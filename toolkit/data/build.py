@@ -84,7 +84,7 @@ def build_datasets(
     """(train, eval or None, stats): rows with `input_ids` and `labels`, identical for the same config,
     data, tokenizer and seed. `main_process_first` (e.g. `accelerator.main_process_first`) lets the main
     process encode while the other ranks wait and then load its cached result."""
-    names = cfg.train if isinstance(cfg.train, list) else [cfg.train]
+    names = cfg.train_sources()
     if not names:
         raise UserError("data.train: no training source given")
     if cfg.streaming:

@@ -16,8 +16,7 @@ from transformers import AutoConfig
 
 from toolkit.config import ModelConfig
 from toolkit.model.load import local_path
-
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+from toolkit.model.moe import EXPERT_KEYS
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,7 @@ class ModelFacts:
     def experts(self) -> int:
         """Routed experts per MoE layer (0: a dense model)."""
         raw = self.raw or {}
-        return max((int(raw.get(key) or 0) for key in EXPERT_COUNT_KEYS), default=0)
+        return max((int(raw.get(key) or 0) for key in EXPERT_KEYS), default=0)
 
 
 def read_model_facts(cfg: ModelConfig) -> ModelFacts:

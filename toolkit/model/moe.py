@@ -47,7 +47,11 @@ def routing(config) -> Routing:
     return Routing(experts, per_token, width, getattr(text, "shared_expert_intermediate_size", None) or 0)
 
 
-PARTS = (("shared expert", ".shared_expert"), ("experts", ".experts."), ("router", (".gate.", ".router.")))
+PARTS = (
+    ("shared expert", (".shared_expert",)),
+    ("experts", (".experts.",)),
+    ("router", (".gate.", ".router.")),
+)
 
 
 def trained_parts(model) -> dict[str, int]:
@@ -57,14 +61,10 @@ def trained_parts(model) -> dict[str, int]:
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        part = next((p for p, keys in PARTS if any(k in f"{name}." for k in _tuple(keys))), None)
+        part = next((p for p, keys in PARTS if any(k in f"{name}." for k in keys)), None)
         part = part or ("attention" if ".self_attn." in name else "other")
         counts[part] = counts.get(part, 0) + getattr(param, "ds_numel", param.numel())
     return counts
-
-
-def _tuple(keys) -> tuple[str, ...]:
-    return keys if isinstance(keys, tuple) else (keys,)
 
 
 def expert_parameter_names(model) -> list[str] | None:

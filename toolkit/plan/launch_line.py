@@ -6,14 +6,11 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from toolkit.config import RecipeConfig
-from toolkit.grpo.config import GrpoRecipeConfig
 from toolkit.plan import architectures
 from toolkit.plan.footprint import MemoryEstimate
 from toolkit.plan.memory import Precision
 from toolkit.plan.request import PlanRequest
-from toolkit.preference.config import PreferenceConfig
-from toolkit.recipes import SCRIPTS, load_any_recipe_config
+from toolkit.recipes import SCRIPTS, load_any_recipe_config, recipe_name
 from toolkit.typed_yaml import dotted, to_dict
 
 # The printed command runs from a checkout's root, so its recipe configs are looked up from there too.
@@ -68,7 +65,7 @@ def _template_config(model: str, method: str, objective: str = "sft") -> tuple[s
     """The shipped recipe config closest to this run: same method first, then same model, then same shapes
     (among the configs of the objective's recipe, as their sections tell)."""
     loaded = {path: load_any_recipe_config(path) for path in sorted(RECIPE_CONFIGS.glob("*.yaml"))}
-    configs = {path: cfg for path, cfg in loaded.items() if _objective_of(cfg) == objective}
+    configs = {path: cfg for path, cfg in loaded.items() if recipe_name(cfg) == objective}
     if not configs:
         return None
     arch = architectures.lookup(model)
@@ -85,12 +82,6 @@ def _template_config(model: str, method: str, objective: str = "sft") -> tuple[s
 
     best = max(configs, key=closeness)
     return str(best), dotted(to_dict(configs[best]))
-
-
-def _objective_of(cfg: RecipeConfig) -> str:
-    if isinstance(cfg, PreferenceConfig):
-        return "dpo"
-    return "grpo" if isinstance(cfg, GrpoRecipeConfig) else "sft"
 
 
 def _yaml_value(value) -> str:

@@ -103,7 +103,7 @@ def build_pairs(
     cfg: DataConfig, tokenizer, keep_prompt: int, seed: int, main_process_first=contextlib.nullcontext
 ):
     """(train, eval or None, stats): datasets of token pairs, held out and mixed as SFT data is."""
-    names = cfg.train if isinstance(cfg.train, list) else [cfg.train]
+    names = cfg.train_sources()
     if not names:
         raise UserError("data.train: no training source given")
     ensure_chat_template(tokenizer)
