@@ -65,7 +65,10 @@ class LaunchPlan:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "items", nargs="*", metavar="[RECIPE] [key=value ...]", help="sft, dpo or grpo (default: the one --config is for, else sft)"
+        "items",
+        nargs="*",
+        metavar="[RECIPE] [key=value ...]",
+        help="sft, dpo or grpo (default: the one --config is for, else sft)",
     )
     parser.add_argument("--backend", default="auto", help="an accelerate_configs/ name, or auto (default)")
     parser.add_argument("--gpus", type=int, help="processes per machine (default: its GPUs, or 2 on CPU)")
