@@ -117,10 +117,6 @@ class DataConfig:
     streaming: bool = False
     """Read, encode and pack the training data as training goes (no cache): for corpora larger than RAM."""
 
-    def train_sources(self) -> list[str]:
-        """`train` as a list, one entry a source."""
-        return self.train if isinstance(self.train, list) else [self.train]
-
 
 @dataclass
 class TrainConfig:
@@ -285,7 +281,7 @@ def validate(cfg: RecipeConfig, source: str = "config") -> None:
             f"train.global_batch_size ({cfg.train.global_batch_size}) is not a multiple of "
             f"train.micro_batch_size ({cfg.train.micro_batch_size})"
         )
-    sources = cfg.data.train_sources()
+    sources = cfg.data.train if isinstance(cfg.data.train, list) else [cfg.data.train]
     if cfg.data.weights is not None and len(cfg.data.weights) != len(sources):
         raise UserError(
             f"data.weights: {len(cfg.data.weights)} weights for {len(sources)} data.train sources"

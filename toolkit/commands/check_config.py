@@ -9,7 +9,7 @@ from pathlib import Path
 
 from toolkit.data.agreement import SAMPLE, first_disagreement
 from toolkit.data.build import data_format
-from toolkit.data.sources import read_source
+from toolkit.data.sources import read_source, train_sources
 from toolkit.launch.backend import with_pipeline
 from toolkit.launch.checks import check_launch, launch_from_yaml
 from toolkit.launch.machine import probe_machine
@@ -56,7 +56,7 @@ def check_chat_rows(cfg) -> str:
     """SFT and GRPO data (GRPO's prompts are SFT rows): the chat template's generation prompt must open
     the text each answer is trained after."""
     tokenizer = load_tokenizer(cfg.model)
-    for name in cfg.data.train_sources():
+    for name in train_sources(cfg.data):
         source = read_source(name, cfg.data.split)
         found = first_disagreement(tokenizer, source, data_format(source, cfg.data, tokenizer))
         if found:
@@ -69,7 +69,7 @@ def check_pairs(cfg) -> str:
     the recipe will read them (a mistake is one line naming the file and record)."""
     tokenizer = load_tokenizer(cfg.model)
     layouts = []
-    for name in cfg.data.train_sources():
+    for name in train_sources(cfg.data):
         source = read_source(name, cfg.data.split)
         for chunk in source.read(SAMPLE):
             records = list(chunk.records())

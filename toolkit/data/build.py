@@ -20,7 +20,7 @@ from toolkit.data.formats import detect_format
 from toolkit.data.mixture import Split, split_sources
 from toolkit.data.packing import pack_dataset
 from toolkit.data.parallel import default_num_proc
-from toolkit.data.sources import read_source
+from toolkit.data.sources import read_source, train_sources
 from toolkit.data.streaming import StreamRows
 from toolkit.errors import UserError
 
@@ -84,7 +84,7 @@ def build_datasets(
     """(train, eval or None, stats): rows with `input_ids` and `labels`, identical for the same config,
     data, tokenizer and seed. `main_process_first` (e.g. `accelerator.main_process_first`) lets the main
     process encode while the other ranks wait and then load its cached result."""
-    names = cfg.train_sources()
+    names = train_sources(cfg)
     if not names:
         raise UserError("data.train: no training source given")
     if cfg.streaming:

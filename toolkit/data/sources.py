@@ -66,6 +66,11 @@ class Source:
         return None
 
 
+def train_sources(data_cfg) -> list[str]:
+    """The config's `data.train` as a list, one entry a source."""
+    return data_cfg.train if isinstance(data_cfg.train, list) else [data_cfg.train]
+
+
 def read_source(name: str, split: str, streaming: bool = False) -> Source:
     """An existing file is read by its extension; a missing path is an error, never a hub lookup. With
     `streaming`, a hub dataset is read as it downloads instead of being prepared on disk first."""

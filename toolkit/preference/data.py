@@ -18,7 +18,7 @@ from toolkit.data.cache import cache_key, encode_to_cache, tokenizer_fingerprint
 from toolkit.data.chat import ensure_chat_template, render
 from toolkit.data.mixture import split_sources
 from toolkit.data.packing import row_lengths
-from toolkit.data.sources import read_source
+from toolkit.data.sources import read_source, train_sources
 from toolkit.errors import UserError
 from toolkit.preference.records import Pair, detect_layout, to_pair
 from toolkit.train.loss import IGNORE
@@ -103,7 +103,7 @@ def build_pairs(
     cfg: DataConfig, tokenizer, keep_prompt: int, seed: int, main_process_first=contextlib.nullcontext
 ):
     """(train, eval or None, stats): datasets of token pairs, held out and mixed as SFT data is."""
-    names = cfg.train_sources()
+    names = train_sources(cfg)
     if not names:
         raise UserError("data.train: no training source given")
     ensure_chat_template(tokenizer)
