@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from toolkit.checkpoint import split
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
-from toolkit.model import quant
+from toolkit.model import quant, quant_experts
 from toolkit.model.load import DTYPES
 from toolkit.pipeline import runtime, stages
 
@@ -154,6 +154,7 @@ def merge_adapter(
                 quantization_config=quant.quant_config(torch.uint8),
                 device_map={"": "cpu"},
             ).dequantize(dtype=torch_dtype)
+            quant_experts.round_trip(base)  # the fused experts, which trained stored in 4-bit too
         else:
             base = adapted_base(adapter_dir, trust_remote_code, dtype=torch_dtype)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()

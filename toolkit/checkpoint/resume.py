@@ -208,9 +208,12 @@ def _warn_random_states(path: Path, accelerator) -> None:
 
 
 def _load_kwargs(accelerator, packed: set[str]) -> dict:
-    """DeepSpeed loads module state strictly, and a 4-bit base's saved quantization state (absmax, maps)
-    has no parameter to go to: those keys are expected there. The weights are then checked as usual."""
-    return {"load_module_strict": False} if packed and accelerator.distributed_type == "DEEPSPEED" else {}
+    """DeepSpeed and accelerate's replicated layout load module state strictly, and a 4-bit base's saved
+    quantization state (absmax, maps) has no parameter to go to: those keys are expected there. The
+    weights are then checked as usual."""
+    if not packed:
+        return {}
+    return {"load_module_strict": False} if accelerator.distributed_type == "DEEPSPEED" else {"strict": False}
 
 
 def _local(param):

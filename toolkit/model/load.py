@@ -15,7 +15,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from toolkit.config import LoraConfig, LossConfig, ModelConfig, check_local_path
 from toolkit.errors import UserError
-from toolkit.model import moe, quant, speed
+from toolkit.model import moe, quant, quant_experts, speed
 from toolkit.model.speed import SpeedFeatures
 from toolkit.train import head
 
@@ -66,6 +66,8 @@ def load_model(
         quant.keep_training_layout(model)
     if cfg.adapter:
         model = merge_start_adapter(model, cfg.adapter)
+    if cfg.method == "qlora":  # after the start adapter, merged into the experts at full width
+        quant_experts.quantize(model, quant.STORAGE_DTYPES[quant.storage_name(cfg.quant_storage, quant_cast)])
     if features and features.liger:
         speed.apply_liger(model)
     checkpointing = wants_checkpointing(cfg, model)
@@ -73,9 +75,12 @@ def load_model(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if cfg.method == "qlora":
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
+        with quant_experts.hidden_from_peft(model):
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
     if cfg.method in ("lora", "qlora"):
-        model = _with_adapter(model, lora)
+        with quant_experts.unquantized_look(model):
+            model = _with_adapter(model, lora)
+        quant_experts.peft_wrappers_stack(model)
         if checkpointing:
             # Frozen embeddings give checkpointed blocks inputs without grad; the adapters need one.
             model.enable_input_require_grads()

@@ -71,16 +71,23 @@ def expert_parameter_names(model) -> list[str] | None:
     """The routed experts' fused tensors as peft names parameter targets (`mlp.experts.gate_up_proj`, ...),
     or None for a dense model."""
     names = {
-        name.split(".layers.")[-1].split(".", 1)[-1]
+        unpacked_name(name).split(".layers.")[-1].split(".", 1)[-1]
         for name, param in model.named_parameters()
         if is_routed_expert(param)
     }
     return sorted(names) or None
 
 
+def unpacked_name(name: str) -> str:
+    """A parameter's name as the model's code reads it: `experts.gate_up_proj` for a 4-bit one's stored
+    `experts.parametrizations.gate_up_proj.original` (see quant_experts)."""
+    return name.replace(".parametrizations.", ".").removesuffix(".original")
+
+
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """The whole tensor's shape, under ZeRO-3's partitioning too (it keeps the original in `ds_shape`)."""
-    return tuple(getattr(param, "ds_shape", None) or param.shape)
+    """The whole tensor's shape: under ZeRO-3's partitioning (it keeps the original in `ds_shape`) and for
+    4-bit experts (quant_experts keeps the unpacked shape in `expert_shape`) too."""
+    return tuple(getattr(param, "expert_shape", None) or getattr(param, "ds_shape", None) or param.shape)
 
 
 def is_routed_expert(param: torch.Tensor) -> bool:

@@ -112,18 +112,30 @@ def keep_training_layout(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+PACKED_EXPERTS = "original"
+"""The name torch's parametrization gives a 4-bit experts tensor's stored bytes (quant_experts):
+`<experts>.parametrizations.<tensor>.original`."""
+
+
+def is_packed_experts(name: str) -> bool:
+    """Whether a parameter's (or a saved weight's) name is that of 4-bit experts' stored bytes."""
+    return ".parametrizations." in name and name.endswith(f".{PACKED_EXPERTS}")
+
+
 def packed_names(model) -> set[str]:
-    """Names of the parameters holding packed 4-bit weights: their storage dtype's values are bit patterns,
-    not numbers, so a finiteness check must leave them out (none where bitsandbytes is not installed)."""
+    """Names of the parameters holding packed 4-bit weights (linear layers' and experts'): their storage
+    dtype's values are bit patterns, not numbers, so a finiteness check must leave them out."""
+    names = {name for name, _ in model.named_parameters() if is_packed_experts(name)}
     try:
         from bitsandbytes.nn import Linear4bit
     except ImportError:
-        return set()
-
-    return {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Linear4bit)}
+        return names
+    linear = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Linear4bit)}
+    return names | linear
 
 
 def packed_keys(weights: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple]) -> set[str]:
     """The keys of saved `weights` holding packed 4-bit weights: their saved shape (two weights a byte, in
-    one column) differs from the unquantized model's `shapes`."""
-    return {k for k, v in weights.items() if k in shapes and tuple(v.shape) != tuple(shapes[k])}
+    one column) differs from the unquantized model's `shapes`, or they are 4-bit experts' bytes."""
+    reshaped = {k for k, v in weights.items() if k in shapes and tuple(v.shape) != tuple(shapes[k])}
+    return reshaped | {k for k in weights if is_packed_experts(k)}
