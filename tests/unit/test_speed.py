@@ -128,18 +128,3 @@ def test_a_mixture_of_experts_trains_with_the_kernel_it_takes_and_its_router_bal
     logged = [line for line in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in line]
     assert logged[-1]["step"] == 2 and math.isfinite(logged[-1]["loss"])
     assert logged[-1]["router_aux_loss"] >= 2 * 0.99 and logged[-1]["expert_load_max"] >= 1.0
-
-
-@pytest.mark.usefixtures("signal_handlers_restored")
-def test_qlora_trains_a_mixture_of_experts_its_experts_unquantized(recipe, tmp_path, capsys):
-    """Widths in multiples of 64 for bitsandbytes' CPU kernel; the fused experts stay full precision
-    (bitsandbytes quantizes linear layers only) and get their LoRA all the same."""
-    from toolkit.errors import run_main
-
-    tiny_moe(tmp_path / "moe", num_key_value_heads=4, moe_intermediate_size=64, intermediate_size=64)
-    argv = [f"model.path={tmp_path / 'moe'}", f"output_dir={tmp_path / 'run'}", "model.method=qlora"]
-    argv += ["train.max_steps=2", "data.max_length=64", "eval.exact_match_samples=0", "eval.max_batches=1"]
-    assert run_main(recipe.main, argv, "finetune_llm") == 0
-    assert re.search(
-        r"\(qlora\).*\nexperts: .*trained: attention [\d,]+, experts [\d,]+", capsys.readouterr().out
-    )
