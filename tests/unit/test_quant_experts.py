@@ -58,7 +58,7 @@ def test_lora_on_4_bit_experts_computes_lora_on_their_dequantized_weights(moe_pa
     assert adapters.keys() == {n for n, p in lora.named_parameters() if ".experts." in n and "lora_" in n}
     torch.manual_seed(1)
     with torch.no_grad():
-        for name, tensor in adapters.items():
+        for tensor in adapters.values():
             tensor.copy_(torch.randn_like(tensor) * 0.1)
         lora.load_state_dict(adapters, strict=False)
     hidden = torch.randn(6, 64)
