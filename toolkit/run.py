@@ -21,7 +21,7 @@ from toolkit.checkpoint.resume import Resume
 from toolkit.errors import UserError, run_main
 from toolkit.launch import backend, checks, machine
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE, StopRequest
-from toolkit.model import flops, moe, quant, speed, tensor_parallel
+from toolkit.model import flops, moe, quant, quant_experts, speed, tensor_parallel
 from toolkit.model import load as models
 from toolkit.model.facts import read_model_facts
 from toolkit.pipeline import runtime as pipeline_runtime
@@ -163,10 +163,12 @@ class Run:
         routing, coef = moe.routing(model.config), router_coef(self.cfg.moe, model.config)
         if routing.experts:
             parts = ", ".join(f"{part} {count:,}" for part, count in moe.trained_parts(model).items())
+            packed = quant_experts.stored_bytes(model)
+            stored = f"; experts stored in 4-bit, {packed / 2**20:,.2f} MiB" if packed else ""
             self.accelerator.print(
                 f"experts: {routing.experts} a layer, {routing.per_token} per token; router balance "
                 f"{coef:g} x the load-balancing loss, pooled over {self.data_parallel} data-parallel "
-                f"rank(s); trained: {parts}"
+                f"rank(s); trained: {parts}{stored}"
             )
         return RouterBalance(model, routing, coef, self.global_sum, self.data_parallel)
 

@@ -2,9 +2,11 @@
 read dequantized a tensor at a time, with peft's LoRA term on top under the names LoRA has on the
 unquantized model; the merged export folds the adapter into the experts as training saw them."""
 
+import shutil
+
 import pytest
 import torch
-from helpers import tiny_moe
+from helpers import step_losses, tiny_moe
 from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -78,9 +80,14 @@ def test_qlora_trains_a_mixture_of_experts_and_merges_into_its_experts_as_traine
 ):
     argv = [f"model.path={moe_path}", f"output_dir={tmp_path / 'run'}", "model.method=qlora"]
     argv += ["train.max_steps=2", "data.max_length=64", "eval.exact_match_samples=0", "eval.max_batches=1"]
+    argv += ["train.save_every_steps=1", "train.log_every_steps=1"]
     assert run_main(recipe.main, [*argv, "export.merge=true"], "finetune_llm") == 0
-    assert "trained: attention " in capsys.readouterr().out
+    assert "experts stored in 4-bit" in capsys.readouterr().out
     final = tmp_path / "run" / "final"
+    resumed = tmp_path / "resumed"  # its step-1 checkpoint, the 4-bit base's state inside, resumes exactly
+    shutil.copytree(tmp_path / "run", resumed, ignore=shutil.ignore_patterns("final", "step-2"))
+    assert run_main(recipe.main, [*argv, f"output_dir={resumed}"], "finetune_llm") == 0
+    assert step_losses(resumed) == step_losses(tmp_path / "run")
     merged = AutoModelForCausalLM.from_pretrained(final / "merged").state_dict()
     trained = loaded(moe_path, "qlora")
     set_peft_model_state_dict(trained, load_file(final / "adapter_model.safetensors"))

@@ -67,7 +67,8 @@ def load_model(
     if cfg.adapter:
         model = merge_start_adapter(model, cfg.adapter)
     if cfg.method == "qlora":  # after the start adapter, merged into the experts at full width
-        quant_experts.quantize(model, quant.STORAGE_DTYPES[quant.storage_name(cfg.quant_storage, quant_cast)])
+        storage = quant.STORAGE_DTYPES[quant.storage_name(cfg.quant_storage, quant_cast)]
+        quant_experts.quantize(model, storage, _gpu(local_rank))
     if features and features.liger:
         speed.apply_liger(model)
     checkpointing = wants_checkpointing(cfg, model)
@@ -149,15 +150,25 @@ def _qlora_kwargs(cfg: ModelConfig, local_rank: int, storage: str) -> dict:
         import bitsandbytes  # noqa: F401
     except ImportError:
         raise UserError("model.method: qlora needs bitsandbytes: pip install 'ftkit[qlora]'") from None
-    problem = quant.width_problem(quant.layer_widths(_from_pretrained(AutoConfig, cfg, "config").to_dict()))
+    config = _from_pretrained(AutoConfig, cfg, "config")
+    problem = quant.width_problem(quant.layer_widths(config.to_dict()))
     if problem:
         raise UserError(f"model.path: {cfg.path}: {problem}, which QLoRA needs")
-    kwargs = {"quantization_config": quant.quant_config(quant.STORAGE_DTYPES[storage])}
     # One full copy per process on its own device, which FSDP2 shards after loading; under ZeRO-3
-    # transformers refuses a device map and partitions the model as it builds it.
+    # transformers refuses a device map and partitions the model as it builds it. A mixture of experts'
+    # fused experts load to CPU memory first (16-bit, they would not fit the GPU) and go to it in 4-bit.
+    staged = moe.expert_modules(config, cfg.trust_remote_code) if _gpu(local_rank) else []
+    kwargs = {"quantization_config": quant.quant_config(quant.STORAGE_DTYPES[storage], bool(staged))}
     if not is_deepspeed_zero3_enabled():
-        kwargs["device_map"] = {"": local_rank if torch.cuda.is_available() else "cpu"}
+        kwargs["device_map"] = {"": _gpu(local_rank) or "cpu", **{name: "cpu" for name in staged}}
     return kwargs
+
+
+def _gpu(local_rank: int) -> torch.device | None:
+    """This process's GPU where a device map places the model (none on a CPU machine or under ZeRO-3)."""
+    if torch.cuda.is_available() and not is_deepspeed_zero3_enabled():
+        return torch.device("cuda", local_rank)
+    return None
 
 
 def remote_code_refusal(exc: ValueError) -> str:

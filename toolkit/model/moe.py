@@ -78,6 +78,22 @@ def expert_parameter_names(model) -> list[str] | None:
     return sorted(names) or None
 
 
+def expert_modules(config, trust_remote_code: bool = False) -> list[str]:
+    """Names of the modules holding a model's fused routed experts (none for a dense model), read from the
+    model built on the meta device."""
+    if not routing(config).experts:
+        return []
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return [
+        name
+        for name, module in model.named_modules()
+        if any(is_routed_expert(p) for p in module.parameters(recurse=False))
+    ]
+
+
 def unpacked_name(name: str) -> str:
     """A parameter's name as the model's code reads it: `experts.gate_up_proj` for a 4-bit one's stored
     `experts.parametrizations.gate_up_proj.original` (see quant_experts)."""

@@ -15,7 +15,7 @@ from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 from torch.nn.utils import parametrize
 
-from toolkit.model import moe
+from toolkit.model import moe, quant
 from toolkit.model.quant import BLOCK, PACKED_EXPERTS
 
 
@@ -59,9 +59,10 @@ class PackedExperts(nn.Module):
         return dequantize_4bit(codes, state)
 
 
-def quantize(model, storage: torch.dtype) -> int:
-    """Store every fused routed-experts tensor of `model` in 4-bit (frozen); the bytes they now take. Under
-    ZeRO-3 each tensor is gathered while it is quantized (then DeepSpeed partitions the packed one)."""
+def quantize(model, storage: torch.dtype, device: torch.device | None = None) -> int:
+    """Store every fused routed-experts tensor of `model` in 4-bit (frozen), on `device` (None: where it
+    is); the bytes they now take. Under ZeRO-3 each tensor is gathered while it is quantized (then
+    DeepSpeed partitions the packed one)."""
     stored = 0
     for module in list(model.modules()):
         for name, param in list(module.named_parameters(recurse=False)):
@@ -69,7 +70,7 @@ def quantize(model, storage: torch.dtype) -> int:
                 continue
             with _gathered(param):
                 packing = PackedExperts(param.shape, param.dtype, storage)
-                packed = packing.pack(param)
+                packed = packing.pack(param).to(device or param.device)
                 param.data = packed.new_empty(0)
             _attach(module, name, packing, param, packed)
             stored += packed.numel() * packed.element_size()
@@ -110,6 +111,15 @@ def unquantized_look(model):
 def _packings(module) -> list[tuple[str, PackedExperts]]:
     stacks = getattr(module, "parametrizations", {})
     return [(name, stack[0]) for name, stack in stacks.items() if isinstance(stack[0], PackedExperts)]
+
+
+def stored_bytes(model) -> int:
+    """Bytes the 4-bit experts of `model` take, whole (ZeRO-3's partitioned ones at their full size)."""
+    return sum(
+        getattr(p, "ds_numel", p.numel()) * p.element_size()
+        for name, p in model.named_parameters()
+        if quant.is_packed_experts(name)
+    )
 
 
 def round_trip(model) -> None:
