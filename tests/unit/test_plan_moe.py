@@ -38,7 +38,18 @@ def test_each_real_mixture_of_experts_gets_an_answer_on_two_24_gib_gpus(model_id
     plan = make_plan(PlanRequest(model=model_id, gpus=2, gpu_mem=24.0, method="qlora"))
     text = render_text(plan)
     assert plan.choice is not None and "accelerate launch --config_file" in text
-    assert "routed experts a layer" in text and "stay unquantized" in text
+    assert "routed experts a layer" in text and "expert parameters in 4-bit (4.5 bits a weight" in text
+
+
+def test_qwen3_30b_a3b_qlora_fits_two_24_gib_gpus_without_offload_its_experts_in_4_bit():
+    plan = make_plan(PlanRequest(model="Qwen/Qwen3-30B-A3B", gpus=2, gpu_mem=24.0, method="qlora"))
+    assert plan.choice.backend == "zero3" and not plan.choice.states.in_cpu_ram
+    experts = plan.counts.expert_params
+    assert experts == 28_991_029_248
+    # Each GPU's frozen share: half of everything, the experts at 0.5625 bytes a weight (in 16-bit, 2:
+    # 27 GiB of experts alone); the rest (4-bit attention, fp32 embeddings and norms) about 0.8 GiB.
+    experts_share = experts / 2 * 0.5625
+    assert experts_share < plan.choice.states.frozen < experts_share + 1.0 * 2**30
 
 
 def test_active_parameters_are_what_the_model_cards_give():
@@ -90,8 +101,10 @@ def test_tensor_parallel_counts_skip_the_expert_styles_it_does_not_apply():
     assert set(styles.values()) == {"colwise", "rowwise"} and not any("experts" in name for name in styles)
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b-qlora", "gpt-oss-20b-lora"])
-def test_the_shipped_moe_configs_fit_as_their_headers_say(name):
+@pytest.mark.parametrize(
+    "name, backend", [("qwen3-30b-a3b-qlora", "zero3"), ("gpt-oss-20b-lora", "zero3_offload")]
+)
+def test_the_shipped_moe_configs_fit_as_their_headers_say(name, backend):
     from helpers import REPO
 
     from toolkit.recipes import load_any_recipe_config
@@ -99,5 +112,7 @@ def test_the_shipped_moe_configs_fit_as_their_headers_say(name):
     cfg = load_any_recipe_config(REPO / "recipes" / "configs" / f"{name}.yaml")
     request = PlanRequest(model=cfg.model.path, gpus=2, gpu_mem=24.0, method=cfg.model.method, grad_ckpt="on")
     plan = make_plan(request)
-    assert plan.choice.backend == "zero3_offload" and plan.choice.checkpointing
-    assert "accelerate_configs/zero3_offload.yaml --num_processes 2" in render_text(plan)
+    assert plan.choice.backend == backend and plan.choice.checkpointing
+    assert f"accelerate_configs/{backend}.yaml --num_processes 2" in render_text(plan)
+    header = (REPO / "recipes" / "configs" / f"{name}.yaml").read_text()
+    assert f"accelerate launch --config_file accelerate_configs/{backend}.yaml" in header

@@ -54,7 +54,7 @@ class ModelCounts:
     """Routed experts per MoE layer (0: a dense model)."""
     experts_per_token: int = 0
     expert_params: int = 0
-    """Parameters of the routed experts' fused 3-D tensors, every layer's: unquantized under QLoRA."""
+    """Parameters of the routed experts' fused 3-D tensors, every layer's: 4-bit under QLoRA."""
     active: int = 0
     """Parameters one token goes through: all but the routed experts it is not sent to."""
     tp_styles: tuple[str, ...] = ()

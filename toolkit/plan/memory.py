@@ -31,6 +31,9 @@ SHARDED_PARAMS = ("fsdp", "zero3", "zero3_offload")
 # bitsandbytes NF4 with double quantisation: 4 bits a weight, an 8-bit absmax per block of 64 weights and an
 # fp32 absmax per 256 of those blocks.
 QLORA_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+# A mixture of experts' fused experts under QLoRA (toolkit/model/quant_experts.py): 4 bits a weight and an
+# fp32 scale per block of 64.
+EXPERT_BYTES_PER_PARAM = 0.5 + 4 / 64
 CUDA_CONTEXT = GIB // 2
 """CUDA context, cuBLAS workspaces and kernels loaded on each GPU before the first tensor."""
 NCCL_BUFFERS = GIB // 2
@@ -82,8 +85,11 @@ def model_state_bytes(counts, backend: str, n_ranks: int, precision: Precision =
     params_sharded = backend in SHARDED_PARAMS
     frozen = shard(counts.frozen, params_sharded) * frozen_b
     if counts.method == "qlora":
-        unquantized = shard(counts.frozen - counts.quantizable, params_sharded) * frozen_b
+        unquantized = (
+            shard(counts.frozen - counts.quantizable - counts.expert_params, params_sharded) * frozen_b
+        )
         frozen = math.ceil(shard(counts.quantizable, params_sharded) * QLORA_BYTES_PER_PARAM) + unquantized
+        frozen += math.ceil(shard(counts.expert_params, params_sharded) * EXPERT_BYTES_PER_PARAM)
     grad_numel = shard(counts.trainable, backend not in ("single", "ddp", "zero1"))
     # Offloaded ZeRO-3 keeps a second, fp32 gradient buffer in CPU RAM for the CPU Adam step.
     grad_b = train_b + 4 if backend == "zero3_offload" else train_b
@@ -252,12 +258,13 @@ def overhead_bytes(tensor_bytes: int, backend: str, n_gpus: int, counts, precisi
 def cpu_ram_bytes(counts, backend: str, n_gpus: int, states: ModelStateBytes, precision: Precision) -> int:
     """CPU RAM of the whole machine: each process's own footprint, plus the larger of loading the model and
     holding offloaded states. Every process loads the full model into RAM first, except ZeRO-3
-    (`zero3_init_flag`: each keeps its shard) and QLoRA (quantized straight onto its GPU)."""
+    (`zero3_init_flag`: each keeps its shard) and QLoRA (quantized straight onto its GPU, but for a mixture
+    of experts' fused experts, which each process holds in RAM in 16-bit until they are quantized)."""
     procs = 1 if backend == "single" else n_gpus
     base = counts.frozen if counts.method != "full" else counts.total
     weight_b = 2 if precision.weights == "bfloat16" else 4
-    if counts.method == "qlora":
-        loading = 0
+    if counts.method == "qlora":  # a mixture of experts' experts load to RAM in 16-bit, then go 4-bit
+        loading = 0 if backend in ("zero3", "zero3_offload") else procs * counts.expert_params * 2
     elif backend in SHARDED_PARAMS and backend != "fsdp":
         loading = base * weight_b
     else:
@@ -268,8 +275,11 @@ def cpu_ram_bytes(counts, backend: str, n_gpus: int, states: ModelStateBytes, pr
 
 def qlora_load_bytes(counts) -> int:
     """One whole 4-bit base with its unquantized parameters in bf16: what each process holds while loading
-    before a sharded backend splits it (ftkit loads a full copy per process)."""
-    return math.ceil(counts.quantizable * QLORA_BYTES_PER_PARAM) + 2 * (counts.frozen - counts.quantizable)
+    before a sharded backend splits it (ftkit loads a full copy per process; a mixture of experts' experts
+    reach the GPU in 4-bit)."""
+    experts = math.ceil(counts.expert_params * EXPERT_BYTES_PER_PARAM)
+    unquantized = counts.frozen - counts.quantizable - counts.expert_params
+    return math.ceil(counts.quantizable * QLORA_BYTES_PER_PARAM) + experts + 2 * unquantized
 
 
 def estimate(

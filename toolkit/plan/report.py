@@ -52,12 +52,12 @@ def _header(plan: Plan) -> list[str]:
 
 
 def _experts(c) -> list[str]:
-    """A mixture of experts' line: what a token goes through, and what QLoRA leaves unquantized."""
+    """A mixture of experts' line: what a token goes through, and how QLoRA stores the experts."""
     if not c.experts:
         return []
     kept = (
-        f"; under QLoRA its {c.expert_params:,} expert parameters stay unquantized (bitsandbytes quantizes "
-        "linear layers only, and the experts are fused 3-D tensors)"
+        f"; QLoRA stores its {c.expert_params:,} expert parameters in 4-bit (4.5 bits a weight with their "
+        "scales), loading them through CPU RAM in 16-bit"
         if c.method == "qlora"
         else ""
     )
