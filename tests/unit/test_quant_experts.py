@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from toolkit.config import LoraConfig, ModelConfig
 from toolkit.errors import run_main
 from toolkit.model import quant, quant_experts
-from toolkit.model.load import load_model
+from toolkit.model.load import load_model, trainable_and_total
 
 # Widths in multiples of 64, which bitsandbytes' CPU kernel takes for the attention's 4-bit layers.
 WIDE = dict(num_key_value_heads=4, moe_intermediate_size=64, intermediate_size=64)
@@ -44,7 +44,10 @@ def test_experts_are_stored_as_4_bit_codes_and_a_scale_per_64_weights(moe_path):
         assert packed.numel() * packed.element_size() == weights // 2 + 4 * weights // 64, name
         assert not packed.requires_grad
     assert quant.packed_names(model) >= set(stored)
-    original = AutoModelForCausalLM.from_pretrained(moe_path).model.layers[0].mlp.experts.gate_up_proj
+    base = AutoModelForCausalLM.from_pretrained(moe_path)
+    trained, total = trainable_and_total(model)  # the start-up line counts weights, not packed bytes
+    assert total - trained == sum(p.numel() for p in base.parameters())
+    original = base.model.layers[0].mlp.experts.gate_up_proj
     read = experts(model).get_base_layer().gate_up_proj
     assert read.shape == original.shape
     error = (read - original).abs().max()

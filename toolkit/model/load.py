@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import traceback
 from pathlib import Path
@@ -112,9 +113,15 @@ def wants_checkpointing(cfg: ModelConfig, model) -> bool:
 
 
 def trainable_and_total(model) -> tuple[int, int]:
-    """(trainable, total) parameter counts; ZeRO-3 partitioned parameters count at their full size."""
-    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+    """(trainable, total) parameter counts; ZeRO-3 partitioned parameters and 4-bit ones count at their
+    full size (their weights, not their packed bytes)."""
+    sizes = [(_weights(p), p.requires_grad) for p in model.parameters()]
     return sum(n for n, trained in sizes if trained), sum(n for n, _ in sizes)
+
+
+def _weights(param) -> int:
+    packed = getattr(getattr(param, "quant_state", None), "shape", None)  # bitsandbytes' 4-bit weights
+    return math.prod(packed) if packed else math.prod(moe.full_shape(param))
 
 
 def peft_config(lora: LoraConfig, model) -> PeftLoraConfig:
