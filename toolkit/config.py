@@ -176,6 +176,9 @@ class MoeConfig:
     router_aux_loss_coef: NonNegativeFloat | None = None
     """Weight of the routers' load-balancing loss for a mixture of experts (0: off); unset: the model
     config's router_aux_loss_coef, else 0.001. Pooled over the data-parallel ranks (train/router.py)."""
+    expert_parallel: PositiveInt = 1
+    """Processes a mixture of experts' routed experts are split over (all the launched ones, on a plain
+    multi-process launch: accelerate_configs/ep.yaml); 1: every process holds every expert."""
 
 
 @dataclass

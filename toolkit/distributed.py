@@ -8,6 +8,7 @@ import contextlib
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def clip_grad_norm(accelerator, model, max_norm: float) -> torch.Tensor | float:
@@ -18,11 +19,32 @@ def clip_grad_norm(accelerator, model, max_norm: float) -> torch.Tensor | float:
     `backward`, and this returns the norm it measured, a float; elsewhere a tensor, so that `float()` on it
     can wait for a logging step.
     """
-    norm = accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+    limit = max_norm if max_norm > 0 else math.inf
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    split = [g for g in grads if isinstance(g, DTensor)]
+    if split and len(split) < len(grads):  # expert parallelism: split experts beside replicated weights
+        accelerator.unscale_gradients()
+        return _clip_mixed(grads, limit)
+    norm = accelerator.clip_grad_norm_(model.parameters(), limit)
     if norm is None:
         raise RuntimeError("no gradient norm: call clip_grad_norm after accelerator.prepare and backward")
     # FSDP2 returns a DTensor; gathering it is a collective, so do it here where every process is.
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def _clip_mixed(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ over whole and split gradients together, which torch's refuses to mix: the
+    split ones' squares are summed over every process (each holds other parts)."""
+    split = [g for g in grads if isinstance(g, DTensor)]
+    whole = [g for g in grads if not isinstance(g, DTensor)]
+    square = sum((g.float().pow(2).sum() for g in whole), torch.zeros((), device=grads[0].device))
+    split_square = sum((g.to_local().float().pow(2).sum() for g in split), torch.zeros_like(square))
+    torch.distributed.all_reduce(split_square, group=split[0].device_mesh.get_group())
+    norm = (square + split_square).sqrt()
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in whole + [g.to_local() for g in split]:
+        g.mul_(scale.to(g.dtype))
+    return norm
 
 
 def root_params_gathered(model):

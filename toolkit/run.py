@@ -21,7 +21,7 @@ from toolkit.checkpoint.resume import Resume
 from toolkit.errors import UserError, run_main
 from toolkit.launch import backend, checks, machine
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE, StopRequest
-from toolkit.model import flops, moe, quant, quant_experts, speed, tensor_parallel
+from toolkit.model import expert_parallel, flops, moe, quant, quant_experts, speed, tensor_parallel
 from toolkit.model import load as models
 from toolkit.model.facts import read_model_facts
 from toolkit.pipeline import runtime as pipeline_runtime
@@ -144,7 +144,10 @@ class Run:
             self.features,
             quant_cast=cast,
             loss=cfg.loss,
+            split_experts_over=cfg.moe.expert_parallel,
         )
+        if cfg.moe.expert_parallel > 1:
+            expert_parallel.keep_out_of_ddp(model, cfg.moe.expert_parallel)
         if self.launch.mesh.tp > 1:
             tensor_parallel.parallelize(model, self.accelerator.torch_device_mesh["tp"], model.config)
         trainable, total = models.trainable_and_total(model)

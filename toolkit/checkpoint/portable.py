@@ -31,7 +31,7 @@ from toolkit.train.nonfinite import nonfinite_names, refuse_nonfinite
 REPLICATED_MODEL, REPLICATED_OPTIMIZER = "model.safetensors", "optimizer.bin"
 DEEPSPEED_TAG = "pytorch_model"
 SCHEDULER = "scheduler.bin"
-MESH_DEFAULTS = {"tp_size": 1, "dp_replicate_size": 1, "pp_size": 1}
+MESH_DEFAULTS = {"tp_size": 1, "dp_replicate_size": 1, "pp_size": 1, "ep_size": 1}
 
 
 def checkpoint_layout(path: Path) -> str:
@@ -247,7 +247,8 @@ def _replicated(backend: str) -> bool:
 
 def _whole(layout: dict) -> bool:
     """Every weight and optimizer state whole on rank 0 (single process, DDP): loads at any world size."""
-    return _replicated(layout["backend"]) and layout.get("tp_size", 1) == layout.get("pp_size", 1) == 1
+    split = layout.get("tp_size", 1), layout.get("pp_size", 1), layout.get("ep_size", 1)
+    return _replicated(layout["backend"]) and split == (1, 1, 1)
 
 
 def _read_dcp(directory: Path, prefix: str) -> dict[str, torch.Tensor]:

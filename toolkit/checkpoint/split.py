@@ -1,6 +1,6 @@
-"""Checkpoints of a tensor-parallel or pipelined model without FSDP, which accelerate's save_state cannot
-write (it saves whole tensors from rank 0, and each rank holds only its part of the split weights or its
-stages' layers).
+"""Checkpoints of a tensor-parallel, pipelined or expert-parallel model without FSDP, which accelerate's
+save_state cannot write (it saves whole tensors from rank 0, and each rank holds only its part of the split
+weights or its stages' layers).
 
 They are written in the layout FSDP checkpoints already have (portable.py's `dcp`): the model and the
 optimizer through torch.distributed.checkpoint, every rank writing its part and whole tensors once, keyed by
@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 # The directory names accelerate gives FSDP's sharded states.
 DCP_MODEL, DCP_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
@@ -31,10 +32,14 @@ DCP_MODEL, DCP_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
 
 def is_split(accelerator) -> bool:
     """Whether this run's model is split across processes with no FSDP around it: by tensor parallelism,
-    or into pipeline stages (whose processes accelerate's mesh holds as its `tp` dimension)."""
+    into pipeline stages (whose processes accelerate's mesh holds as its `tp` dimension), or by expert
+    parallelism (its experts DTensors under DDP)."""
     mesh = accelerator.state.device_mesh
     fsdp = accelerator.distributed_type == DistributedType.FSDP
-    return mesh is not None and "tp" in mesh.mesh_dim_names and not fsdp
+    if mesh is not None and "tp" in mesh.mesh_dim_names and not fsdp:
+        return True
+    models = accelerator._models[:1]
+    return not fsdp and any(isinstance(p, DTensor) for model in models for p in model.parameters())
 
 
 def save_split_state(accelerator, output_dir: str) -> None:

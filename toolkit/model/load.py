@@ -16,7 +16,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from toolkit.config import LoraConfig, LossConfig, ModelConfig, check_local_path
 from toolkit.errors import UserError
-from toolkit.model import moe, quant, quant_experts, speed
+from toolkit.model import expert_parallel, moe, quant, quant_experts, speed
 from toolkit.model.speed import SpeedFeatures
 from toolkit.train import head
 
@@ -49,13 +49,15 @@ def load_model(
     key: str = "model.path",
     quant_cast: str | None = None,
     loss: LossConfig | None = None,
+    split_experts_over: int = 1,
 ):
     """The trainable model: everything trainable for `full`, only the adapter for `lora`/`qlora`.
 
     `features` (from `speed.resolve`) chooses the attention kernel, Liger kernels and compilation; `key`
     is the config key that errors about `cfg.path` name; `quant_cast` (QLoRA) is the dtype the backend
     casts parameters to (`quant.cast_dtype`), which auto storage packs 4-bit weights into; `loss` chooses
-    the output head (the chunked head is installed for `loss.head: chunked`; none given: the model's own).
+    the output head (the chunked head is installed for `loss.head: chunked`; none given: the model's own);
+    `split_experts_over` > 1 splits a mixture of experts' routed experts over that many processes.
     """
     check_local_path(cfg.path, key)
     attention = features.attention if features else cfg.attn_implementation
@@ -70,6 +72,8 @@ def load_model(
     if cfg.method == "qlora":  # after the start adapter, merged into the experts at full width
         storage = quant.STORAGE_DTYPES[quant.storage_name(cfg.quant_storage, quant_cast)]
         quant_experts.quantize(model, storage, _gpu(local_rank))
+    if split_experts_over > 1:
+        expert_parallel.split_experts(model, split_experts_over)
     if features and features.liger:
         speed.apply_liger(model)
     checkpointing = wants_checkpointing(cfg, model)
