@@ -168,6 +168,8 @@ class Run:
             parts = ", ".join(f"{part} {count:,}" for part, count in moe.trained_parts(model).items())
             packed = quant_experts.stored_bytes(model)
             stored = f"; experts stored in 4-bit, {packed / 2**20:,.2f} MiB" if packed else ""
+            if self.cfg.moe.expert_parallel > 1:
+                stored += f"; experts split over {self.cfg.moe.expert_parallel} processes"
             self.accelerator.print(
                 f"experts: {routing.experts} a layer, {routing.per_token} per token; router balance "
                 f"{coef:g} x the load-balancing loss, pooled over {self.data_parallel} data-parallel "

@@ -16,9 +16,11 @@ STEPS = 4
 SETTINGS = [f"train.max_steps={STEPS}", "train.learning_rate=2e-3", "moe.router_aux_loss_coef=0.1"]
 UNION = "train.micro_batch_size=8"  # one process's micro-batch: the two processes' 4 rows each together
 BACKENDS = {"ddp": "backend ddp (gloo)", "fsdp": "backend fsdp2 (gloo)", "zero3": "backend deepspeed ZeRO-3"}
+BACKENDS["ep"] = f"{BACKENDS['ddp']}"  # a plain multi-process launch; the recipe config splits the experts
 # QLoRA: widths in multiples of 64 for bitsandbytes' CPU kernel.
 WIDE = dict(num_key_value_heads=4, moe_intermediate_size=64, intermediate_size=64)
 DPO = dict(recipe=REPO / "recipes" / "dpo_llm.py", config=str(REPO / "recipes" / "configs" / "demo-dpo.yaml"))
+FULL = ["model.method=full", "train.learning_rate=2e-4", "train.save_every_steps=2"]
 DPO_SETTINGS = ["model.adapter=null", "model.method=lora", "eval.max_batches=0"]
 # (what, model type, tiny model's overrides, recipe settings, run_recipe's keywords)
 VARIANTS = {
@@ -27,6 +29,7 @@ VARIANTS = {
     "gpt_oss": ("gpt_oss", {}, [], {}),
     "dpo": ("qwen3_moe", {}, DPO_SETTINGS, DPO),
     "qlora": ("qwen3_moe", WIDE, ["model.method=qlora"], {}),
+    "full": ("qwen3_moe", {}, FULL, {}),
 }
 CASES = [
     ("sft", "ddp"),
@@ -78,3 +81,32 @@ def test_a_mixture_of_experts_trains_like_one_process(variant, config, single, t
     assert (out / "final" / "adapter_model.safetensors").is_file()
     if variant == "qlora":
         assert "experts stored in 4-bit, 0.05 MiB" in result.stdout  # 55,296 bytes: 4.5 bits a weight
+
+
+def test_expert_parallelism_trains_resumes_and_exports_like_one_process(single, tmp_path):
+    """Experts split over 2 processes (full fine-tuning): the steps of one process on the union
+    micro-batch, exported as plain HF files with the same weights; its step-2 checkpoint resumes exactly,
+    and through the portable path under DDP (weights and optimizer moments: the same losses) and ZeRO-3
+    (the weights: the same next loss; the moments restart, which it says)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    settings, reference = single("full")
+    out = tmp_path / "ep"
+    result = run_recipe(out, *settings, "moe.expert_parallel=2", launch=launch("ep"))
+    assert "experts split over 2 processes" in result.stdout
+    assert step_losses(out) == pytest.approx(step_losses(reference), rel=1e-5)
+    assert balancing(out) == pytest.approx(balancing(reference), rel=1e-5)
+    got = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+    expected = AutoModelForCausalLM.from_pretrained(reference / "final").state_dict()
+    assert got.keys() == expected.keys()
+    assert max((got[k] - expected[k]).abs().max() for k in got) < 1e-5
+    for config, extra in (("ep", ["moe.expert_parallel=2"]), ("ddp", []), ("zero3", [])):
+        resumed = tmp_path / f"resumed-{config}"
+        shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("final", "step-4"))
+        result = run_recipe(resumed, *settings, *extra, launch=launch(config))
+        assert "at step 2" in result.stdout
+        same = STEPS if config != "zero3" else 3
+        assert step_losses(resumed)[:same] == pytest.approx(step_losses(out)[:same], rel=1e-5), config
+    assert "optimizer moments restart" in result.stdout

@@ -71,3 +71,35 @@ def test_moe_keys_on_a_dense_model_are_one_line():
         check_launch(single, cfg, facts.read_model_facts(cfg.model), "recipe.yaml", Machine(), {})
     with pytest.raises(UserError, match="moe.router_aux_loss_coef: must be"):
         load_config(None, ["moe.router_aux_loss_coef=-1"])
+
+
+def test_expert_parallelism_is_checked_against_the_launch_the_model_and_the_method(tmp_path):
+    """Every refusal is one line naming the key; a split that works passes."""
+    from helpers import tiny_moe_config
+
+    tiny_moe_config("qwen3_moe").save_pretrained(tmp_path)
+    ep = launch_from_yaml(REPO / "accelerate_configs" / "ep.yaml", 0)
+    fsdp = launch_from_yaml(REPO / "accelerate_configs" / "fsdp.yaml", 0)
+
+    def check(launch, *overrides):
+        cfg = load_config(None, [f"model.path={tmp_path}", "model.method=full", *overrides])
+        return check_launch(launch, cfg, facts.read_model_facts(cfg.model), "recipe.yaml", Machine(), {})
+
+    assert check(ep, "moe.expert_parallel=2") == []
+    assert check(ep, "moe.expert_parallel=2", "model.method=lora", "lora.experts=false") == []
+    refusals = {
+        "fsdp2": (fsdp, ["moe.expert_parallel=2"], "plain multi-process launch .*not under fsdp2"),
+        "world": (ep, ["moe.expert_parallel=4"], "every process; 2 were launched"),
+        "lora": (ep, ["moe.expert_parallel=2", "model.method=lora"], "lora with lora.experts"),
+    }
+    for launch, overrides, message in refusals.values():
+        with pytest.raises(UserError, match=rf"^moe.expert_parallel \d in recipe.yaml: .*{message}"):
+            check(launch, *overrides)
+    odd = tmp_path / "odd"
+    tiny_moe_config("qwen3_moe", num_experts=3).save_pretrained(odd)
+    with pytest.raises(UserError, match="3 experts a layer do not split 2 ways"):
+        check(ep, f"model.path={odd}", "moe.expert_parallel=2")
+    cfg = load_config(None, [f"model.path={TINY}", "moe.expert_parallel=2"])
+    dense = r"^moe.expert_parallel in recipe.yaml: .*is not a mixture of experts"
+    with pytest.raises(UserError, match=dense):
+        check_launch(ep, cfg, facts.read_model_facts(cfg.model), "recipe.yaml", Machine(), {})

@@ -42,6 +42,12 @@ def check_config_cli(
             f"note: {accel_yaml} is a plain multi-process launch and the recipe config leaves pipeline.size "
             "at 1, so this runs as ddp: add pipeline.size=2 for the pipeline (ftkit train --backend pp does)"
         )
+    if Path(accel_yaml).stem == "ep" and cfg.moe.expert_parallel == 1:
+        notes.append(
+            f"note: {accel_yaml} is a plain multi-process launch and the recipe config leaves "
+            "moe.expert_parallel at 1, so this runs as ddp: add moe.expert_parallel=2 to split the experts "
+            "(ftkit train --backend ep does)"
+        )
     where = " as gloo CPU processes (no GPU here)" if launch.on_cpu and launch.world_size > 1 else ""
     summary = (
         f"{accel_yaml}: ok: {backend_name(launch)} on {launch.world_size} process(es){where} for the "

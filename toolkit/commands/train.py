@@ -57,7 +57,8 @@ class LaunchPlan:
     reason: str = ""
     """Why `auto` chose this backend (empty for a named one)."""
     overrides: list[str] = dataclasses.field(default_factory=list)
-    """The recipe's key=value overrides, with what the backend adds (pipeline.size for pp)."""
+    """The recipe's key=value overrides, with what the backend adds (pipeline.size for pp,
+    moe.expert_parallel for ep)."""
 
     def display(self) -> str:
         return shlex.join(self.argv)
@@ -151,6 +152,8 @@ def plan_launch(
     per_node = 1 if backend == "single" else per_node
     if backend in PIPELINE_SIZE and not any(item.startswith("pipeline.size=") for item in overrides):
         extra.append(f"pipeline.size={PIPELINE_SIZE[backend] or per_node * nodes.count}")
+    if backend == "ep" and not any(item.startswith("moe.expert_parallel=") for item in overrides):
+        extra.append(f"moe.expert_parallel={per_node * nodes.count}")  # the experts over every process
     config_file = REPO / "accelerate_configs" / f"{backend}.yaml"
     argv = ["accelerate", "launch", "--config_file", shown(config_file)]
     argv += ["--num_processes", str(per_node * nodes.count)]

@@ -24,7 +24,7 @@ from toolkit.launch.sections import (
     refuse_parallelism,
     refuse_unknown_wrap_classes,
 )
-from toolkit.model import quant, tensor_parallel
+from toolkit.model import expert_parallel, quant, tensor_parallel
 from toolkit.model.facts import ModelFacts
 from toolkit.pipeline import stages
 from toolkit.train import head
@@ -134,12 +134,42 @@ def check_launch(
         _check_qlora(launch, cfg.model, facts, cfg.train.mixed_precision, recipe_source)
     if cfg.loss.head == "chunked":
         _check_loss_head(facts, recipe_source)
-    if cfg.moe.router_aux_loss_coef is not None and facts.raw is not None and not facts.experts:
+    set_keys = {"router_aux_loss_coef": cfg.moe.router_aux_loss_coef is not None}
+    set_keys["expert_parallel"] = cfg.moe.expert_parallel > 1
+    moe_keys = [key for key, on in set_keys.items() if on]
+    if moe_keys and facts.raw is not None and not facts.experts:
         raise UserError(
-            f"moe.router_aux_loss_coef in {recipe_source}: {facts.path} ({facts.model_type}) is not a "
+            f"moe.{moe_keys[0]} in {recipe_source}: {facts.path} ({facts.model_type}) is not a "
             "mixture of experts; remove the moe section"
         )
+    if cfg.moe.expert_parallel > 1:
+        _check_expert_parallel(launch, cfg, facts, recipe_source)
     return _disable_nccl_p2p(machine, env)
+
+
+def _check_expert_parallel(launch: Launch, cfg: RecipeConfig, facts: ModelFacts, recipe_source: str) -> None:
+    """Expert parallelism splits the experts over every launched process of a plain multi-process launch,
+    evenly, on a model transformers has an expert-parallel plan for, with full weights or adapters
+    outside the experts."""
+    size, key = cfg.moe.expert_parallel, f"moe.expert_parallel {cfg.moe.expert_parallel} in {recipe_source}"
+    if launch.backend != "ddp" or launch.parallel_sizes:
+        raise UserError(
+            f"{key}: it runs on a plain multi-process launch (accelerate_configs/ep.yaml), not under "
+            f"{backend_name(launch)} from {launch.source}"
+        )
+    if launch.world_size != size:
+        raise UserError(f"{key}: it splits the experts over every process; {launch.world_size} were launched")
+    if facts.experts and facts.experts % size:
+        raise UserError(
+            f"{key}: {facts.model_type}'s {facts.experts} experts a layer do not split {size} ways"
+        )
+    if not expert_parallel.has_plan(facts.model_type):
+        raise UserError(f"{key}: transformers has no expert-parallel plan for {facts.model_type}")
+    if cfg.model.method == "qlora" or (cfg.model.method == "lora" and cfg.lora.experts):
+        raise UserError(
+            f"{key}: adapters on split experts are not supported ({cfg.model.method} with lora.experts); "
+            "train full weights, or LoRA with lora.experts: false (adapters on attention and the router)"
+        )
 
 
 def _check_tensor_parallel(tp: int, cfg: RecipeConfig, facts: ModelFacts, recipe_source: str) -> None:

@@ -15,6 +15,15 @@ import re
 from torch.distributed.tensor import DTensor
 
 
+def has_plan(model_type: str) -> bool:
+    """Whether transformers ships an expert-parallel plan for `model_type` (unknown types: no)."""
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:  # a lazy mapping whose get() knows no model type
+        return False
+    return bool(getattr(CONFIG_MAPPING[model_type], "base_model_ep_plan", None))
+
+
 def ep_plan(model) -> dict[str, str]:
     """The model's expert-parallel plan with its `*` replaced by every layer number (transformers' styles
     by module or parameter name)."""
