@@ -43,6 +43,7 @@ SHIPPED = {
     # Plain multi-process launches: the recipe's pipeline.size makes them pipelines (test_pipeline_launch).
     "pp": ("ddp", 0),
     "pp_ddp": ("ddp", 0),
+    "ep": ("ddp", 0),
 }
 
 

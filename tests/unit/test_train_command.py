@@ -48,6 +48,7 @@ def test_every_backend_name_builds_its_launch_on_gloo_processes(backend):
     assert option(plan, "--num_processes") == ("1" if backend == "single" else "2")
     recipe = plan.argv.index(train.shown(train.REPO / "recipes/finetune_llm.py"))
     pipeline = ["pipeline.size=2"] if backend in ("pp", "pp_ddp") else []
+    pipeline += ["moe.expert_parallel=2"] if backend == "ep" else []
     assert plan.argv[recipe + 1 :] == ["train.max_steps=3", *pipeline] == plan.overrides
     assert plan.reason == ""
 
@@ -56,6 +57,8 @@ def test_pipeline_backends_give_the_recipe_its_pipeline_size_unless_it_has_one()
     assert build("--backend", "pp", "--gpus", "4").overrides == ["pipeline.size=4"]
     assert build("--backend", "pp_ddp", "--gpus", "4").overrides == ["pipeline.size=2"]
     assert build("--backend", "pp", "pipeline.size=2", "--gpus", "4").overrides == ["pipeline.size=2"]
+    assert build("--backend", "ep", "--gpus", "4").overrides == ["moe.expert_parallel=4"]
+    assert build("--backend", "ep", "moe.expert_parallel=2").overrides == ["moe.expert_parallel=2"]
 
 
 def test_gpus_config_and_accelerate_args_land_where_accelerate_expects_them():

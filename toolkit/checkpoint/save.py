@@ -252,7 +252,7 @@ def _expert_split(model) -> int:
     """Processes a mixture of experts' experts are split over (expert parallelism: DTensors under DDP)."""
     from torch.distributed.tensor import DTensor
 
-    for param in model.parameters():
+    for param in model.parameters() if model is not None else ():
         if isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("ep",):
             return param.device_mesh.size()
     return 1
