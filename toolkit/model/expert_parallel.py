@@ -62,7 +62,8 @@ def keep_out_of_ddp(model, processes: int) -> None:
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     params = dict(model.named_parameters())
     for name in names:
-        params[name].register_hook(lambda grad: grad / processes)
+        if params[name].requires_grad:  # frozen under LoRA
+            params[name].register_hook(lambda grad: grad / processes)
 
 
 def has_split(model) -> bool:

@@ -144,9 +144,18 @@ def peft_config(lora: LoraConfig, model) -> PeftLoraConfig:
 
 def _with_adapter(model, lora: LoraConfig):
     try:
-        return get_peft_model(model, peft_config(lora, model))
+        adapted = get_peft_model(model, peft_config(lora, model))
     except ValueError as exc:  # peft's "target modules not found" and its kin
         raise UserError(f"lora.target_modules: {lora.target_modules}: {str(exc).splitlines()[0]}") from None
+    if not lora.experts and moe.trained_parts(adapted).get("experts"):
+        # peft maps the names of the experts' former linear layers (which all-linear includes) onto the
+        # fused tensors: the experts would be adapted all the same.
+        raise UserError(
+            f"lora.experts: false cannot keep peft off the routed experts with lora.target_modules "
+            f"{lora.target_modules} on {model.config.model_type}: list the modules, e.g. [q_proj, k_proj, "
+            "v_proj, o_proj]"
+        )
+    return adapted
 
 
 def local_path(path: str) -> str:
