@@ -46,6 +46,34 @@ def build_model_dir(out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def build_moe_model_dir(out: Path) -> None:
+    """A random-init Qwen3-MoE of the same width (8 experts a layer, 2 per token, ~60M parameters of which
+    ~20M active), saved with the tokenizer."""
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=512,
+        intermediate_size=1408,
+        moe_intermediate_size=704,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(SEED)
+    Qwen3MoeForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
 def write_data(path: Path) -> None:
     """Alpaca-like chats of plain words with lognormal lengths (many short, a long tail past SEQ_LEN)."""
     from transformers import AutoTokenizer

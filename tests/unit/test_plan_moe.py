@@ -1,6 +1,7 @@
 """`ftkit plan` on mixtures of experts: the three models of the built-in table answer on 2 x 24 GiB with a
 launch line, active parameters and FLOPs count only the experts a token is sent to (checked against torch's
-FLOP counter on a tiny model), and QLoRA says what it leaves unquantized."""
+FLOP counter on a tiny model), QLoRA counts its experts in 4-bit, and expert parallelism splits the experts
+alone."""
 
 import pytest
 import torch
@@ -116,3 +117,23 @@ def test_the_shipped_moe_configs_fit_as_their_headers_say(name, backend):
     assert f"accelerate_configs/{backend}.yaml --num_processes 2" in render_text(plan)
     header = (REPO / "recipes" / "configs" / f"{name}.yaml").read_text()
     assert f"accelerate launch --config_file accelerate_configs/{backend}.yaml" in header
+
+
+def test_expert_parallelism_splits_the_experts_alone_and_needs_full_weights():
+    """ep 8 on Mixtral-8x7B: each GPU keeps 1/8 of the experts and the rest whole, with bf16 autocast copies
+    of what it holds; QLoRA is refused in one line; a dense model gets no ep layout."""
+    import math
+
+    plan = make_plan(PlanRequest(model=MOE_MODELS[2], gpus=8, gpu_mem=80.0, method="full"))
+    ep = next(layout for layout in plan.layouts if layout.mesh.ep == 8)
+    c, row = plan.counts, ep.rows[0]
+    held = c.total - c.expert_params + math.ceil(c.expert_params / 8)
+    assert row.states.trainable == 4 * held
+    assert row.working == pytest.approx(2 * (held - c.embed), rel=1e-4)  # every weight but norms, embeddings
+    assert row.per_gpu()["total"] < next(r for r in plan.rows if r.backend == "ddp").per_gpu()["total"] / 4
+    assert "ep E: the routed experts split E ways" in render_text(plan)
+    qlora = make_plan(PlanRequest(model=MOE_MODELS[2], gpus=8, gpu_mem=80.0, method="qlora"))
+    refusal = next(layout for layout in qlora.layouts if layout.mesh.ep == 8).refusal
+    assert refusal.startswith("qlora adapts the experts")
+    dense = make_plan(PlanRequest(model="meta-llama/Llama-3.1-8B", gpus=8, gpu_mem=80.0, method="full"))
+    assert not any(layout.mesh.ep > 1 for layout in dense.layouts)

@@ -42,6 +42,19 @@ def all_reduce(ranks: int, size: int) -> int:
     return 2 * (ranks - 1) * size // ranks
 
 
+def ep_bytes(counts, ep: int, tokens: int, checkpointing: bool, precision: Precision) -> int:
+    """Bytes one GPU sends per optimizer step under expert parallelism over `ep` GPUs, for `tokens` of its
+    own: each MoE layer sends each token's copies for its k experts out and their results back (forward,
+    the recomputed forward under checkpointing, backward twice), the share (ep - 1) / ep leaving the GPU;
+    then DDP's all-reduce of the replicated weights' gradients."""
+    act = 2 if precision.mixed == "bf16" or precision.weights == "bfloat16" else 4
+    passes = 4 + (2 if checkpointing else 0)
+    per_layer = tokens * counts.experts_per_token * counts.hidden * act * passes * (ep - 1) // ep
+    replicated = counts.trainable - counts.expert_params if counts.method == "full" else counts.trainable
+    grads = replicated * param_bytes(counts.method, "ddp", precision)[1]
+    return counts.layers * per_layer + all_reduce(ep, grads)
+
+
 def data_parallel_bytes(counts, backend: str, n_gpus: int, micro_batches: int, precision: Precision) -> int:
     """Bytes one GPU sends per optimizer step of `micro_batches` micro-batches under `backend`."""
     if backend == "single":

@@ -25,7 +25,12 @@ def layouts_section(plan: Plan) -> list[str]:
             cells = f"{_size(sent):>11}" + (_schedule_cells(layout) if piped else "")
             lines.append(row_line(plan, row, layout.mesh.label, cells))
     lines += _refusals(plan)
-    split = [layout for layout in plan.layouts if layout.mesh.pp == 1]
+    split = [layout for layout in plan.layouts if layout.mesh.pp == layout.mesh.ep == 1]
+    if any(layout.mesh.ep > 1 for layout in plan.layouts):
+        lines.append(
+            "  ep E: the routed experts split E ways and each token sent to its experts' GPU (all-to-all); "
+            "the rest whole, each GPU its own micro-batch (accelerate_configs/ep.yaml)"
+        )
     if split:
         lines.append(
             "  tp T: T GPUs split each layer and share each micro-batch; fsdp_tp DxT: FSDP over D, tp T; "

@@ -242,8 +242,16 @@ def working_weight_bytes(counts, backend: str, precision: Precision) -> int:
         precision.mixed == "bf16" and precision.weights == "float32" and counts.method != "qlora"
     )
     if backend in ("single", "ddp") and autocast_copies:
-        return 2 * (counts.matmul_frozen + counts.matmul_trainable)
+        # A mixture of experts' kernels cast a layer's whole experts tensor, not the share a token uses.
+        return 2 * (counts.matmul_frozen + counts.matmul_trainable + _unused_experts(counts))
     return 0
+
+
+def _unused_experts(counts) -> int:
+    """Expert weights a token is not routed to (0 for a dense model)."""
+    if not counts.experts:
+        return 0
+    return counts.expert_params - counts.expert_params * counts.experts_per_token // counts.experts
 
 
 def overhead_bytes(tensor_bytes: int, backend: str, n_gpus: int, counts, precision: Precision) -> int:

@@ -1,10 +1,12 @@
-"""Model-parallel layouts in `ftkit plan`: tensor parallelism (tp), FSDP2 over tensor-parallel ranks (fsdp_tp)
-and FSDP2's hybrid sharding (hsdp), beside the data-parallel backends of `plan.memory`.
+"""Model-parallel layouts in `ftkit plan`: tensor parallelism (tp), FSDP2 over tensor-parallel ranks
+(fsdp_tp), FSDP2's hybrid sharding (hsdp) and, for a mixture of experts, expert parallelism (ep), beside
+the data-parallel backends of `plan.memory`.
 
     layout          split modules*   the rest**   gradients and optimizer states
     tp T            1/T              whole        follow their weights
     fsdp_tp D x T   1/(D x T)        1/D          follow their weights
     hsdp R x S      1/S              1/S          1/S
+    ep E            routed experts 1/E, everything else whole (as under DDP); each GPU its own micro-batch
 
 *  the attention q/k/v/o and MLP gate/up/down linears of every decoder layer and their LoRA adapters, as the
    model's transformers `base_model_tp_plan` names them (colwise and rowwise, Megatron-style).
@@ -41,18 +43,22 @@ class Mesh:
     """Copies of the sharded model (HSDP's dp_replicate), or of the whole pipeline (pp_ddp)."""
     pp: int = 1
     """Pipeline stages, one process each (`plan.pipeline`)."""
+    ep: int = 1
+    """Processes a mixture of experts' routed experts are split over, each its own micro-batch."""
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.shard * self.replicate * self.pp
+        return self.tp * self.shard * self.replicate * self.pp * self.ep
 
     @property
     def data_parallel(self) -> int:
         """Groups of GPUs that run different micro-batches."""
-        return self.shard * self.replicate
+        return self.shard * self.replicate * self.ep
 
     @property
     def label(self) -> str:
+        if self.ep > 1:
+            return f"ep {self.ep}"
         if self.pp > 1:
             return f"pp {self.pp}" + (f" x ddp {self.replicate}" if self.replicate > 1 else "")
         if self.backend == "tp":
@@ -78,20 +84,23 @@ class Layout:
         return self.mesh.label
 
 
-def meshes(gpus: int) -> list[Mesh]:
+def meshes(gpus: int, experts: int = 0) -> list[Mesh]:
     """The layouts shown for `gpus` GPUs of one machine: tp across all of them; with an even count of 4 or
     more, fsdp_tp as dp_shard N/2 x tp 2 (TP stays on pairs of GPUs, whose traffic is the heaviest) and hsdp
-    as 2 replicas of N/2 shards (one machine has no node boundary to replicate across)."""
+    as 2 replicas of N/2 shards (one machine has no node boundary to replicate across); for a mixture of
+    experts (`experts` a layer), ep across all of them."""
     if gpus < 2:
         return []
     found = [Mesh("tp", tp=gpus)]
     if gpus >= 4 and gpus % 2 == 0:
         found += [Mesh("fsdp_tp", tp=2, shard=gpus // 2), Mesh("hsdp", shard=gpus // 2, replicate=2)]
-    return found
+    return found + ([Mesh("ep", ep=gpus)] if experts else [])
 
 
 def refusal(counts, mesh: Mesh) -> str | None:
     """Why `mesh` cannot split this model, in one line; None when it can."""
+    if mesh.ep > 1:
+        return _ep_refusal(counts, mesh.ep)
     if mesh.tp == 1:
         return None
     if not counts.tp_styles:
@@ -111,12 +120,20 @@ def refusal(counts, mesh: Mesh) -> str | None:
     return f"tp {mesh.tp} does not divide {' or '.join(odd)}" if odd else None
 
 
+def _ep_refusal(counts, ep: int) -> str | None:
+    if counts.experts % ep:
+        return f"ep {ep} does not divide the {counts.experts} experts a layer"
+    if counts.method != "full":
+        return f"{counts.method} adapts the experts, which ftkit does not split (lora.experts)"
+    return None
+
+
 def layouts(
     counts, request: PlanRequest, precision: Precision, ckpt_options, micro: int
 ) -> tuple[Layout, ...]:
     """Every layout for `request.gpus` GPUs at micro-batch `micro`, one row per checkpointing option."""
     found = []
-    for mesh in meshes(request.gpus):
+    for mesh in meshes(request.gpus, counts.experts):
         why = refusal(counts, mesh)
         if why:
             found.append(Layout(mesh, why))
@@ -125,6 +142,21 @@ def layouts(
         sent = tuple(comm_bytes(counts, mesh, request, precision, micro, ckpt) for ckpt in ckpt_options)
         found.append(Layout(mesh, None, rows, sent, request.global_batch // (micro * mesh.data_parallel)))
     return tuple(found)
+
+
+def ep_rank_counts(counts, ep: int):
+    """The counts of what one process holds under expert parallelism: the routed experts 1/ep (full
+    fine-tuning: trainable), the rest whole."""
+    kept = counts.expert_params - math.ceil(counts.expert_params / ep)
+    return dataclasses.replace(
+        counts,
+        total=counts.total - kept,
+        trainable=counts.trainable - kept,
+        expert_params=counts.expert_params - kept,
+        # the share of the other processes' experts a token would have gone through here
+        matmul_trainable=counts.matmul_trainable - kept * counts.experts_per_token // counts.experts,
+        largest_layer=counts.largest_layer - kept // counts.layers,
+    )
 
 
 def rank_counts(counts, tp: int):
@@ -158,9 +190,14 @@ def estimate(
     # The data-parallel backend whose working copies, head and loading rules apply: FSDP's gathers when
     # there are shards, else DDP's whole weights (the states follow FSDP's rules at 1 shard: no DDP buckets).
     like = "fsdp" if mesh.shard > 1 else "ddp"
-    rank = rank_counts(counts, mesh.tp)
+    rank = ep_rank_counts(counts, mesh.ep) if mesh.ep > 1 else rank_counts(counts, mesh.tp)
     sequences = micro * request.rows_per_example
-    states = memory.model_state_bytes(rank, "fsdp", mesh.shard, precision)
+    # Expert parallelism runs under DDP: its gradient buckets hold the replicated weights' gradients.
+    states = (
+        memory.model_state_bytes(rank, "ddp", mesh.gpus, precision)
+        if mesh.ep > 1
+        else memory.model_state_bytes(rank, "fsdp", mesh.shard, precision)
+    )
     working = memory.working_weight_bytes(rank, like, precision)
     loss_head = memory.head_bytes(counts, request.row_tokens * sequences, like, precision, request.head)
     activations = loss_head + memory.activation_bytes(
@@ -201,6 +238,9 @@ def comm_bytes(counts, mesh: Mesh, request: PlanRequest, precision: Precision, m
     and reduce-scatter over the shards of one TP rank's part; hsdp adds an all-reduce of each gradient shard
     across the replicas."""
     micro_batches = request.global_batch // (micro * mesh.data_parallel)
+    if mesh.ep > 1:
+        tokens = micro_batches * micro * request.rows_per_example * request.row_tokens
+        return comm.ep_bytes(counts, mesh.ep, tokens, ckpt, precision)
     weights, grads = comm.fsdp_sizes(rank_counts(counts, mesh.tp), precision)
     sent = comm.fsdp_bytes(mesh.shard, micro_batches, weights, grads) if mesh.shard > 1 else 0
     if mesh.replicate > 1:
