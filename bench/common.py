@@ -22,12 +22,13 @@ SEED = 0
 EXAMPLES = 400
 
 
-def build_model_dir(out: Path) -> None:
-    """A random-init Llama (~20M parameters: large enough that compute shows), saved with the tokenizer."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def build_model_dir(out: Path, moe: bool = False) -> None:
+    """A random-init Llama (~20M parameters: large enough that compute shows) or, `moe`, a Qwen3-MoE of the
+    same width (8 routed experts a layer, 2 per token), saved with the tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    config = LlamaConfig(
+    shape = dict(
         vocab_size=len(tokenizer),
         hidden_size=512,
         intermediate_size=1408,
@@ -40,37 +41,14 @@ def build_model_dir(out: Path) -> None:
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-
-
-def build_moe_model_dir(out: Path) -> None:
-    """A random-init Qwen3-MoE of the same width (8 experts a layer, 2 per token, ~60M parameters of which
-    ~20M active), saved with the tokenizer."""
-    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=512,
-        intermediate_size=1408,
-        moe_intermediate_size=704,
-        num_experts=8,
-        num_experts_per_tok=2,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+    experts = dict(moe_intermediate_size=704, num_experts=8, num_experts_per_tok=2, head_dim=64)
+    config = (
+        AutoConfig.for_model("qwen3_moe", **shape, **experts)
+        if moe
+        else AutoConfig.for_model("llama", **shape)
     )
     torch.manual_seed(SEED)
-    Qwen3MoeForCausalLM(config).save_pretrained(out)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 

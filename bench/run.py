@@ -31,7 +31,6 @@ from common import (
     SEQ_LEN,
     STEPS,
     build_model_dir,
-    build_moe_model_dir,
     step_figures,
     write_data,
     write_results,
@@ -123,7 +122,7 @@ def sft_section(repeats: int, moe: bool = False) -> str:
     round-robin; returns the block it also writes."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        (build_moe_model_dir if moe else build_model_dir)(work / "model")
+        build_model_dir(work / "model", moe)
         write_data(work / "data.jsonl")
         cmds = commands(work)
         if moe:  # the bare loop and HF Trainer add no balancing loss: not the same work
