@@ -1,8 +1,8 @@
 """Tiny random mixtures of experts train LoRA with the routers' balancing loss on, on 2 gloo processes, with
 the same per-step loss and balancing loss as one process: the balancing loss is pooled over the
-data-parallel micro-batch, so the split does not change it. Qwen3-MoE under DDP, FSDP2 and ZeRO-3, Mixtral
-under FSDP2, gpt-oss (eager attention, experts with biases) under ZeRO-3; DPO on Qwen3-MoE under DDP; QLoRA,
-its experts stored in 4-bit, under FSDP2 and ZeRO-3."""
+data-parallel micro-batch, so the split does not change it. Qwen3-MoE under DDP, Mixtral under FSDP2,
+gpt-oss (eager attention, experts with biases) under ZeRO-3; DPO on Qwen3-MoE under DDP; QLoRA on
+Qwen3-MoE, its experts stored in 4-bit, under FSDP2 and ZeRO-3; expert parallelism (full fine-tuning)."""
 
 import pytest
 from helpers import REPO, launch, run_recipe, step_losses, tiny_moe
@@ -31,10 +31,9 @@ VARIANTS = {
     "qlora": ("qwen3_moe", WIDE, ["model.method=qlora"], {}),
     "full": ("qwen3_moe", {}, FULL, {}),
 }
+# Qwen3-MoE's own runs under FSDP2 and ZeRO-3 are QLoRA's; Mixtral and gpt-oss take those backends' LoRA.
 CASES = [
     ("sft", "ddp"),
-    ("sft", "fsdp"),
-    ("sft", "zero3"),
     ("mixtral", "fsdp"),
     ("gpt_oss", "zero3"),
     ("dpo", "ddp"),
@@ -86,8 +85,7 @@ def test_a_mixture_of_experts_trains_like_one_process(variant, config, single, t
 def test_expert_parallelism_trains_resumes_and_exports_like_one_process(single, tmp_path):
     """Experts split over 2 processes (full fine-tuning): the steps of one process on the union
     micro-batch, exported as plain HF files with the same weights; its step-2 checkpoint resumes exactly,
-    and through the portable path under DDP (weights and optimizer moments: the same losses) and ZeRO-3
-    (the weights: the same next loss; the moments restart, which it says)."""
+    and through the portable path under DDP (weights and optimizer moments: the same losses)."""
     import shutil
 
     from transformers import AutoModelForCausalLM
@@ -102,11 +100,12 @@ def test_expert_parallelism_trains_resumes_and_exports_like_one_process(single, 
     expected = AutoModelForCausalLM.from_pretrained(reference / "final").state_dict()
     assert got.keys() == expected.keys()
     assert max((got[k] - expected[k]).abs().max() for k in got) < 1e-5
-    for config, extra in (("ep", ["moe.expert_parallel=2"]), ("ddp", []), ("zero3", [])):
+    for config, extra in (("ep", ["moe.expert_parallel=2"]), ("ddp", [])):
         resumed = tmp_path / f"resumed-{config}"
         shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("final", "step-4"))
         result = run_recipe(resumed, *settings, *extra, launch=launch(config))
         assert "at step 2" in result.stdout
-        same = STEPS if config != "zero3" else 3
-        assert step_losses(resumed)[:same] == pytest.approx(step_losses(out)[:same], rel=1e-5), config
-    assert "optimizer moments restart" in result.stdout
+        assert step_losses(resumed) == pytest.approx(step_losses(out), rel=1e-5), config
+    assert (
+        "resumed weights, optimizer and learning-rate schedule from a MULTI_CPU world 2 ep 2" in result.stdout
+    )
