@@ -64,8 +64,3 @@ def keep_out_of_ddp(model, processes: int) -> None:
     for name in names:
         if params[name].requires_grad:  # frozen under LoRA
             params[name].register_hook(lambda grad: grad / processes)
-
-
-def has_split(model) -> bool:
-    """Whether `model` holds parameters split across processes."""
-    return any(isinstance(param, DTensor) for param in model.parameters())

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit.model import quant
+
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 PER_TOKEN_KEYS = ("num_experts_per_tok", "experts_per_token")
 
@@ -97,7 +99,9 @@ def expert_modules(config, trust_remote_code: bool = False) -> list[str]:
 def unpacked_name(name: str) -> str:
     """A parameter's name as the model's code reads it: `experts.gate_up_proj` for a 4-bit one's stored
     `experts.parametrizations.gate_up_proj.original` (see quant_experts)."""
-    return name.replace(".parametrizations.", ".").removesuffix(".original")
+    if not quant.is_packed_experts(name):
+        return name
+    return name.replace(".parametrizations.", ".").removesuffix(f".{quant.PACKED_EXPERTS}")
 
 
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
