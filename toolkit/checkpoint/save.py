@@ -17,6 +17,7 @@ from toolkit.checkpoint.rundir import CONFIG
 from toolkit.config import RecipeConfig
 from toolkit.distributed import any_rank
 from toolkit.errors import UserError
+from toolkit.model import expert_parallel
 from toolkit.pipeline import stages
 from toolkit.typed_yaml import save_config
 
@@ -244,18 +245,8 @@ def layout(accelerator, model) -> dict:
         "tp_size": sizes.get("tp", 1) if pp == 1 else 1,
         "dp_replicate_size": sizes.get("dp_replicate", 1),
         "pp_size": pp,
-        "ep_size": _expert_split(model),
+        "ep_size": expert_parallel.split_size(model),
     }
-
-
-def _expert_split(model) -> int:
-    """Processes a mixture of experts' experts are split over (expert parallelism: DTensors under DDP)."""
-    from torch.distributed.tensor import DTensor
-
-    for param in model.parameters() if model is not None else ():
-        if isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("ep",):
-            return param.device_mesh.size()
-    return 1
 
 
 def _header_readable(file: Path) -> bool:

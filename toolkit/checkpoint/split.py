@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
+
+from toolkit.model import expert_parallel
 
 # The directory names accelerate gives FSDP's sharded states.
 DCP_MODEL, DCP_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
@@ -38,8 +39,7 @@ def is_split(accelerator) -> bool:
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     if mesh is not None and "tp" in mesh.mesh_dim_names and not fsdp:
         return True
-    models = accelerator._models[:1]
-    return not fsdp and any(isinstance(p, DTensor) for model in models for p in model.parameters())
+    return not fsdp and any(expert_parallel.split_size(model) > 1 for model in accelerator._models[:1])
 
 
 def save_split_state(accelerator, output_dir: str) -> None:

@@ -64,3 +64,12 @@ def keep_out_of_ddp(model, processes: int) -> None:
     for name in names:
         if params[name].requires_grad:  # frozen under LoRA
             params[name].register_hook(lambda grad: grad / processes)
+
+
+def split_size(model) -> int:
+    """Processes `model`'s experts are split over (1: none; a model under FSDP or TP holds DTensors on
+    other meshes)."""
+    for param in model.parameters() if model is not None else ():
+        if isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("ep",):
+            return param.device_mesh.size()
+    return 1
