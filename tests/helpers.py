@@ -204,6 +204,9 @@ TINY_MOE = {
     "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32, head_dim=16),
     "mixtral": dict(num_local_experts=4),
     "gpt_oss": dict(num_local_experts=4, head_dim=16),
+    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    "olmoe": dict(num_experts=4),
+    "granitemoeshared": dict(num_local_experts=4, shared_intermediate_size=64),
 }
 
 

@@ -82,8 +82,16 @@ class LoraConfig:
     use_dora: bool = False
     """Weight-decomposed LoRA (DoRA)."""
     experts: bool = True
-    """Also adapt a mixture of experts' routed experts (their fused 3-D tensors, which no module name
-    reaches on every family); no effect on a dense model."""
+    """Mixture of experts: adapt the routed experts (their fused 3-D tensors, which no module name reaches
+    on every family). The four part keys have no effect on a dense model."""
+    router: bool = False
+    """Mixture of experts: adapt the routers' weights. Off by default: the router decides which experts see
+    each token, and a small fine-tuning set can undo the balance pretraining gave it."""
+    shared_expert: bool = True
+    """Mixture of experts: adapt the shared expert every token also goes through (Qwen2-MoE, Granite-MoE
+    shared), where target_modules names its linear layers."""
+    attention: bool = True
+    """Mixture of experts: adapt the attention projections, where target_modules names them."""
 
 
 @dataclass

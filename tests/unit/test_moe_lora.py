@@ -1,22 +1,67 @@
-"""LoRA's reach on a mixture of experts: `lora.experts: false` keeps the adapters off the routed experts,
-or, where peft would adapt them all the same, says so in one line."""
+"""LoRA's reach on a mixture of experts: the same parts on every family (peft alone adapts the router and
+experts on some and not others), each part chosen by its key, and adapters that plain peft loads."""
 
 import pytest
-from helpers import tiny_moe
+import torch
+from helpers import TINY_MOE, tiny_moe, tiny_moe_config
+from transformers import AutoModelForCausalLM
 
 from toolkit.config import LoraConfig, ModelConfig
-from toolkit.errors import UserError
 from toolkit.model import moe
-from toolkit.model.load import load_model
+from toolkit.model.load import _with_adapter, load_model
 
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+SHARED = {"qwen2_moe", "granitemoeshared"}
 
 
-def test_lora_experts_false_keeps_the_experts_frozen_or_refuses_in_one_line(tmp_path):
+def adapted(model_type: str, **lora):
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_moe_config(model_type))
+    return _with_adapter(base, LoraConfig(r=4, **lora))
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_MOE))
+def test_every_family_adapts_the_same_parts_and_each_key_turns_its_part_on_or_off(model_type):
+    default = {"attention", "experts"} | ({"shared expert"} if model_type in SHARED else set())
+    assert set(moe.trained_parts(adapted(model_type))) == default
+    assert set(moe.trained_parts(adapted(model_type, router=True))) == default | {"router"}
+    for key, part in (("experts", "experts"), ("attention", "attention"), ("shared_expert", "shared expert")):
+        assert set(moe.trained_parts(adapted(model_type, **{key: False}))) == default - {part}, key
+
+
+def test_the_fused_gate_and_up_projections_get_twice_the_rank_on_every_family():
+    for model_type in ("gpt_oss", "qwen3_moe"):  # peft alone doubles it on the second only
+        shapes = {n.split("layers.0.mlp.")[-1]: p.shape for n, p in adapted(model_type).named_parameters()}
+        assert shapes["experts.base_layer.lora_A.default.weight"][0] == 2 * 4 * 4  # rank 2 x 4, 4 experts
+
+
+def test_a_dense_mlp_layer_keeps_its_adapter_where_peft_would_convert_its_names(tmp_path):
+    """Qwen3-MoE with a dense first layer: peft maps the names gate_proj/up_proj/down_proj onto the fused
+    experts, so ftkit names that layer's weights as parameters; plain peft loads the adapter and computes the
+    same logits."""
+    from peft import PeftModel
+
+    config = tiny_moe_config("qwen3_moe", mlp_only_layers=[0])
+    model = adapted_model = _with_adapter(_seeded(config), LoraConfig(r=4, router=True))
+    assert {"other", "router", "experts", "attention"} == set(moe.trained_parts(model))
+    assert any("layers.0.mlp.gate_proj.lora_A" in n for n, _ in model.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()  # B starts at zero: give every adapter an effect
+    ids = torch.arange(12).view(2, 6)
+    adapted_model.eval()
+    expected = adapted_model(input_ids=ids).logits
+    adapted_model.save_pretrained(tmp_path / "adapter")
+    plain = PeftModel.from_pretrained(_seeded(config), tmp_path / "adapter").eval()
+    torch.testing.assert_close(plain(input_ids=ids).logits, expected)
+
+
+def _seeded(config):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_experts_false_leaves_them_frozen_with_all_linear_too(tmp_path):
     path = str(tiny_moe(tmp_path / "moe"))
-    lora = ModelConfig(path=path, method="lora")
-    listed = load_model(lora, LoraConfig(experts=False, target_modules=ATTENTION))
-    assert set(moe.trained_parts(listed)) == {"attention"}
-    # all-linear includes the experts' former linear layers, which peft maps onto the fused tensors
-    with pytest.raises(UserError, match=r"^lora.experts: false cannot keep peft off .* qwen3_moe: list the"):
-        load_model(lora, LoraConfig(experts=False))
+    model = load_model(ModelConfig(path=path, method="lora"), LoraConfig(experts=False))
+    assert set(moe.trained_parts(model)) == {"attention"}

@@ -160,7 +160,7 @@ def test_the_trained_parts_of_a_mixture_of_experts_are_counted_apart():
     from toolkit.config import LoraConfig
     from toolkit.model.load import _with_adapter
 
-    model = _with_adapter(random_moe(), LoraConfig(r=4, target_modules="all-linear"))
+    model = _with_adapter(random_moe(), LoraConfig(r=4, target_modules="all-linear", router=True))
     parts = moe.trained_parts(model)
     assert set(parts) == {"attention", "experts", "router"}
     # A layer: gate_up_proj's adapter (rank 8 x 4 experts, 64 -> 64) and down_proj's (rank 4 x 4, 32 -> 64);

@@ -168,7 +168,8 @@ def _check_expert_parallel(launch: Launch, cfg: RecipeConfig, facts: ModelFacts,
     if cfg.model.method == "qlora" or (cfg.model.method == "lora" and cfg.lora.experts):
         raise UserError(
             f"{key}: adapters on split experts are not supported ({cfg.model.method} with lora.experts); "
-            "train full weights, or LoRA with lora.experts: false (adapters on attention and the router)"
+            "train full weights, or LoRA with lora.experts: false (adapters on attention, the shared "
+            "expert and, with lora.router, the router)"
         )
 
 

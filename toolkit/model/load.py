@@ -16,7 +16,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from toolkit.config import LoraConfig, LossConfig, ModelConfig, check_local_path
 from toolkit.errors import UserError
-from toolkit.model import expert_parallel, moe, quant, quant_experts, speed
+from toolkit.model import expert_parallel, lora_targets, moe, quant, quant_experts, speed
 from toolkit.model.speed import SpeedFeatures
 from toolkit.train import head
 
@@ -129,33 +129,23 @@ def _weights(param) -> int:
 
 
 def peft_config(lora: LoraConfig, model) -> PeftLoraConfig:
-    """The peft LoRA/DoRA settings for a recipe's `lora` section on `model` (its routed experts' tensors
-    named as peft's parameter targets when `lora.experts`)."""
+    """The peft LoRA/DoRA settings for a recipe's `lora` section on `model` (on a mixture of experts, the
+    parts its keys choose: lora_targets)."""
     return PeftLoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
-        target_parameters=moe.expert_parameter_names(model) if lora.experts else None,
         use_dora=lora.use_dora,
         task_type="CAUSAL_LM",
+        **lora_targets.peft_targets(lora, model),
     )
 
 
 def _with_adapter(model, lora: LoraConfig):
     try:
-        adapted = get_peft_model(model, peft_config(lora, model))
+        return get_peft_model(model, peft_config(lora, model))
     except ValueError as exc:  # peft's "target modules not found" and its kin
         raise UserError(f"lora.target_modules: {lora.target_modules}: {str(exc).splitlines()[0]}") from None
-    if not lora.experts and moe.trained_parts(adapted).get("experts"):
-        # peft maps the names of the experts' former linear layers (which all-linear includes) onto the
-        # fused tensors: the experts would be adapted all the same.
-        raise UserError(
-            f"lora.experts: false cannot keep peft off the routed experts with lora.target_modules "
-            f"{lora.target_modules} on {model.config.model_type}: list the modules, e.g. [q_proj, k_proj, "
-            "v_proj, o_proj]"
-        )
-    return adapted
 
 
 def local_path(path: str) -> str:

@@ -14,6 +14,7 @@ from toolkit.model import quant
 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 PER_TOKEN_KEYS = ("num_experts_per_tok", "experts_per_token")
+SHARED_WIDTH_KEYS = ("shared_expert_intermediate_size", "shared_intermediate_size")
 
 
 @dataclass(frozen=True)
@@ -46,26 +47,32 @@ def routing(config) -> Routing:
         return Routing()
     per_token = next((int(getattr(text, k)) for k in PER_TOKEN_KEYS if getattr(text, k, None)), 1)
     width = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
-    return Routing(experts, per_token, width, getattr(text, "shared_expert_intermediate_size", None) or 0)
+    shared = next((getattr(text, k) for k in SHARED_WIDTH_KEYS if getattr(text, k, None)), 0)
+    return Routing(experts, per_token, width, int(shared))
 
 
 PARTS = (
-    ("shared expert", (".shared_expert",)),
+    ("shared expert", (".shared_expert", ".shared_mlp.")),
     ("experts", (".experts.",)),
     ("router", (".gate.", ".router.")),
+    ("attention", (".self_attn.",)),
 )
 
 
+def part_of(name: str) -> str:
+    """The part of a mixture of experts a parameter or module name belongs to: the routed experts, the
+    shared expert (Qwen2-MoE's `shared_expert`, Granite's `shared_mlp`), the router, attention, or other
+    (embeddings, norms, the head, a dense layer's MLP)."""
+    return next((part for part, keys in PARTS if any(key in f"{name}." for key in keys)), "other")
+
+
 def trained_parts(model) -> dict[str, int]:
-    """Trainable parameters of a mixture of experts by part: the routed experts, the shared expert, the
-    router, attention, and the rest (embeddings, norms, head), the parts with none left out."""
+    """Trainable parameters of a mixture of experts by part (see part_of), the parts with none left out."""
     counts: dict[str, int] = {}
     for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        part = next((p for p, keys in PARTS if any(k in f"{name}." for k in keys)), None)
-        part = part or ("attention" if ".self_attn." in name else "other")
-        counts[part] = counts.get(part, 0) + getattr(param, "ds_numel", param.numel())
+        if param.requires_grad:
+            part = part_of(name)
+            counts[part] = counts.get(part, 0) + getattr(param, "ds_numel", param.numel())
     return counts
 
 

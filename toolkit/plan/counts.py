@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from toolkit import console
+from toolkit.config import LoraConfig as RecipeLora
 from toolkit.errors import UserError
-from toolkit.model import moe
+from toolkit.model import lora_targets, moe
 from toolkit.plan import architectures
 
 
@@ -95,7 +96,7 @@ def load_model_config(model: str):
 
 
 def count_parameters(config, method: str, lora_r: int, source: str = "") -> ModelCounts:
-    """Exact counts for `method`; LoRA adapters come from peft's all-linear LoraConfig(r=lora_r), on meta."""
+    """Exact counts for `method`; LoRA adapters are the recipe's default ones at rank `lora_r`, on meta."""
     model = build_meta_model(config)
     if method in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
@@ -106,13 +107,8 @@ def count_parameters(config, method: str, lora_r: int, source: str = "") -> Mode
             warnings.simplefilter("ignore", FutureWarning)
             warnings.filterwarnings("ignore", "fan_in_fan_out", UserWarning)
             warnings.filterwarnings("ignore", console.PEFT_PATTERNS, RuntimeWarning)  # see there
-            experts = moe.expert_parameter_names(model)  # as lora.experts (the default) adapts them
-            model = get_peft_model(
-                model,
-                LoraConfig(
-                    r=lora_r, target_modules="all-linear", target_parameters=experts, task_type="CAUSAL_LM"
-                ),
-            )
+            targets = lora_targets.peft_targets(RecipeLora(r=lora_r), model)  # the recipe's defaults
+            model = get_peft_model(model, LoraConfig(r=lora_r, task_type="CAUSAL_LM", **targets))
     else:
         model.requires_grad_(True)
     return _counts(model, config.get_text_config(), method, lora_r, source)
