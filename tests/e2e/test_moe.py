@@ -2,7 +2,9 @@
 the same per-step loss and balancing loss as one process: the balancing loss is pooled over the
 data-parallel micro-batch, so the split does not change it. Qwen3-MoE under DDP (full fine-tuning),
 Mixtral under FSDP2, gpt-oss (eager attention, experts with biases) under ZeRO-3; DPO on Qwen3-MoE under
-DDP; QLoRA on Qwen3-MoE, its experts stored in 4-bit, under ZeRO-3; expert parallelism (full fine-tuning)."""
+expert parallelism (Qwen2-MoE with its shared expert; LoRA on attention, the shared expert and the router);
+QLoRA on Qwen3-MoE, its experts stored in 4-bit, under ZeRO-3; expert parallelism with full fine-tuning,
+resumed."""
 
 import pytest
 from helpers import REPO, launch, run_recipe, step_losses, tiny_moe
@@ -26,13 +28,15 @@ DPO_SETTINGS = ["model.adapter=null", "model.method=lora", "eval.max_batches=0"]
 VARIANTS = {
     "mixtral": ("mixtral", {}, [], {}),
     "gpt_oss": ("gpt_oss", {}, [], {}),
-    "dpo": ("qwen3_moe", {}, DPO_SETTINGS, DPO),
+    "dpo": ("qwen2_moe", {}, [*DPO_SETTINGS, "lora.experts=false", "lora.router=true"], DPO),
     "qlora": ("qwen3_moe", WIDE, ["model.method=qlora"], {}),
     "full": ("qwen3_moe", {}, FULL, {}),
 }
 # Qwen3-MoE runs full fine-tuning under DDP (its one process is also expert parallelism's) and QLoRA under
-# ZeRO-3; Mixtral and gpt-oss take FSDP2's and ZeRO-3's LoRA, and DPO DDP's.
-CASES = [("full", "ddp"), ("mixtral", "fsdp"), ("gpt_oss", "zero3"), ("dpo", "ddp"), ("qlora", "zero3")]
+# ZeRO-3; Mixtral and gpt-oss take FSDP2's and ZeRO-3's LoRA; DPO runs on expert parallelism (which is DDP
+# for all but the experts).
+CASES = [("full", "ddp"), ("mixtral", "fsdp"), ("gpt_oss", "zero3"), ("dpo", "ep"), ("qlora", "zero3")]
+SPLIT = "moe.expert_parallel=2"
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +68,12 @@ def balancing(out) -> list[float]:
 def test_a_mixture_of_experts_trains_like_one_process(variant, config, single, tmp_path):
     settings, reference = single(variant)
     out = tmp_path / "run"
-    result = run_recipe(out, *settings, launch=launch(config), **VARIANTS[variant][3])
+    split = [SPLIT] if config == "ep" else []
+    result = run_recipe(out, *settings, *split, launch=launch(config), **VARIANTS[variant][3])
     assert BACKENDS[config] in result.stdout and "experts: 4 a layer, 2 per token" in result.stdout
+    if variant == "dpo":  # the parts LoRA trains, counted (test_moe_lora.py checks them on every family)
+        trained = "trained: attention 14,336, router 2,176, shared expert 14,368; experts split over 2"
+        assert trained in result.stdout
     assert len(step_losses(out)) == STEPS and len(balancing(out)) == STEPS
     assert step_losses(out) == pytest.approx(step_losses(reference), rel=1e-3)
     # Tighter than the loss: balancing each rank alone is off by about 1e-3 on this model.
@@ -86,7 +94,7 @@ def test_expert_parallelism_trains_resumes_and_exports_like_one_process(single, 
 
     settings, reference = single("full")
     out = tmp_path / "ep"
-    result = run_recipe(out, *settings, "moe.expert_parallel=2", launch=launch("ep"))
+    result = run_recipe(out, *settings, SPLIT, launch=launch("ep"))
     assert "experts split over 2 processes" in result.stdout
     assert step_losses(out) == pytest.approx(step_losses(reference), rel=1e-5)
     assert balancing(out) == pytest.approx(balancing(reference), rel=1e-5)
@@ -94,7 +102,7 @@ def test_expert_parallelism_trains_resumes_and_exports_like_one_process(single, 
     expected = AutoModelForCausalLM.from_pretrained(reference / "final").state_dict()
     assert got.keys() == expected.keys()
     assert max((got[k] - expected[k]).abs().max() for k in got) < 1e-5
-    for config, extra in (("ep", ["moe.expert_parallel=2"]), ("ddp", [])):
+    for config, extra in (("ep", [SPLIT]), ("ddp", [])):
         resumed = tmp_path / f"resumed-{config}"
         shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("final", "step-4"))
         result = run_recipe(resumed, *settings, *extra, launch=launch(config))
