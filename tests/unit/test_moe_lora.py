@@ -10,7 +10,7 @@ from toolkit.config import LoraConfig, ModelConfig
 from toolkit.model import moe
 from toolkit.model.load import _with_adapter, load_model
 
-SHARED = {"qwen2_moe", "granitemoeshared"}
+SHARED = {"qwen2_moe": "14,368", "granitemoeshared": "10,240"}  # its LoRA parameters at rank 16
 
 
 def adapted(model_type: str, **lora):
@@ -65,3 +65,42 @@ def test_experts_false_leaves_them_frozen_with_all_linear_too(tmp_path):
     path = str(tiny_moe(tmp_path / "moe"))
     model = load_model(ModelConfig(path=path, method="lora"), LoraConfig(experts=False))
     assert set(moe.trained_parts(model)) == {"attention"}
+
+
+@pytest.mark.usefixtures("signal_handlers_restored")
+@pytest.mark.parametrize("model_type", ["olmoe", "granitemoeshared"])  # the families no launched test runs
+def test_a_family_trains_with_every_part_adapted_and_generates_from_adapter_and_merged_model(
+    model_type, tmp_path, capsys
+):
+    from helpers import load_recipe
+
+    from toolkit.commands.generate import generate_cli, load_for_generation
+    from toolkit.errors import run_main
+    from toolkit.train.metrics import read_metrics
+
+    path = tiny_moe(tmp_path / model_type, model_type)
+    argv = [f"model.path={path}", f"output_dir={tmp_path / 'run'}", "model.adapter=null", "lora.router=true"]
+    argv += [
+        "train.max_steps=2",
+        "train.log_every_steps=1",
+        "train.micro_batch_size=4",
+        "data.max_length=48",
+        "eval.max_batches=0",
+    ]
+    argv += ["eval.exact_match_samples=0", "export.merge=true", "train.learning_rate=1e-2"]
+    assert run_main(load_recipe("finetune_llm").main, argv, "finetune_llm") == 0, capsys.readouterr().err
+    shared = ", shared expert" if model_type in SHARED else ""
+    out = capsys.readouterr().out
+    trained = dict(p.rsplit(" ", 1) for p in out.split("; trained: ")[1].splitlines()[0].split(", "))
+    shared = {"shared expert": SHARED[model_type]} if model_type in SHARED else {}
+    assert trained == {"attention": "14,336", "experts": "45,056", "router": "2,176", **shared}
+    logged = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [line["step"] for line in logged if "router_aux_loss" in line] == [1, 2]
+    final = tmp_path / "run" / "final"
+    ids = torch.arange(3, 15).view(2, 6)
+    adapter, merged = (load_for_generation(d)[0] for d in (final, final / "merged"))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapter(input_ids=ids).logits)
+        assert (merged(input_ids=ids).logits - adapter.get_base_model()(input_ids=ids).logits).abs().max() > 0
+    answers = {generate_cli(str(d), "What is 2+3?", 4) for d in (final, final / "merged")}
+    assert len(answers) == 1
