@@ -127,6 +127,12 @@ def sft_section(repeats: int, moe: bool = False) -> str:
         cmds = commands(work)
         if moe:  # the bare loop and HF Trainer add no balancing loss: not the same work
             cmds = {name: cmd for name, cmd in cmds.items() if name.startswith(("ftkit", "TRL"))}
+            # ftkit's expert kernels side by side (the default is transformers' grouped_mm); batched_mm
+            # gathers every token's experts' weights, far too slow at these batch sizes (RESULTS.md)
+            cmds["ftkit packing, eager experts"] = [
+                *cmds["ftkit packing"],
+                "moe.experts_implementation=eager",
+            ]
         results: dict[str, list[dict]] = {name: [] for name in cmds}
         for repeat in range(repeats):  # round-robin, so drift in machine speed hits every contender
             for name, cmd in cmds.items():

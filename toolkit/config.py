@@ -32,6 +32,7 @@ PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]
 QuantStorage = Literal["auto", "float32", "bfloat16", "float16"]
 Attention = Literal["sdpa", "eager", "flash_attention_2"]
+ExpertsKernel = Literal["auto", "grouped_mm", "batched_mm", "eager"]
 Switch = bool | Literal["auto"]
 DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "text", "prompt_completion"]
 LrScaling = Literal["none", "linear", "sqrt"]
@@ -187,6 +188,10 @@ class MoeConfig:
     expert_parallel: PositiveInt = 1
     """Processes a mixture of experts' routed experts are split over (all the launched ones, on a plain
     multi-process launch: accelerate_configs/ep.yaml); 1: every process holds every expert."""
+    experts_implementation: ExpertsKernel = "auto"
+    """How the routed experts compute (transformers' kernels): grouped_mm (one grouped matrix multiply for
+    all experts), batched_mm (each token's experts' weights gathered: for a few tokens, memory-hungry),
+    eager (a loop over experts); auto: transformers' choice, grouped_mm where torch can run it, else eager."""
 
 
 @dataclass

@@ -144,7 +144,7 @@ class Run:
             self.features,
             quant_cast=cast,
             loss=cfg.loss,
-            split_experts_over=cfg.moe.expert_parallel,
+            experts=cfg.moe,
         )
         if cfg.moe.expert_parallel > 1:
             expert_parallel.keep_out_of_ddp(model, cfg.moe.expert_parallel)
@@ -171,7 +171,8 @@ class Run:
             if self.cfg.moe.expert_parallel > 1:
                 stored += f"; experts split over {self.cfg.moe.expert_parallel} processes"
             self.accelerator.print(
-                f"experts: {routing.experts} a layer, {routing.per_token} per token; router balance "
+                f"experts: {routing.experts} a layer, {routing.per_token} per token, "
+                f"{getattr(model.config, '_experts_implementation', None) or 'eager'} kernel; router balance "
                 f"{coef:g} x the load-balancing loss, pooled over {self.data_parallel} data-parallel "
                 f"rank(s); trained: {parts}{stored}"
             )

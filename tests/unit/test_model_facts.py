@@ -69,8 +69,13 @@ def test_moe_keys_on_a_dense_model_are_one_line():
         UserError, match=r"^moe.router_aux_loss_coef in recipe.yaml: .*tiny-llama \(llama\) is not"
     ):
         check_launch(single, cfg, facts.read_model_facts(cfg.model), "recipe.yaml", Machine(), {})
+    cfg = load_config(None, [f"model.path={TINY}", "moe.experts_implementation=eager"])
+    with pytest.raises(UserError, match=r"^moe.experts_implementation in recipe.yaml: .*is not a mixture"):
+        check_launch(single, cfg, facts.read_model_facts(cfg.model), "recipe.yaml", Machine(), {})
     with pytest.raises(UserError, match="moe.router_aux_loss_coef: must be"):
         load_config(None, ["moe.router_aux_loss_coef=-1"])
+    with pytest.raises(UserError, match="moe.experts_implementation: .*grouped_mm"):
+        load_config(None, ["moe.experts_implementation=loop"])
 
 
 def test_expert_parallelism_is_checked_against_the_launch_the_model_and_the_method(tmp_path):

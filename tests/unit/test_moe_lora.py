@@ -104,3 +104,22 @@ def test_a_family_trains_with_every_part_adapted_and_generates_from_adapter_and_
         assert (merged(input_ids=ids).logits - adapter.get_base_model()(input_ids=ids).logits).abs().max() > 0
     answers = {generate_cli(str(d), "What is 2+3?", 4) for d in (final, final / "merged")}
     assert len(answers) == 1
+
+
+def test_the_experts_kernel_is_chosen_by_key_and_computes_the_same(tmp_path):
+    from toolkit.config import MoeConfig
+
+    path = str(tiny_moe(tmp_path / "moe"))
+    ids = torch.arange(3, 15).view(2, 6)
+    logits = {}
+    for kernel in ("grouped_mm", "batched_mm", "eager"):
+        model = load_model(
+            ModelConfig(path=path, method="full"),
+            LoraConfig(),
+            experts=MoeConfig(experts_implementation=kernel),
+        )
+        assert model.config._experts_implementation == kernel
+        with torch.no_grad():
+            logits[kernel] = model(input_ids=ids).logits
+    torch.testing.assert_close(logits["batched_mm"], logits["grouped_mm"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits["eager"], logits["grouped_mm"], rtol=1e-5, atol=1e-5)

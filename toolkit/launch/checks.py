@@ -136,6 +136,7 @@ def check_launch(
         _check_loss_head(facts, recipe_source)
     set_keys = {"router_aux_loss_coef": cfg.moe.router_aux_loss_coef is not None}
     set_keys["expert_parallel"] = cfg.moe.expert_parallel > 1
+    set_keys["experts_implementation"] = cfg.moe.experts_implementation != "auto"
     moe_keys = [key for key, on in set_keys.items() if on]
     if moe_keys and facts.raw is not None and not facts.experts:
         raise UserError(

@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from toolkit.config import LoraConfig, LossConfig, ModelConfig, check_local_path
+from toolkit.config import LoraConfig, LossConfig, ModelConfig, MoeConfig, check_local_path
 from toolkit.errors import UserError
 from toolkit.model import expert_parallel, lora_targets, moe, quant, quant_experts, speed
 from toolkit.model.speed import SpeedFeatures
@@ -49,7 +49,7 @@ def load_model(
     key: str = "model.path",
     quant_cast: str | None = None,
     loss: LossConfig | None = None,
-    split_experts_over: int = 1,
+    experts: MoeConfig | None = None,
 ):
     """The trainable model: everything trainable for `full`, only the adapter for `lora`/`qlora`.
 
@@ -57,11 +57,14 @@ def load_model(
     is the config key that errors about `cfg.path` name; `quant_cast` (QLoRA) is the dtype the backend
     casts parameters to (`quant.cast_dtype`), which auto storage packs 4-bit weights into; `loss` chooses
     the output head (the chunked head is installed for `loss.head: chunked`; none given: the model's own);
-    `split_experts_over` > 1 splits a mixture of experts' routed experts over that many processes.
+    `experts` (a mixture of experts' `moe` section) chooses the experts' kernel and splits them over
+    `expert_parallel` processes.
     """
     check_local_path(cfg.path, key)
     attention = features.attention if features else cfg.attn_implementation
     kwargs = {"dtype": DTYPES[cfg.dtype], "attn_implementation": attention}
+    if experts and experts.experts_implementation != "auto":
+        kwargs["experts_implementation"] = experts.experts_implementation
     if cfg.method == "qlora":
         kwargs.update(_qlora_kwargs(cfg, local_rank, quant.storage_name(cfg.quant_storage, quant_cast)))
     model = _from_pretrained(AutoModelForCausalLM, cfg, "model", key, **kwargs)
@@ -72,8 +75,8 @@ def load_model(
     if cfg.method == "qlora":  # after the start adapter, merged into the experts at full width
         storage = quant.STORAGE_DTYPES[quant.storage_name(cfg.quant_storage, quant_cast)]
         quant_experts.quantize(model, storage, _gpu(local_rank))
-    if split_experts_over > 1:
-        expert_parallel.split_experts(model, split_experts_over)
+    if experts and experts.expert_parallel > 1:
+        expert_parallel.split_experts(model, experts.expert_parallel)
     if features and features.liger:
         speed.apply_liger(model)
     checkpointing = wants_checkpointing(cfg, model)
