@@ -83,9 +83,9 @@ class Rollout:
         return self.order[part * size : (part + 1) * size]
 
     def micro_batches(self, rows: torch.Tensor, prompts, cfg, pad_id: int, rank: int, world: int, device):
-        """This process's share of `rows` as padded micro-batches of prompt + completion, with what the
-        loss needs per row."""
-        share = rows.tensor_split(world)[rank]
+        """This process's share of `rows` (see `share`) as padded micro-batches of prompt + completion, with
+        what the loss needs per row."""
+        share = share_of(rows, cfg.train.micro_batch_size, rank, world)
         collate = Collator(pad_id)
         batches = []
         for chunk in share.split(cfg.train.micro_batch_size):
@@ -106,6 +106,13 @@ class Rollout:
                 batch[name] = values[chunk].to(device) if values is not None else None
             batches.append(batch)
         return batches
+
+
+def share_of(rows: torch.Tensor, micro: int, rank: int, world: int) -> torch.Tensor:
+    """Process `rank`'s rows of `rows`: each run of micro x world rows split evenly over the processes, so
+    the processes' k-th micro-batches together hold what one process's k-th micro-batch of micro x world
+    rows holds (a mixture of experts' pooled router balance then sees the same tokens whatever the split)."""
+    return torch.cat([run.tensor_split(world)[rank] for run in rows.split(micro * world)])
 
 
 def round_of(step: int, cfg) -> int:
@@ -203,7 +210,9 @@ def scored(run, model, rollout: Rollout, prompts, cfg, pad_id: int, reference) -
             logps = reference.logps(batch) if reference is not None else completion_logps(model, batch)
         # A micro-batch is as wide as its longest completion; the round's table is max_new_tokens wide.
         tables.append(torch.nn.functional.pad(logps.double().cpu(), (0, width - logps.size(1))))
-    return gather_shares(accelerator, torch.cat(tables))
+    gathered = gather_shares(accelerator, torch.cat(tables))  # the processes' shares in rank order
+    order = torch.cat([share_of(rows, cfg.train.micro_batch_size, r, world) for r in range(world)])
+    return torch.empty_like(gathered).index_copy_(0, order, gathered)
 
 
 def resumed(state: dict, start_step: int, cfg) -> Rollout | None:
