@@ -3,18 +3,34 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+LOCK := constraints.txt
+LOCK_VENV := .lock-venv
 # A CPU-only torch keeps installs small where no GPU exists; with a GPU, pip's default (CUDA) build is used.
-TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
+# Either way it is the lock's release (`make lock TORCH_SPEC=torch==X` moves it).
+TORCH_RELEASE := $(shell sed -n 's/^torch==//p' $(LOCK))
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==$(TORCH_RELEASE)")
 
-.PHONY: install demo demo-dpo demo-grpo demo-tools test test-unit test-e2e lint bench clean
+.PHONY: install lock demo demo-dpo demo-grpo demo-tools test test-unit test-e2e lint bench clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Inside the versions the suite passed with (constraints.txt), so every fresh machine gets the same stack.
+$(STAMP): pyproject.toml $(LOCK)
 	test -d $(VENV) || python3 -m venv $(VENV)
-	$(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q torch
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -c $(LOCK) "$(TORCH_SPEC)" || $(PIP) install -q -c $(LOCK) torch
+	$(PIP) install -q -c $(LOCK) -e ".[dev]"
 	touch $(STAMP)
+
+# Resolve the newest versions pyproject.toml allows in a scratch environment and write them to the lock
+# (torch as its release, without a +cpu/+cu build label). Then run `make test` and commit both files.
+lock:
+	rm -rf $(LOCK_VENV) && python3 -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" || $(LOCK_VENV)/bin/python -m pip install -q torch
+	$(LOCK_VENV)/bin/python -m pip install -q -e ".[dev]"
+	head -3 $(LOCK) > $(LOCK).new
+	$(LOCK_VENV)/bin/python -m pip freeze --exclude-editable | sed -E 's/\+[A-Za-z0-9.]+$$//' >> $(LOCK).new
+	mv $(LOCK).new $(LOCK) && rm -rf $(LOCK_VENV)
+	rm -f $(STAMP)
 
 # The embedded demo, from scratch each time (train.overwrite); add other key=value overrides with ARGS=...
 demo: install
