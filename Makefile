@@ -10,7 +10,7 @@ LOCK_VENV := .lock-venv
 TORCH_RELEASE := $(shell sed -n 's/^torch==//p' $(LOCK))
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==$(TORCH_RELEASE)")
 
-.PHONY: install lock demo demo-dpo demo-grpo demo-tools test test-unit test-e2e lint bench clean
+.PHONY: install lock demo demo-dpo demo-grpo demo-tools test test-unit test-e2e lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -72,6 +72,11 @@ test-e2e: install
 lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+
+# ftkit on a real GPU (bench/gpu_check.py): the plan against measured memory, speed against TRL, the CUDA
+# paths; smoke mode (tiny shapes on the CPU) where no GPU exists. One part: make gpu-check ARGS=plan
+gpu-check: install
+	$(PY) bench/gpu_check.py $(ARGS)
 
 bench: install
 	$(PIP) install -q -e ".[bench]"

@@ -107,6 +107,9 @@ def build(cls, raw: dict, prefix: str, source: str):
     return cls(**values)
 
 
+BOOL_WORDS = {False: ("no", "off", "false"), True: ("yes", "on", "true")}
+
+
 def _coerce(value, hint, key: str, source: str):
     """Return `value` as type `hint`, or raise naming the key; only numbers widen to floats."""
     origin = typing.get_origin(hint)
@@ -121,8 +124,13 @@ def _coerce(value, hint, key: str, source: str):
         if value is None:
             return None
     elif origin is Literal:
+        words = typing.get_args(hint)
+        if isinstance(value, bool):  # YAML 1.1 reads no/off and yes/on as booleans: the word meant
+            spelled = [w for w in (BOOL_WORDS[value]) if w in words]
+            if spelled:
+                return spelled[0]
         # The type of its words; which words are allowed is checked with every other declared bound.
-        return _coerce(value, type(typing.get_args(hint)[0]), key, source)
+        return _coerce(value, type(words[0]), key, source)
     elif origin is list:
         if isinstance(value, list):
             (item,) = typing.get_args(hint)

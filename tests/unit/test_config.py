@@ -106,3 +106,9 @@ def test_accumulation_is_derived_from_world_size():
 def test_every_key_is_documented():
     docs = field_docs(RecipeConfig)
     assert [key for key in flat_dict(RecipeConfig()) if not docs.get(key)] == []
+
+
+def test_a_word_yaml_reads_as_a_boolean_keeps_its_meaning_where_a_key_takes_words():
+    # YAML 1.1 reads `no` as false; train.mixed_precision's words include "no".
+    assert load_config(None, ["train.mixed_precision=no"]).train.mixed_precision == "no"
+    assert load_config(None, ["model.gradient_checkpointing=no"]).model.gradient_checkpointing is False

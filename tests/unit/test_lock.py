@@ -21,7 +21,7 @@ def locked() -> dict[str, Version]:
     return pins
 
 
-def tested_requirements() -> list[Requirement]:
+def requirements_tested() -> list[Requirement]:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = [
         r
@@ -34,7 +34,7 @@ def tested_requirements() -> list[Requirement]:
 
 def test_every_tested_requirement_is_locked_inside_its_range_with_the_floor_at_the_locked_series():
     pins = locked()
-    for req in tested_requirements():
+    for req in requirements_tested():
         version = pins.get(canonicalize_name(req.name))
         assert version is not None, f"{req.name} is in pyproject.toml but not in constraints.txt: make lock"
         assert req.specifier.contains(version), f"constraints.txt: {req.name}=={version} is outside {req}"

@@ -123,7 +123,8 @@ def test_a_mixture_of_experts_trains_with_the_kernel_it_takes_and_its_router_bal
     out = capsys.readouterr().out
     assert out.count("does not take sdpa; using eager") == (model_type == "gpt_oss")
     assert_merged_equals_adapter(tmp_path / "moe", tmp_path / "run" / "final")
-    assert "experts: 4 a layer, 2 per token; router balance" in out and "trained: attention " in out
+    assert "experts: 4 a layer, 2 per token, grouped_mm kernel; router balance" in out
+    assert "trained: attention " in out
     assert re.search(r"trained: .*experts [\d,]+", out), "LoRA left the routed experts alone"
     logged = [line for line in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in line]
     assert logged[-1]["step"] == 2 and math.isfinite(logged[-1]["loss"])

@@ -53,6 +53,8 @@ class StepSpeed:
             "data_wait_frac": data_wait / elapsed,
             "peak_mem_mb": peak_memory_mb(self.device),
         }
+        if self.device.type == "cuda":  # what `ftkit plan` predicts: the allocator's reserve and beyond it
+            values.update(cuda_memory_mb(self.device))
         # Attention cost grows with the sequence: the step's mean real length stands in for it.
         per_token = self.shape.flops_per_token(round(tokens / max(rows, 1)))
         utilisation = flops.mfu(tokens_per_s, per_token, self.device_name, self.world_size)
@@ -78,6 +80,17 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def cuda_memory_mb(device: torch.device) -> dict:
+    """The caching allocator's peak reserve, and what the device holds outside the allocator (the CUDA
+    context, other libraries' buffers) now."""
+    free, total = torch.cuda.mem_get_info(device)
+    outside = total - free - torch.cuda.memory_reserved(device)
+    return {
+        "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20,
+        "outside_allocator_mb": outside / 2**20,
+    }
 
 
 def read_metrics(path: Path, on_torn_tail=None) -> list[dict]:

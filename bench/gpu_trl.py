@@ -1,0 +1,89 @@
+"""The GPU check's TRL side: SFTTrainer with LoRA r16 on every linear layer, bf16 (fp32 in smoke mode on the
+CPU), packing, the same model, data, length, micro-batch and steps as ftkit's run.
+
+    python bench/gpu_trl.py MODEL_DIR DATA OUT_JSON MAX_LENGTH MICRO_BATCH STEPS
+
+Writes {tokens_per_s, mfu, peak_mem_mb, loss}: real tokens/s and MFU over the steps after the first, with
+ftkit's FLOPs count, so the two sides are counted alike.
+"""
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from datasets import load_dataset
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+from toolkit.model import flops
+from toolkit.train.metrics import peak_memory_mb
+
+
+class Timer(TrainerCallback):
+    """Real tokens (not padding) each step consumed, and its duration."""
+
+    def __init__(self, model, pad_id: int):
+        self.pad_id, self.tokens, self.times, self.loss = pad_id, [0], [], None
+        model.register_forward_pre_hook(self.count, with_kwargs=True)
+
+    def count(self, module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and torch.is_grad_enabled():
+            self.tokens[-1] += int((ids != self.pad_id).sum())
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter() - self.started)
+        self.tokens.append(0)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.loss = logs["loss"]
+
+
+def main(model_dir: str, data: str, out: str, length: str, micro: str, steps: str) -> None:
+    from trl import SFTConfig, SFTTrainer
+
+    gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if gpu else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    timer = Timer(model, tokenizer.pad_token_id)
+    config = SFTConfig(
+        output_dir=tempfile.mkdtemp(), max_length=int(length), packing=True,
+        per_device_train_batch_size=int(micro), max_steps=int(steps), learning_rate=1e-4,
+        lr_scheduler_type="constant", bf16=gpu, use_cpu=not gpu, gradient_checkpointing=False,
+        logging_steps=1, save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    dataset = load_dataset("json", data_files=data, split="train")
+    trainer = SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=lora,
+        callbacks=[timer],
+    )
+    trainer.train()
+    rates = [tokens / seconds for tokens, seconds in zip(timer.tokens[1:], timer.times[1:])]
+    tokens_per_s = statistics.median(rates or [timer.tokens[0] / timer.times[0]])
+    device = torch.device("cuda" if gpu else "cpu")
+    per_token = flops.ModelShape.of(trainer.model).flops_per_token(int(length))
+    result = {"tokens_per_s": tokens_per_s, "peak_mem_mb": peak_memory_mb(device), "loss": timer.loss}
+    utilisation = flops.mfu(tokens_per_s, per_token, flops.device_name(device), 1)
+    if utilisation is not None:
+        result["mfu"] = utilisation
+    with open(out, "w") as handle:
+        json.dump(result, handle)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:7])

@@ -1,0 +1,94 @@
+"""`make gpu-check` in smoke mode, so the kit cannot rot where no GPU exists: the plan's comparison and its
+verdict, the summary of a run's metrics, the report, and one tiny case of the plan part and of TRL's side
+run for real on the CPU."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import gpu_check  # noqa: E402
+from gpu_report import render  # noqa: E402
+
+H100 = {"device": "NVIDIA H100 80GB HBM3", "gpus": 1, "memory_gib": 79, "driver": "580.1", "cuda": "13.0"}
+H100 |= {"torch": "2.13.0", "date": "2026-11-25", "smoke": False}
+SMOKE = {"device": "CPU (no GPU found)", "gpus": 0, "cuda": None, "driver": None, "torch": "2.13.0"}
+SMOKE |= {"date": "2026-11-25", "smoke": True}
+
+
+@pytest.mark.parametrize(
+    "measured_mib, verdict", [(1000, "ok"), (1100 / 1.1 + 1, "ok"), (1100 / 0.94, "off")]
+)
+def test_the_plan_verdict_is_on_its_total_against_the_reserve_and_the_context(measured_mib, verdict):
+    plan = {"total": 1100 * 2**20, "overhead": 500 * 2**20}
+    run = {"peak_mem_mb": 550.0, "peak_reserved_mb": measured_mib - 480, "outside_allocator_mb": 480.0}
+    values = gpu_check.plan_comparison(plan, run, smoke=False)
+    assert values["verdict"] == verdict
+    assert values["ratio"] == pytest.approx(1100 / measured_mib)
+    assert values["tensors_ratio"] == pytest.approx(600 / 550)
+    assert gpu_check.plan_comparison(plan, {"peak_mem_mb": 90.0}, smoke=True)["verdict"].startswith("smoke")
+    over = gpu_check.plan_comparison(plan, {**run, "peak_reserved_mb": 1100 / 1.11 - 480}, smoke=False)
+    assert over["verdict"] == "off"  # more than 10% over
+
+
+def test_a_runs_summary_skips_its_first_step_and_keeps_the_peaks(tmp_path):
+    lines = [
+        {"step": 1, "loss": 3.0, "tokens_per_s": 10.0, "peak_mem_mb": 5.0, "mfu": 0.1},
+        {"step": 2, "loss": 2.0, "tokens_per_s": 100.0, "peak_mem_mb": 7.0, "mfu": 0.4},
+        {"step": 3, "loss": 1.0, "tokens_per_s": 300.0, "peak_mem_mb": 6.0, "mfu": 0.5},
+        {"eval_loss": 1.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = gpu_check.summarise(tmp_path / "metrics.jsonl", 12.0)
+    assert summary["tokens_per_s"] == 200.0 and summary["mfu"] == pytest.approx(0.45)
+    assert summary["peak_mem_mb"] == 7.0 and summary["loss"] == 1.0 and summary["losses"] == [3.0, 2.0, 1.0]
+
+
+def test_the_report_puts_each_machine_and_day_in_its_own_section():
+    rows = [
+        {"part": "plan", "case": "llama-1b lora seq 512 micro 1", "ratio": 1.02, "verdict": "ok", **H100},
+        {"part": "speed", "case": "ftkit", "tokens_per_s": 12345.6, **H100},
+        {"part": "plan", "case": "llama-1b lora seq 32 micro 1", "verdict": "smoke: CPU peak RSS", **SMOKE},
+    ]
+    report = render(rows)
+    assert "## 2026-11-25: NVIDIA H100 80GB HBM3, 1 GPU(s), 79 GiB, driver 580.1, CUDA 13.0" in report
+    assert "## 2026-11-25: CPU (no GPU found), 0 GPU(s)" in report
+    assert report.count("Smoke mode: no GPU was found") == 1
+    assert "| llama-1b lora seq 512 micro 1 | 1.02 | ok |" in report and "| ftkit | 12,346 |" in report
+    assert report.index("H100") < report.index("CPU (no GPU found)")
+
+
+def test_the_smoke_mode_runs_a_plan_case_and_the_trl_side_for_real(tmp_path, monkeypatch):
+    kit = gpu_check.Kit(True, tmp_path, gpu_check.device_info(True))
+    monkeypatch.setattr(gpu_check, "plan_cases", lambda kit: [("llama-1b", "lora", 64, 2)])
+    gpu_check.part_plan(kit)
+    (row,) = kit.rows
+    assert row["part"] == "plan" and "error" not in row, row
+    assert row["predicted_mib"] > row["tensors_mib"] > 0 and row["allocated_mib"] > 0
+    assert row["verdict"] == "smoke: CPU peak RSS, not GPU memory"
+    assert json.loads((tmp_path / "results.jsonl").read_text())["case"] == "llama-1b lora seq 64 micro 2"
+    out = tmp_path / "trl.json"
+    command = [
+        sys.executable,
+        "gpu_trl.py",
+        str(kit.model("llama-1b")),
+        str(kit.data()),
+        str(out),
+        "64",
+        "2",
+        "2",
+    ]
+    done = subprocess.run(command, cwd=REPO / "bench", capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    trl = json.loads(out.read_text())
+    assert trl["tokens_per_s"] > 0 and trl["peak_mem_mb"] > 0 and trl["loss"] > 0
+
+
+def test_an_unknown_part_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["plans"])
+    assert exit_info.value.code == 2
+    assert "no part 'plans': the parts are plan, speed, paths, multi" in capsys.readouterr().err
