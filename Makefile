@@ -67,7 +67,7 @@ test-unit: install
 
 # Launched runs (gloo processes on this machine's CPUs): tens of minutes on two cores.
 test-e2e: install
-	$(call pytest,tests/e2e)
+	$(call pytest,tests/e2e --durations=25)
 
 lint: install
 	$(VENV)/bin/ruff format --check .

@@ -131,10 +131,11 @@ def test_a_users_reward_function_from_a_file(tmp_path):
     assert line["reward"] == pytest.approx(2 * line["reward_digits"] + line["reward_length"], abs=1e-9)
 
 
-# ZeRO-1 and ZeRO-3 with offload are left to SFT's and DPO's matrices: GRPO's generation sees ZeRO-1's
-# parameters as ZeRO-2's, and offload moves only the optimizer step, which those prove.
-MATRIX = ["ddp", "fsdp", "zero2", "zero3", "tp", "fsdp_tp", "hsdp"]
-FOUR_PROCESSES = ("fsdp_tp", "hsdp")  # 2 data-parallel x 2 tensor-parallel, 2 replicas x 2 shards
+# ZeRO-1, ZeRO-3 with offload and HSDP are left to SFT's and DPO's matrices: GRPO's generation sees
+# ZeRO-1's parameters as ZeRO-2's, offload moves only the optimizer step, and HSDP's 4 ranks are plain
+# data parallelism to GRPO's rollout; fsdp_tp is the mesh whose shares are gathered over both dimensions.
+MATRIX = ["ddp", "fsdp", "zero2", "zero3", "tp", "fsdp_tp"]
+FOUR_PROCESSES = ("fsdp_tp",)  # 2 data-parallel x 2 tensor-parallel
 # Full fine-tuning with a separate reference where parameters are sharded or gathered unlike DDP.
 FULL_MATRIX = ["ddp", "fsdp", "zero3"]
 
