@@ -105,6 +105,8 @@ def summarise(metrics: Path, wall_s: float) -> dict:
     memory figures, the last loss and every step's loss."""
     lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     steps = [line for line in lines if "tokens_per_s" in line]
+    if not steps:
+        return {"error": f"{metrics}: no training step was logged"}
     timed = steps[1:] or steps
     summary = {
         "tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed),
