@@ -6,7 +6,7 @@ HEAD_KEYS = ("device", "gpus", "memory_gib", "driver", "cuda", "torch", "date", 
 SKIPPED = set(HEAD_KEYS) | {"part", "case", "losses"}
 TITLES = {
     "plan": "The plan against the run (predicted / measured per-GPU memory; target 0.95-1.10)",
-    "speed": "ftkit against TRL's SFTTrainer (LoRA r16, bf16, packing)",
+    "speed": "ftkit against TRL's SFTTrainer (LoRA r16, packing; bf16 on a GPU, fp32 in smoke mode)",
     "paths": "CUDA paths, each against the baseline run",
     "multi": "Several GPUs",
 }
