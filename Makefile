@@ -4,7 +4,6 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 LOCK := constraints.txt
-LOCK_VENV := .lock-venv
 # A CPU-only torch keeps installs small where no GPU exists; with a GPU, pip's default (CUDA) build is used.
 # Either way it is the lock's release (`make lock TORCH_SPEC=torch==X` moves it).
 TORCH_RELEASE := $(shell sed -n 's/^torch==//p' $(LOCK))
@@ -21,16 +20,15 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(PIP) install -q -c $(LOCK) -e ".[dev]"
 	touch $(STAMP)
 
-# Resolve the newest versions pyproject.toml allows in a scratch environment and write them to the lock
+# Resolve the newest versions pyproject.toml allows in a scratch venv (a new temp dir) and write them to the lock
 # (torch as its release, without a +cpu/+cu build label). Then run `make test` and commit both files.
 lock:
-	rm -rf $(LOCK_VENV) && python3 -m venv $(LOCK_VENV)
-	$(LOCK_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" || $(LOCK_VENV)/bin/python -m pip install -q torch
-	$(LOCK_VENV)/bin/python -m pip install -q -e ".[dev]"
-	head -3 $(LOCK) > $(LOCK).new
-	$(LOCK_VENV)/bin/python -m pip freeze --exclude-editable | sed -E 's/\+[A-Za-z0-9.]+$$//' >> $(LOCK).new
-	mv $(LOCK).new $(LOCK) && rm -rf $(LOCK_VENV)
-	rm -f $(STAMP)
+	d=$$(mktemp -d) && python3 -m venv $$d \
+	&& { $$d/bin/python -m pip install -q "$(TORCH_SPEC)" || $$d/bin/python -m pip install -q torch; } \
+	&& $$d/bin/python -m pip install -q -e ".[dev]" \
+	&& head -3 $(LOCK) > $(LOCK).new \
+	&& $$d/bin/python -m pip freeze --exclude-editable | sed -E 's/\+[A-Za-z0-9.]+$$//' >> $(LOCK).new \
+	&& mv $(LOCK).new $(LOCK) && rm -rf $$d && rm -f $(STAMP)
 
 # The embedded demo, from scratch each time (train.overwrite); add other key=value overrides with ARGS=...
 demo: install

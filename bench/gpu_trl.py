@@ -3,49 +3,22 @@ CPU), packing, the same model, data, length, micro-batch and steps as ftkit's ru
 
     python bench/gpu_trl.py MODEL_DIR DATA OUT_JSON MAX_LENGTH MICRO_BATCH STEPS
 
-Writes {tokens_per_s, mfu, peak_mem_mb, loss}: real tokens/s and MFU over the steps after the first, with
-ftkit's FLOPs count, so the two sides are counted alike.
+Writes {tokens_per_s, mfu, peak_mem_mb, loss}: real tokens/s over the steps after the first (the benchmark's
+Recorder counts them) and MFU with ftkit's FLOPs count, so the two sides are counted alike.
 """
 
 import json
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 from datasets import load_dataset
+from hf_trainers import Recorder
 from peft import LoraConfig
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.model import flops
 from toolkit.train.metrics import peak_memory_mb
-
-
-class Timer(TrainerCallback):
-    """Real tokens (not padding) each step consumed, and its duration."""
-
-    def __init__(self, model, pad_id: int):
-        self.pad_id, self.tokens, self.times, self.loss = pad_id, [0], [], None
-        model.register_forward_pre_hook(self.count, with_kwargs=True)
-
-    def count(self, module, args, kwargs):
-        ids = kwargs.get("input_ids")
-        if ids is not None and torch.is_grad_enabled():
-            self.tokens[-1] += int((ids != self.pad_id).sum())
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.started = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.times.append(time.perf_counter() - self.started)
-        self.tokens.append(0)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            self.loss = logs["loss"]
 
 
 def main(model_dir: str, data: str, out: str, length: str, micro: str, steps: str) -> None:
@@ -55,7 +28,7 @@ def main(model_dir: str, data: str, out: str, length: str, micro: str, steps: st
     dtype = torch.bfloat16 if gpu else torch.float32
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
-    timer = Timer(model, tokenizer.pad_token_id)
+    recorder = Recorder(model, tokenizer.pad_token_id)
     config = SFTConfig(
         output_dir=tempfile.mkdtemp(), max_length=int(length), packing=True,
         per_device_train_batch_size=int(micro), max_steps=int(steps), learning_rate=1e-4,
@@ -70,14 +43,14 @@ def main(model_dir: str, data: str, out: str, length: str, micro: str, steps: st
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=lora,
-        callbacks=[timer],
+        callbacks=[recorder],
     )
     trainer.train()
-    rates = [tokens / seconds for tokens, seconds in zip(timer.tokens[1:], timer.times[1:])]
-    tokens_per_s = statistics.median(rates or [timer.tokens[0] / timer.times[0]])
+    stats = recorder.stats  # steps 2.. (the first compiles and warms up), as bench/run.py counts them
+    tokens_per_s = sum(stats.tokens[1:]) / (stats.step_end[-1] - stats.step_end[0])
     device = torch.device("cuda" if gpu else "cpu")
     per_token = flops.ModelShape.of(trainer.model).flops_per_token(int(length))
-    result = {"tokens_per_s": tokens_per_s, "peak_mem_mb": peak_memory_mb(device), "loss": timer.loss}
+    result = {"tokens_per_s": tokens_per_s, "peak_mem_mb": peak_memory_mb(device), "loss": stats.loss}
     utilisation = flops.mfu(tokens_per_s, per_token, flops.device_name(device), 1)
     if utilisation is not None:
         result["mfu"] = utilisation
