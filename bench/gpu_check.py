@@ -363,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     smoke = args.smoke or not torch.cuda.is_available()
     if smoke:
         print("no GPU found: smoke mode, tiny shapes on the CPU; no figure it prints is a GPU measurement")
+    if args.work and args.work.exists() and not args.work.is_dir():
+        parser.error(f"--work {args.work}: not a directory")
     work = args.work or Path(tempfile.mkdtemp(prefix="ftkit-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
     kit = Kit(smoke, work, device_info(smoke))

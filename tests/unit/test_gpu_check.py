@@ -92,3 +92,11 @@ def test_an_unknown_part_is_one_line(capsys):
         gpu_check.main(["plans"])
     assert exit_info.value.code == 2
     assert "no part 'plans': the parts are plan, speed, paths, multi" in capsys.readouterr().err
+
+
+def test_a_work_folder_that_is_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--work", str(tmp_path / "file"), "plan"])
+    assert exit_info.value.code == 2 and "not a directory" in capsys.readouterr().err
+    assert (tmp_path / "file").read_text() == "mine"
