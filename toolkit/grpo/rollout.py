@@ -83,8 +83,8 @@ class Rollout:
         return self.order[part * size : (part + 1) * size]
 
     def micro_batches(self, rows: torch.Tensor, prompts, cfg, pad_id: int, rank: int, world: int, device):
-        """This process's share of `rows` (see `share`) as padded micro-batches of prompt + completion, with
-        what the loss needs per row."""
+        """This process's share of `rows` (see `share_of`) as padded micro-batches of prompt + completion,
+        with what the loss needs per row."""
         share = share_of(rows, cfg.train.micro_batch_size, rank, world)
         collate = Collator(pad_id)
         batches = []

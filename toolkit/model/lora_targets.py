@@ -32,14 +32,15 @@ def peft_targets(lora: LoraConfig, model) -> dict:
     if not moe.routing(model.config).experts:
         return {"target_modules": lora.target_modules}
     converted = _converted_by_peft(model.config.model_type)
-    wanted = [name for name in _linear_names(model, lora.target_modules) if _wanted(lora, moe.part_of(name))]
+    named, linears = _linear_names(model, lora.target_modules)
+    wanted = [name for name in named if _wanted(lora, moe.part_of(name))]
     modules = [name for name in wanted if name.rpartition(".")[2] not in converted]
     parameters = [f"{name}.weight" for name in wanted if name.rpartition(".")[2] in converted]
     if lora.experts:
         parameters += moe.expert_parameter_names(model) or []
     if lora.router:
         parameters += _router_weights(model)
-    kwargs = {"target_modules": _short_names(model, modules), "target_parameters": parameters or None}
+    kwargs = {"target_modules": _short_names(modules, linears), "target_parameters": parameters or None}
     if lora.experts and any(name.endswith(FUSED_GATE_UP) for name in parameters):
         pattern = rf".*\.{FUSED_GATE_UP}"
         kwargs.update(rank_pattern={pattern: 2 * lora.r}, alpha_pattern={pattern: 2 * lora.alpha})
@@ -52,9 +53,10 @@ def _wanted(lora: LoraConfig, part: str) -> bool:
     )
 
 
-def _linear_names(model, target_modules: str | list[str]) -> list[str]:
-    """The linear layers `target_modules` names, by peft's rules: "all-linear" (every one but the output
-    head), a list of names (a layer's whole name or its last parts) or one regular expression (whole name)."""
+def _linear_names(model, target_modules: str | list[str]) -> tuple[list[str], list[str]]:
+    """(the linear layers `target_modules` names, every linear layer but the output head), by peft's rules:
+    "all-linear" (all of them), a list of names (a layer's whole name or its last parts) or one regular
+    expression (whole name)."""
     head = model.get_output_embeddings()
     names = [
         name
@@ -62,30 +64,29 @@ def _linear_names(model, target_modules: str | list[str]) -> list[str]:
         if isinstance(module, torch.nn.Linear) and module is not head
     ]
     if target_modules == "all-linear":
-        return names
+        return names, names
     if isinstance(target_modules, str):
-        return [name for name in names if re.fullmatch(target_modules, name)]
-    return [name for name in names if any(name == t or name.endswith(f".{t}") for t in target_modules)]
+        return [name for name in names if re.fullmatch(target_modules, name)], names
+    return [name for name in names if any(name == t or name.endswith(f".{t}") for t in target_modules)], names
 
 
 def _router_weights(model) -> list[str]:
     """The routers' weights, as peft names parameters (`mlp.gate.weight`; `mlp.router.weight` on gpt-oss)."""
     names = {
-        name.split(".layers.")[-1].split(".", 1)[-1]
+        moe.in_layer(name)
         for name, _ in model.named_parameters()
         if name.endswith(".weight") and moe.part_of(name) == "router"
     }
     return sorted(names)
 
 
-def _short_names(model, modules: list[str]) -> list[str]:
-    """`modules` as the shortest names peft matches: a last name (`q_proj`) where every linear layer of
-    that name is chosen, the whole name otherwise, so the adapter's config stays readable."""
+def _short_names(modules: list[str], linears: list[str]) -> list[str]:
+    """`modules` as the shortest names peft matches: a last name (`q_proj`) where every one of `linears`
+    with that name is chosen, the whole name otherwise, so the adapter's config stays readable."""
     chosen = set(modules)
     by_leaf: dict[str, list[str]] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            by_leaf.setdefault(name.rpartition(".")[2], []).append(name)
+    for name in linears:
+        by_leaf.setdefault(name.rpartition(".")[2], []).append(name)
     short = set()
     for name in modules:
         leaf = name.rpartition(".")[2]

@@ -80,11 +80,15 @@ def expert_parameter_names(model) -> list[str] | None:
     """The routed experts' fused tensors as peft names parameter targets (`mlp.experts.gate_up_proj`, ...),
     or None for a dense model."""
     names = {
-        unpacked_name(name).split(".layers.")[-1].split(".", 1)[-1]
-        for name, param in model.named_parameters()
-        if is_routed_expert(param)
+        in_layer(unpacked_name(name)) for name, param in model.named_parameters() if is_routed_expert(param)
     }
     return sorted(names) or None
+
+
+def in_layer(name: str) -> str:
+    """A parameter's name inside its decoder layer (`mlp.experts.gate_up_proj`), as peft names parameter
+    targets so one name reaches every layer."""
+    return name.split(".layers.")[-1].split(".", 1)[-1]
 
 
 def expert_modules(config, trust_remote_code: bool = False) -> list[str]:
