@@ -54,6 +54,7 @@ class Kit:
     work: Path
     device: dict = field(default_factory=dict)
     rows: list[dict] = field(default_factory=list)
+    run_limit_s: int = 900
 
     @property
     def results(self) -> Path:
@@ -69,6 +70,16 @@ class Kit:
     def seq(self, length: int) -> int:
         """A checked sequence length; in smoke mode a sixteenth of it."""
         return length // 16 if self.smoke else length
+
+    def done(self, part: str, case: str) -> bool:
+        """Whether an earlier run in this work folder recorded the case (a rerun goes on where it stopped)."""
+        if not self.results.is_file():
+            return False
+        rows = [json.loads(line) for line in self.results.read_text().splitlines() if line.strip()]
+        if any(row["part"] == part and row["case"] == case for row in rows):
+            print(f"[{part}] {case}: in {self.results} already", flush=True)
+            return True
+        return False
 
     def record(self, part: str, case: str, **values) -> dict:
         row = {"part": part, "case": case, **values, **self.device}
@@ -93,8 +104,15 @@ class Kit:
             *overrides,
         ]
         started = time.monotonic()
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=_quiet_env())
+        try:
+            done = subprocess.run(
+                command, cwd=ROOT, capture_output=True, text=True, env=_quiet_env(), timeout=self.run_limit_s
+            )
+        except subprocess.TimeoutExpired:
+            return {"error": f"stopped after {self.run_limit_s} s (--run-limit)"}
         if done.returncode != 0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "stderr.txt").write_text(done.stderr)  # the whole of it, beside the run
             lines = [line for line in done.stderr.splitlines() if line.strip()] or [f"exit {done.returncode}"]
             return {"error": lines[-1][-300:]}
         return summarise(out / "metrics.jsonl", time.monotonic() - started)
@@ -133,11 +151,12 @@ def _quiet_env() -> dict:
 
 
 def plan_cases(kit: Kit) -> list[tuple[str, str, int, int]]:
-    small = [
-        ("llama-1b", m, kit.seq(s), b) for m in ("lora", "qlora", "full") for s in (512, 2048) for b in (1, 4)
-    ]
-    large = [("llama-8b", m, kit.seq(2048), 1) for m in ("lora", "qlora")]
-    return small + ([] if kit.smoke else large)
+    """The most telling cases first (each method at the largest and the smallest activations, then the 8B
+    shape), so a run cut short still has them."""
+    methods, shapes = ("lora", "qlora", "full"), ((2048, 4), (512, 1), (2048, 1), (512, 4))
+    small = [("llama-1b", m, kit.seq(s), b) for s, b in shapes for m in methods]
+    large = [] if kit.smoke else [("llama-8b", m, kit.seq(2048), 1) for m in ("lora", "qlora")]
+    return small[:6] + large + small[6:]
 
 
 def predicted(kit: Kit, model: Path, method: str, seq: int, micro: int) -> dict:
@@ -175,6 +194,8 @@ def predicted(kit: Kit, model: Path, method: str, seq: int, micro: int) -> dict:
 def part_plan(kit: Kit) -> None:
     for name, method, seq, micro in plan_cases(kit):
         case = f"{name} {method} seq {seq} micro {micro}"
+        if kit.done("plan", case):
+            continue
         model = kit.model(name)
         plan = predicted(kit, model, method, seq, micro)
         keys = [f"model.method={method}", f"data.max_length={seq}", f"train.micro_batch_size={micro}"]
@@ -210,6 +231,8 @@ def plan_comparison(plan: dict, run: dict, smoke: bool) -> dict:
 
 
 def part_speed(kit: Kit) -> None:
+    if kit.done("speed", "TRL SFTTrainer"):
+        return
     seq, micro, steps = kit.seq(2048), 4, (4 if kit.smoke else 20)
     model = kit.model("llama-1b")
     keys = [f"data.max_length={seq}", f"train.micro_batch_size={micro}", f"train.global_batch_size={micro}"]
@@ -248,10 +271,10 @@ def _speed(run: dict) -> dict:
 PATHS = {  # case: the keys that switch it on, against the LoRA baseline (SDPA, chunked head, fused AdamW)
     "QLoRA (bitsandbytes 4-bit)": ["model.method=qlora"],
     "full loss head": ["loss.head=full"],
-    "torch.compile": ["model.compile=true"],
     "eager attention (SDPA off)": ["model.attn_implementation=eager"],
     "gradient checkpointing": ["model.gradient_checkpointing=true"],
     "AdamW not fused": ["train.fused_adamw=false"],
+    "torch.compile": ["model.compile=true"],  # last: its compilation is the slowest run
 }
 
 
@@ -264,6 +287,8 @@ OPTIONAL = {
 
 
 def part_paths(kit: Kit) -> None:
+    if kit.done("paths", "Qwen3-MoE-shaped, eager experts"):
+        return
     seq = kit.seq(2048)
     keys = [f"data.max_length={seq}", "train.micro_batch_size=4", "train.global_batch_size=4"]
     model = kit.model("llama-1b")
@@ -355,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("parts", nargs="*", help=f"parts to run, of {', '.join(PARTS)} (default: all)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU even where CUDA exists")
     parser.add_argument("--work", type=Path, help="models, data, runs and results (default: a new temp dir)")
+    parser.add_argument("--run-limit", type=int, default=900, help="seconds one ftkit run may take")
     parser.add_argument("--report", type=Path, help="markdown report (default: bench/GPU.md on a GPU)")
     args = parser.parse_args(argv)
     unknown = [part for part in args.parts if part not in PARTS]
@@ -367,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--work {args.work}: not a directory")
     work = args.work or Path(tempfile.mkdtemp(prefix="ftkit-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    kit = Kit(smoke, work, device_info(smoke))
+    kit = Kit(smoke, work, device_info(smoke), run_limit_s=args.run_limit)
     for part in args.parts or list(PARTS):
         started = time.monotonic()
         PARTS[part](kit)
