@@ -43,6 +43,7 @@ ROOT = BENCH.parent
 PY = sys.executable
 RECIPE = ROOT / "recipes" / "finetune_llm.py"
 RESULTS = BENCH / "gpu_results.jsonl"
+FINDINGS = BENCH / "gpu_findings.md"
 PLAN_LOW, PLAN_HIGH = 0.95, 1.10  # predicted / measured: never 5% under, at most 10% over
 
 
@@ -108,14 +109,20 @@ class Kit:
             done = subprocess.run(
                 command, cwd=ROOT, capture_output=True, text=True, env=_quiet_env(), timeout=self.run_limit_s
             )
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as stopped:
+            _keep_stderr(out, stopped.stderr or "")
             return {"error": f"stopped after {self.run_limit_s} s (--run-limit)"}
         if done.returncode != 0:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "stderr.txt").write_text(done.stderr)  # the whole of it, beside the run
+            _keep_stderr(out, done.stderr)
             lines = [line for line in done.stderr.splitlines() if line.strip()] or [f"exit {done.returncode}"]
             return {"error": lines[-1][-300:]}
         return summarise(out / "metrics.jsonl", time.monotonic() - started)
+
+
+def _keep_stderr(out: Path, text: str | bytes) -> None:
+    """A failed or stopped run's whole stderr, beside its output (`runs/<case>/stderr.txt`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "stderr.txt").write_text(text.decode(errors="replace") if isinstance(text, bytes) else text)
 
 
 def summarise(metrics: Path, wall_s: float) -> dict:
@@ -405,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
             handle.writelines(json.dumps(row) + "\n" for row in kit.rows)
         report = args.report or BENCH / "GPU.md"
         rows = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
-    report.write_text(render(rows))
+    findings = FINDINGS.read_text() if FINDINGS.is_file() and not smoke else ""
+    report.write_text(render(rows, findings))
     print(f"report: {report} (results: {kit.results})")
     return 0
 

@@ -12,15 +12,17 @@ TITLES = {
 }
 
 
-def render(rows: list[dict]) -> str:
-    """Markdown for `rows`: machines in the order their first row came, parts in the order run."""
+def render(rows: list[dict], findings: str = "") -> str:
+    """Markdown for `rows`: machines in the order their first row came, parts in the order run; then
+    `findings` (bench/gpu_findings.md: what the runs disproved, fixed or left open, kept by hand)."""
     lines = [
         "# ftkit on GPUs",
         "",
         "Written by `make gpu-check` (`bench/gpu_check.py`): each section is one machine on one day, so",
         "results from different cards stand side by side. Figures come from the runs' own `metrics.jsonl`",
         "(peak memory is `torch.cuda.max_memory_allocated`; `measured` adds the allocator's reserve and",
-        "what lies outside it, the CUDA context). Open findings are listed under the section showing them.",
+        "what lies outside it, the CUDA context). What the runs disproved, and what was done about it, is at",
+        "the end (kept in `bench/gpu_findings.md`).",
     ]
     for head, group in _groups(rows, HEAD_KEYS).items():
         lines += ["", f"## {_heading(dict(head))}", ""]
@@ -31,6 +33,8 @@ def render(rows: list[dict]) -> str:
             ]
         for (part,), part_rows in _groups(group, ("part",)).items():
             lines += [f"### {TITLES.get(part, part)}", "", *_table(part_rows), ""]
+    if findings.strip():
+        lines += ["", findings.strip()]
     return "\n".join(lines).rstrip() + "\n"
 
 

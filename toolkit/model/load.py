@@ -84,8 +84,10 @@ def load_model(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if cfg.method == "qlora":
+        bf16 = quant.upcast_names(model)
         with quant_experts.hidden_from_peft(model):
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
+        quant.keep_bf16_stream(model, bf16)
     if cfg.method in ("lora", "qlora"):
         with quant_experts.unquantized_look(model):
             model = _with_adapter(model, lora)
@@ -127,8 +129,7 @@ def trainable_and_total(model) -> tuple[int, int]:
 
 
 def _weights(param) -> int:
-    packed = getattr(getattr(param, "quant_state", None), "shape", None)  # bitsandbytes' 4-bit weights
-    return math.prod(packed) if packed else math.prod(moe.full_shape(param))
+    return math.prod(moe.full_shape(param))
 
 
 def peft_config(lora: LoraConfig, model) -> PeftLoraConfig:

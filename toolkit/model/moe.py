@@ -116,9 +116,12 @@ def unpacked_name(name: str) -> str:
 
 
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """The whole tensor's shape: under ZeRO-3's partitioning (it keeps the original in `ds_shape`) and for
-    4-bit experts (quant_experts keeps the unpacked shape in `expert_shape`) too."""
-    return tuple(getattr(param, "expert_shape", None) or getattr(param, "ds_shape", None) or param.shape)
+    """The whole tensor's shape: under ZeRO-3's partitioning (it keeps the original in `ds_shape`), for
+    4-bit experts (quant_experts keeps the unpacked shape in `expert_shape`) and for bitsandbytes' 4-bit
+    linear weights (their `quant_state` keeps it) too."""
+    packed = getattr(getattr(param, "quant_state", None), "shape", None)
+    shape = getattr(param, "expert_shape", None) or packed or getattr(param, "ds_shape", None)
+    return tuple(shape or param.shape)
 
 
 def is_routed_expert(param: torch.Tensor) -> bool:

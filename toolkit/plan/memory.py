@@ -112,14 +112,13 @@ def param_bytes(method: str, backend: str, precision: Precision) -> tuple[int, i
     """Bytes per (frozen, trainable) parameter as the backend stores them.
 
     DeepSpeed under bf16 casts every parameter to bf16 and keeps fp32 masters; peft keeps adapters in fp32
-    over a bf16 base; prepare_model_for_kbit_training turns QLoRA's unquantized parameters to fp32.
+    over a bf16 base. QLoRA's unquantized parameters (embeddings, norms) stay in the weights' dtype
+    (`quant.keep_bf16_stream`).
     """
     if backend in DEEPSPEED and precision.mixed == "bf16":
         return 2, 2
     weights = 2 if precision.weights == "bfloat16" else 4
-    if method == "qlora":
-        return 4, 4
-    return weights, 4 if method == "lora" else weights
+    return weights, 4 if method in ("lora", "qlora") else weights
 
 
 def activation_bytes(
@@ -178,8 +177,8 @@ def token_activation_bytes(
 
 def residual_bytes(counts, precision: Precision) -> int:
     """Bytes of one element of the residual stream (the hidden states between decoder layers): the weights'
-    dtype, fp32 under QLoRA."""
-    return 4 if precision.weights == "float32" or counts.method == "qlora" else 2
+    dtype (QLoRA's too: its embeddings and norms keep it)."""
+    return 4 if precision.weights == "float32" else 2
 
 
 def head_bytes(counts, tokens: int, backend: str, precision: Precision, head: Head) -> int:
