@@ -46,10 +46,12 @@ demo-dpo: install
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/dpo_llm.py \
 		train.overwrite=true $(ARGS)
 
-# GRPO on the SFT demo's result (running the SFT demo first when it is missing): sampled answers to the
-# embedded sums, rewarded when exact.
+# GRPO from an SFT run stopped early (trained first when missing: the demo's config cut to 235 steps, which
+# answers with a number but gets a third of the sums right): sampled answers, rewarded when exact.
 demo-grpo: install
-	test -f runs/demo/final/adapter_config.json || $(MAKE) demo
+	test -f runs/demo-grpo-start/final/adapter_config.json || $(VENV)/bin/accelerate launch \
+		--config_file accelerate_configs/single.yaml recipes/finetune_llm.py --config recipes/configs/demo.yaml \
+		train.overwrite=true train.max_steps=235 output_dir=runs/demo-grpo-start eval.exact_match_samples=0
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/grpo_llm.py \
 		train.overwrite=true $(ARGS)
 

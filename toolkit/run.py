@@ -28,7 +28,7 @@ from toolkit.pipeline import runtime as pipeline_runtime
 from toolkit.train import batches, metrics, optim
 from toolkit.train.nonfinite import NonFiniteGuard
 from toolkit.train.router import RouterBalance, router_coef
-from toolkit.train.steps import apply_update, every, export_final
+from toolkit.train.steps import apply_update, closing_lines, every, export_final
 from toolkit.train.watchdog import Watchdog
 from toolkit.typed_yaml import flat_dict
 
@@ -353,7 +353,9 @@ class Run:
         self.watchdog.beat("the evaluation after training")
         evaluator.report(max_steps, "after")
         self.watchdog.beat("the export")
-        export_final(self.accelerator, model, tokenizer, self.cfg, self.output_dir)
+        final_dir = export_final(self.accelerator, model, tokenizer, self.cfg, self.output_dir)
+        for line in closing_lines(evaluator.shown, final_dir, self.cfg.eval.sample_prompt):
+            self.accelerator.print(line)
         self.accelerator.end_training()
         self._lock.release()
         return 0

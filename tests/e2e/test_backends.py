@@ -48,7 +48,9 @@ EXPECTED_CONSOLE = re.compile(
             r"model: \S+ \((lora|full)\), [\d,]+ of [\d,]+ parameters trained$",
             r"\[(before|after)\] (eval_loss=\S+  eval_ppl=\S+  eval_tokens=\d+$|sample: ')",
             r"(train|Loading weights): +\d+%\|.*\| \d+/\d+ \[",  # progress bars, main process only
-            r"saved: \S+  \(try: ftkit generate --model ",
+            r"result: held-out (exact match|eval loss) \S+ -> \S+$",
+            r"saved: \S+$",
+            r"try: ftkit generate --model \S+ --prompt ",
         )
     )
 )

@@ -124,3 +124,22 @@ def test_without_eval_rows_only_the_configured_prompt_is_answered(tiny, tmp_path
     assert not log.path.exists()
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("[before] sample: ") and "What is 2 + 2?" in out[0]
+
+
+def test_every_run_ends_with_its_result_where_it_went_and_how_to_try_it(tmp_path):
+    from toolkit.train.steps import closing_lines
+
+    shown = {
+        "before": {"eval_loss": 6.0, "exact_match": 0.33},
+        "after": {"eval_loss": 0.5, "exact_match": 0.46},
+    }
+    lines = closing_lines(shown, tmp_path / "final", "What is 38 + 47?")
+    assert lines == [
+        "result: held-out exact match 33.0% -> 46.0%",
+        f"saved: {(tmp_path / 'final').resolve()}",
+        f"try: ftkit generate --model {tmp_path / 'final'} --prompt 'What is 38 + 47?'",
+    ]
+    loss_only = closing_lines({"before": {"eval_loss": 6.0}, "after": {"eval_loss": 0.25}}, tmp_path, None)
+    assert loss_only[0] == "result: held-out eval loss 6 -> 0.25" and loss_only[2].endswith("--prompt ...")
+    assert closing_lines({"after": {"exact_match": 0.5}}, tmp_path, None)[0].endswith("(resumed) 50.0%")
+    assert closing_lines({}, tmp_path, None)[0] == "result: no held-out evaluation (data.eval)"

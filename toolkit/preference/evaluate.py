@@ -38,6 +38,8 @@ class PairEvaluator:
 
     def __init__(self, accelerator, model, tokenizer, dataset, collate, cfg, reference, log, pipeline=None):
         self.pipeline = pipeline
+        self.shown: dict[str, dict] = {}
+        """What each `report` measured, by its label ("before", "after"): the run's closing lines read it."""
         self.accelerator = accelerator
         self.model = model
         self.tokenizer = tokenizer
@@ -80,6 +82,7 @@ class PairEvaluator:
                 self.cfg.eval.max_new_tokens,
                 self.accelerator.num_processes > 1,
             )
+        self.shown[label] = results
         self.accelerator.print(f"[{label}] " + "  ".join(f"{k}={v:.4g}" for k, v in results.items()))
         self.log.write(step, **results)
 

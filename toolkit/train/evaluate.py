@@ -38,6 +38,8 @@ class Evaluator:
         self.accelerator, self.model, self.tokenizer = accelerator, model, tokenizer
         self.loader, self.dataset, self.cfg, self.log = loader, dataset, cfg, log
         self.pipeline = pipeline
+        self.shown: dict[str, dict] = {}
+        """What each `report` measured, by its label ("before", "after"): the run's closing lines read it."""
 
     def evaluate(self, step: int) -> dict:
         """Collective: eval loss and perplexity, logged at `step`; {} when the run holds no eval rows."""
@@ -72,6 +74,7 @@ class Evaluator:
             self.accelerator.print(f"[{label}] sample: {question!r} -> {answer!r}")
 
     def _show(self, step: int, label: str, results: dict) -> None:
+        self.shown[label] = results
         if results:
             self.log.write(step, **results)
             self.accelerator.print(f"[{label}] " + "  ".join(f"{k}={v:.4g}" for k, v in results.items()))

@@ -3,6 +3,7 @@ non-finite guard, optimizer and scheduler), the logging cadence and the export. 
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from toolkit import distributed
@@ -49,7 +50,19 @@ def export_final(accelerator, model, tokenizer, cfg, output_dir: Path) -> Path:
         qlora = cfg.model.method == "qlora"
         export.merge_adapter(final_dir, final_dir / "merged", cfg.export.dtype, dequantized=qlora)
     accelerator.wait_for_everyone()
-    accelerator.print(
-        f"saved: {final_dir.resolve()}  (try: ftkit generate --model {final_dir} --prompt '...')"
-    )
     return final_dir
+
+
+def closing_lines(shown: dict[str, dict], final_dir: Path, prompt: str | None) -> list[str]:
+    """The three lines every run ends with: the task metric before and after training (exact match where
+    measured, else the eval loss), where the result went, and the command that tries it."""
+    after, before = shown.get("after", {}), shown.get("before", {})
+    key = next((k for k in ("exact_match", "eval_loss") if k in after), None)
+    if key is None:
+        result = "result: no held-out evaluation (data.eval)"
+    else:
+        fmt = "{:.1%}" if key == "exact_match" else "{:.4g}"
+        start = f"{fmt.format(before[key])} -> " if key in before else "(resumed) "
+        result = f"result: held-out {key.replace('_', ' ')} {start}{fmt.format(after[key])}"
+    command = f"ftkit generate --model {final_dir} --prompt {shlex.quote(prompt or '...')}"
+    return [result, f"saved: {final_dir.resolve()}", f"try: {command}"]
