@@ -100,3 +100,14 @@ def test_a_work_folder_that_is_a_file_is_one_line(tmp_path, capsys):
         gpu_check.main(["--work", str(tmp_path / "file"), "plan"])
     assert exit_info.value.code == 2 and "not a directory" in capsys.readouterr().err
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_rerun_in_the_same_work_folder_skips_what_it_recorded_and_the_report_ends_with_findings(tmp_path):
+    kit = gpu_check.Kit(True, tmp_path, {"device": "cpu"})
+    assert not kit.done("plan", "llama-1b lora seq 128 micro 4")
+    kit.record("plan", "llama-1b lora seq 128 micro 4", ratio=1.0)
+    again = gpu_check.Kit(True, tmp_path, {"device": "cpu"})
+    assert again.done("plan", "llama-1b lora seq 128 micro 4")
+    assert not again.done("plan", "llama-1b qlora seq 128 micro 4")
+    report = render(kit.rows, "## Findings\n\n- one")
+    assert report.endswith("## Findings\n\n- one\n") and "llama-1b lora seq 128 micro 4" in report
