@@ -87,7 +87,7 @@ def train(run: Run, cfg) -> int:
             sums = pref_loss.PairSums(accelerator.device)
             for batch in micro_batches:
                 ref_logps = ref.logps(batch)
-                with accelerator.accumulate(model), run.routed() as router:
+                with accelerator.accumulate(model), run.micro_batch() as router:
                     logps, counts = pref_loss.batch_sequence_logps(model, batch)
                     terms = pref_loss.pair_terms(cfg.dpo, logps, counts, ref_logps)
                     objective = pref_loss.micro_objective(terms, pair_scale, token_scale)

@@ -67,7 +67,7 @@ def train(run: Run, cfg) -> int:
         else:
             loss_sum = torch.zeros((), device=accelerator.device)
             for batch in micro_batches:
-                with accelerator.accumulate(model), run.routed() as router:
+                with accelerator.accumulate(model), run.micro_batch() as router:
                     micro_loss = loss.batch_loss(model, batch)
                     accelerator.backward(micro_loss * scale + router.loss(data.real_tokens(batch)))
                     loss_sum += micro_loss.detach()

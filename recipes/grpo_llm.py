@@ -69,7 +69,7 @@ def train(run: Run, cfg) -> int:
             rows, prompts, cfg, tokenizer.pad_token_id, rank, world, accelerator.device
         )
         for batch in micro_batches:
-            with accelerator.accumulate(model), run.routed() as router:
+            with accelerator.accumulate(model), run.micro_batch() as router:
                 logps = grpo_loss.completion_logps(model, batch)
                 terms = grpo_loss.micro_terms(cfg.grpo, logps, batch)
                 accelerator.backward(terms["objective"] * scale + router.loss(batch["attention_mask"]))

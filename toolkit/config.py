@@ -149,6 +149,9 @@ class TrainConfig:
     """AdamW weight decay (never applied to biases and norm weights)."""
     fused_adamw: Switch = "auto"
     """torch's fused AdamW kernel (auto: on CUDA; true: a note where unavailable)."""
+    activation_offload: bool = False
+    """Keep the activations each micro-batch saves for backward in CPU memory (pinned on GPUs) until backward
+    needs them: the same gradients, less accelerator memory, more host traffic (toolkit/train/offload.py)."""
     adam_betas: Annotated[list[Probability], Length(2)] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW betas."""
     max_grad_norm: NonNegativeFloat = 1.0

@@ -6,6 +6,7 @@ loop's exits (checkpoint cadence, stop requests, failures, the finish)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -27,6 +28,7 @@ from toolkit.model.facts import read_model_facts
 from toolkit.pipeline import runtime as pipeline_runtime
 from toolkit.train import batches, metrics, optim
 from toolkit.train.nonfinite import NonFiniteGuard
+from toolkit.train.offload import activation_offload
 from toolkit.train.router import RouterBalance, router_coef
 from toolkit.train.steps import apply_update, closing_lines, every, export_final
 from toolkit.train.watchdog import Watchdog
@@ -258,10 +260,14 @@ class Run:
         averages gradients over these, and the global batch is split across these."""
         return self.launch.mesh.data_parallel
 
-    def routed(self):
-        """Around one micro-batch's forward and backward pass: `router.loss(token_mask)` is the routers'
-        balancing term to add to what `backward` is given (0 for a dense model)."""
-        return self.router.micro_batch()
+    @contextlib.contextmanager
+    def micro_batch(self):
+        """Around one micro-batch's forward and backward pass; yields the router: `router.loss(token_mask)`
+        is the routers' balancing term to add to what `backward` is given (0 for a dense model). With
+        `train.activation_offload` the tensors saved for backward wait in CPU memory."""
+        offload = activation_offload(self.cfg.train.activation_offload, self.accelerator.device)
+        with self.router.micro_batch() as router, offload:
+            yield router
 
     def global_counts(self, counts: list[int]) -> list[int]:
         """Collective: this rank's per-step counts summed over every batch of the step."""

@@ -511,6 +511,7 @@ def test_pipeline_size_refuses_launches_it_cannot_run_on(yaml_name, size, messag
     [
         ({"model.method": "qlora"}, "refuses model.method qlora"),
         ({"train.mixed_precision": "fp16"}, "refuses train.mixed_precision fp16"),
+        ({"train.activation_offload": True}, "refuses train.activation_offload"),
         ({"pipeline.schedule": "interleaved_1f1b"}, "interleaved_1f1b needs 2 or more chunks"),
         ({"pipeline.chunks_per_process": 2}, "interleaved_1f1b needs 2 or more chunks"),
         ({"train.micro_batch_size": 16}, "needs at least 2 micro-batches per step"),

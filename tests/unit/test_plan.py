@@ -14,7 +14,7 @@ from toolkit.plan import architectures, memory
 from toolkit.plan.cost import CostRequest, estimate_cost, measured_tokens_per_s
 from toolkit.plan.counts import count_parameters, load_model_config
 from toolkit.plan.estimate import make_plan
-from toolkit.plan.memory import FP32, model_state_bytes
+from toolkit.plan.memory import FP32, model_state_bytes, token_activation_bytes
 from toolkit.plan.request import PlanRequest
 
 # The launch line names recipes/configs/ files, looked up where the line is run: a checkout's root.
@@ -231,3 +231,17 @@ def test_bad_input_is_one_line(capsys, argv, message):
 def test_missing_config_json_is_user_error(tmp_path):
     with pytest.raises(UserError, match="no config.json"):
         load_model_config(str(tmp_path))
+
+
+def test_activation_offload_leaves_one_layer_on_the_gpu_and_moves_the_rest_to_cpu_ram():
+    request = dict(model="meta-llama/Meta-Llama-3-8B", gpus=2, gpu_mem=24, seq_len=32768, micro_batch=1)
+    kept = make_plan(PlanRequest(**request, grad_ckpt="on"))
+    moved = make_plan(PlanRequest(**request, activation_offload=True))
+    row = {r.backend: r for r in kept.rows}["zero3"]
+    offloaded = {(r.backend, r.checkpointing): r for r in moved.rows}[("zero3", True)]
+    layer, _, norm = token_activation_bytes(kept.counts, kept.precision)
+    tokens = 32768
+    assert offloaded.activations - offloaded.head == (layer + norm) * tokens
+    assert offloaded.cpu_ram - row.cpu_ram == 2 * (row.activations - offloaded.activations)
+    assert not kept.fits(row) and moved.fits(offloaded)  # 29.6 GiB without, 20.8 GiB with
+    assert moved.choice.checkpointing  # tried first: only the layers' inputs travel to CPU RAM

@@ -51,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--lora-r", type=int, help="LoRA rank (default 16)")
     plan.add_argument("--lora-dropout", type=float, help="LoRA dropout (default 0)")
     plan.add_argument("--grad-ckpt", choices=choices(GradCkpt), help="checkpointing (default auto)")
+    plan.add_argument(
+        "--activation-offload",
+        action="store_true",
+        default=None,
+        help="train.activation_offload: saved activations in CPU RAM, one layer's on the GPU",
+    )
     plan.add_argument("--dtype", choices=choices(PlanDtype), help="weights (default as recipes)")
     plan.add_argument("--mixed-precision", choices=choices(PlanPrecision), help="default bf16")
     plan.add_argument(

@@ -145,7 +145,10 @@ def check_launch(
         )
     if cfg.moe.expert_parallel > 1:
         _check_expert_parallel(launch, cfg, facts, recipe_source)
-    return _disable_nccl_p2p(machine, env)
+    notes = _disable_nccl_p2p(machine, env)
+    if cfg.train.activation_offload and launch.on_cpu:
+        notes.append("train.activation_offload: the model computes in CPU memory already; nothing is moved")
+    return notes
 
 
 def _check_expert_parallel(launch: Launch, cfg: RecipeConfig, facts: ModelFacts, recipe_source: str) -> None:
@@ -191,6 +194,7 @@ def _check_pipeline(cfg: RecipeConfig, facts: ModelFacts, ga: int, recipe_source
     refusals = {
         "model.method qlora": cfg.model.method == "qlora",
         "train.mixed_precision fp16 (use bf16)": cfg.train.mixed_precision == "fp16",
+        "train.activation_offload (its stages keep their own activations)": cfg.train.activation_offload,
         "dpo.reference_model (a separate reference model)": bool(
             getattr(getattr(cfg, "dpo", None), "reference_model", None)
         ),

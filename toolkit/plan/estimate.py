@@ -135,7 +135,7 @@ def fits(row: MemoryEstimate, request: PlanRequest) -> bool:
 
 
 def recommend(counts: ModelCounts, request: PlanRequest, precision: Precision) -> MemoryEstimate | None:
-    """The first fitting setup, fastest tier first and checkpointing off before on within a tier; then the
+    """The first fitting setup, fastest tier first and checkpointing in `_ckpt_options` order; then the
     micro-batch doubles while it fits and divides the per-GPU batch (unless --micro-batch fixed it)."""
     for tier in tiers(request.gpus):
         for ckpt in _ckpt_options(request):
@@ -172,6 +172,7 @@ def _estimate(
         sequences_per_example=request.rows_per_example,
         reference=reference,
         head=request.head,
+        offload=request.activation_offload,
     )
     plan_round = request.generation_round()
     if plan_round is None:
@@ -193,4 +194,7 @@ def reference_bytes(counts, request: PlanRequest, precision: Precision, backend:
 
 
 def _ckpt_options(request: PlanRequest) -> tuple[bool, ...]:
-    return {"auto": (False, True), "on": (True,), "off": (False,)}[request.grad_ckpt]
+    """Checkpointing off before on; with activation offload on before off (it moves only the layers'
+    inputs through CPU RAM, not every activation)."""
+    auto = (True, False) if request.activation_offload else (False, True)
+    return {"auto": auto, "on": (True,), "off": (False,)}[request.grad_ckpt]

@@ -301,14 +301,22 @@ def estimate(
     sequences_per_example: int = 1,
     reference: int = 0,
     head: Head = Head(),
+    offload: bool = False,
 ) -> MemoryEstimate:
     """Everything one GPU (and the machine's RAM) needs for `backend` on `n_gpus` GPUs; preference tuning
-    runs 2 `sequences_per_example` (chosen and rejected) and may hold `reference` bytes of frozen weights."""
+    runs 2 `sequences_per_example` (chosen and rejected) and may hold `reference` bytes of frozen weights.
+    With `offload` (train.activation_offload) the activations wait in CPU RAM and the GPU holds one layer's
+    (the layer computing, or being recomputed) besides the loss head's."""
     states = model_state_bytes(counts, backend, n_gpus, precision)
     working = working_weight_bytes(counts, backend, precision)
     sequences = micro_batch * sequences_per_example
     loss_head = head_bytes(counts, seq_len * sequences, backend, precision, head)
     activations = activation_bytes(counts, seq_len, sequences, checkpointing, precision, lora_dropout)
+    offloaded = 0
+    if offload:
+        layer, _, norm = token_activation_bytes(counts, precision, lora_dropout)
+        offloaded = max(activations - (layer + norm) * seq_len * sequences, 0)
+        activations -= offloaded
     activations += loss_head
     tensors = (states.persistent if states.in_cpu_ram else states.total) + working + activations + reference
     return MemoryEstimate(
@@ -320,6 +328,7 @@ def estimate(
         activations=activations,
         head=loss_head,
         overhead=overhead_bytes(tensors, backend, n_gpus, counts, precision),
-        cpu_ram=cpu_ram_bytes(counts, backend, n_gpus, states, precision),
+        cpu_ram=cpu_ram_bytes(counts, backend, n_gpus, states, precision)
+        + (1 if backend == "single" else n_gpus) * offloaded,
         reference=reference,
     )

@@ -44,7 +44,8 @@ def _header(plan: Plan) -> list[str]:
         f"params   {c.total:,} total, {c.trainable:,} trainable "
         f"({100 * c.trainable / c.total:.2f}%: {trained})",
         f"setup    {c.method} on {r.gpus} GPU x {r.gpu_mem:g} GiB | {base}, {autocast} | "
-        f"seq {r.seq_len} | global batch {r.global_batch} | {head}",
+        f"seq {r.seq_len} | global batch {r.global_batch} | {head}"
+        + (" | activations offloaded to CPU RAM" if r.activation_offload else ""),
         *_experts(c),
         f"compute  {plan.flops_per_token / 1e9:.2f} GFLOP per trained token (see toolkit/model/flops.py)",
         *_grpo_setup(plan),

@@ -46,6 +46,9 @@ class PlanRequest:
     """LoRA dropout; above 0 it stores a dropped copy of every adapted input."""
     grad_ckpt: GradCkpt = "auto"
     """Gradient checkpointing (auto: try off, then on)."""
+    activation_offload: bool = False
+    """train.activation_offload: the activations saved for backward wait in CPU RAM; the GPU holds one
+    layer's."""
     dtype: PlanDtype = "auto"
     """Weights dtype (auto: bfloat16 for LoRA/QLoRA, float32 for full, as recipes)."""
     mixed_precision: PlanPrecision = "bf16"
