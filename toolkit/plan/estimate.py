@@ -173,6 +173,7 @@ def _estimate(
         reference=reference,
         head=request.head,
         offload=request.activation_offload,
+        accumulation=request.global_batch // (micro * processes(backend, request.gpus)),
     )
     plan_round = request.generation_round()
     if plan_round is None:

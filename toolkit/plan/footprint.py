@@ -93,6 +93,10 @@ class MemoryEstimate:
     """A separate frozen reference model's weights on this GPU (preference tuning; 0 otherwise)."""
     generation: GenerationBytes | None = None
     """GRPO's generation phase on this GPU (`plan.generation`); None for the other objectives."""
+    grads_meet_activations: bool = True
+    """Whether the gradients and the activations peak together. Not with one micro-batch a step on a torch
+    backend that frees its gradients at each step (single, DDP): backward frees activations as it makes
+    gradients, so the peak holds the larger of the two, not both."""
 
     def per_gpu(self) -> dict[str, int]:
         """Bytes on each GPU by kind during training; `weights` includes gathered or autocast working copies.
@@ -113,6 +117,8 @@ class MemoryEstimate:
         if self.reference:
             parts["reference"] = self.reference
         training = sum(parts.values())
+        if not self.grads_meet_activations and on_gpu:
+            training -= min(self.states.grads, self.activations)
         if self.generation is None:
             return {**parts, "total": training}
         generating = self.generation.total

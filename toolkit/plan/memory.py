@@ -302,11 +302,14 @@ def estimate(
     reference: int = 0,
     head: Head = Head(),
     offload: bool = False,
+    accumulation: int | None = None,
 ) -> MemoryEstimate:
     """Everything one GPU (and the machine's RAM) needs for `backend` on `n_gpus` GPUs; preference tuning
     runs 2 `sequences_per_example` (chosen and rejected) and may hold `reference` bytes of frozen weights.
     With `offload` (train.activation_offload) the activations wait in CPU RAM and the GPU holds one layer's
-    (the layer computing, or being recomputed) besides the loss head's."""
+    (the layer computing, or being recomputed) besides the loss head's. `accumulation` is the micro-batches a
+    step (None: assume several); with one, on single or DDP, gradients and activations do not peak together
+    (`MemoryEstimate.grads_meet_activations`)."""
     states = model_state_bytes(counts, backend, n_gpus, precision)
     working = working_weight_bytes(counts, backend, precision)
     sequences = micro_batch * sequences_per_example
@@ -319,6 +322,9 @@ def estimate(
         activations -= offloaded
     activations += loss_head
     tensors = (states.persistent if states.in_cpu_ram else states.total) + working + activations + reference
+    meet = accumulation is None or accumulation > 1 or backend not in ("single", "ddp")
+    if not meet:
+        tensors -= min(states.grads, activations)
     return MemoryEstimate(
         backend=backend,
         checkpointing=checkpointing,
@@ -331,4 +337,5 @@ def estimate(
         cpu_ram=cpu_ram_bytes(counts, backend, n_gpus, states, precision)
         + (1 if backend == "single" else n_gpus) * offloaded,
         reference=reference,
+        grads_meet_activations=meet,
     )
