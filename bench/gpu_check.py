@@ -72,12 +72,13 @@ class Kit:
         """A checked sequence length; in smoke mode a sixteenth of it."""
         return length // 16 if self.smoke else length
 
+    def __post_init__(self) -> None:
+        lines = self.results.read_text().splitlines() if self.results.is_file() else []
+        self.recorded = {(row["part"], row["case"]) for row in map(json.loads, filter(str.strip, lines))}
+
     def done(self, part: str, case: str) -> bool:
         """Whether an earlier run in this work folder recorded the case (a rerun goes on where it stopped)."""
-        if not self.results.is_file():
-            return False
-        rows = [json.loads(line) for line in self.results.read_text().splitlines() if line.strip()]
-        if any(row["part"] == part and row["case"] == case for row in rows):
+        if (part, case) in self.recorded:
             print(f"[{part}] {case}: in {self.results} already", flush=True)
             return True
         return False

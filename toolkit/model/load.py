@@ -84,7 +84,7 @@ def load_model(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if cfg.method == "qlora":
-        bf16 = quant.upcast_names(model)
+        bf16 = quant.bf16_names(model)
         with quant_experts.hidden_from_peft(model):
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
         quant.keep_bf16_stream(model, bf16)

@@ -114,28 +114,21 @@ def keep_training_layout(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def upcast_names(model) -> dict[str, torch.dtype]:
-    """The 16-bit parameters peft's `prepare_model_for_kbit_training` would turn to fp32, with their dtype:
-    every 16-bit one but the packed 4-bit weights."""
-    from bitsandbytes.nn import Params4bit
-
+def bf16_names(model) -> set[str]:
+    """The bf16 parameters peft's `prepare_model_for_kbit_training` will turn to fp32: every one but the
+    packed 4-bit weights."""
     packed = packed_names(model)
-    return {
-        name: param.dtype
-        for name, param in model.named_parameters()
-        if param.dtype in (torch.bfloat16, torch.float16) and name not in packed
-        and not isinstance(param, Params4bit)
-    }  # fmt: skip
+    return {name for name, p in model.named_parameters() if p.dtype == torch.bfloat16 and name not in packed}
 
 
-def keep_bf16_stream(model, before: Mapping[str, torch.dtype]) -> None:
-    """Undo peft's fp32 upcast of the bf16 parameters (`before`, from `upcast_names`): embeddings and
-    norms back in bf16, as under LoRA. Left in fp32, they make the residual stream fp32, and bitsandbytes'
-    4-bit layers return their input's dtype, so every activation would be fp32: on one H200, a
-    Llama-3.2-1B-shaped QLoRA run (4 x 2048 tokens) peaked at 24.7 GB against LoRA's 19.3 GB. fp16
-    models keep the upcast (fp16 norms overflow)."""
+def keep_bf16_stream(model, names: set[str]) -> None:
+    """Undo peft's fp32 upcast of the parameters `names` (from `bf16_names`): embeddings and norms back in
+    bf16, as under LoRA. Left in fp32, they make the residual stream fp32, and bitsandbytes' 4-bit layers
+    return their input's dtype, so every activation would be fp32: on one H200, a Llama-3.2-1B-shaped
+    QLoRA run (4 x 2048 tokens) peaked at 24.7 GB against LoRA's 19.3 GB. fp16 models keep the upcast
+    (fp16 norms overflow)."""
     for name, param in model.named_parameters():
-        if before.get(name) == torch.bfloat16 and param.dtype == torch.float32:
+        if name in names and param.dtype == torch.float32:
             param.data = param.data.to(torch.bfloat16)
 
 

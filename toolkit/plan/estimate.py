@@ -46,7 +46,7 @@ class Plan:
         return fits(row, self.request)
 
     def grad_accum(self, row: MemoryEstimate) -> int:
-        return self.request.global_batch // (row.micro_batch * processes(row.backend, self.request.gpus))
+        return grad_accum(self.request, row.backend, row.micro_batch)
 
 
 def requests_from_options(options: dict) -> tuple[PlanRequest, CostRequest | None]:
@@ -129,6 +129,11 @@ def processes(backend: str, gpus: int) -> int:
     return 1 if backend == "single" else gpus
 
 
+def grad_accum(request: PlanRequest, backend: str, micro: int) -> int:
+    """Micro-batches each process runs per optimizer step."""
+    return request.global_batch // (micro * processes(backend, request.gpus))
+
+
 def fits(row: MemoryEstimate, request: PlanRequest) -> bool:
     in_gpu = row.per_gpu()["total"] <= request.gpu_mem * GIB
     return in_gpu and (request.cpu_mem is None or row.cpu_ram <= request.cpu_mem * GIB)
@@ -173,7 +178,7 @@ def _estimate(
         reference=reference,
         head=request.head,
         offload=request.activation_offload,
-        accumulation=request.global_batch // (micro * processes(backend, request.gpus)),
+        accumulation=grad_accum(request, backend, micro),
     )
     plan_round = request.generation_round()
     if plan_round is None:
