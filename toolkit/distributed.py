@@ -1,5 +1,6 @@
 """The collectives the training core shares on every backend: clipping with the global norm, gathering the
-FSDP1 root's weights for generation, agreeing on flags across ranks, and closing the process group.
+FSDP1 root's weights for generation, agreeing on flags and error text across ranks, and closing the process
+group.
 How the backend itself is chosen and set up lives in toolkit/launch/."""
 
 from __future__ import annotations
@@ -84,6 +85,27 @@ def any_rank(accelerator, *flags: bool) -> list[bool]:
     """Collective: each flag comes back true on every rank when it is true on any rank."""
     values = torch.tensor([float(flag) for flag in flags], device=accelerator.device)
     return [value > 0 for value in accelerator.reduce(values, reduction="sum").tolist()]
+
+
+def agreed_error(accelerator, error: str, limit: int = 4096) -> str:
+    """Collective: "" when no rank has an error, else the lowest such rank's text (its first `limit` bytes of
+    UTF-8) on every rank. Each rank then raises the same words, so the line is the same whichever rank the
+    launcher hears first."""
+    if accelerator.num_processes == 1:
+        return error
+    rank = torch.tensor([accelerator.process_index if error else accelerator.num_processes])
+    rank = rank.to(accelerator.device)
+    torch.distributed.all_reduce(rank, op=torch.distributed.ReduceOp.MIN)
+    source = int(rank.item())
+    if source == accelerator.num_processes:
+        return ""
+    data = error.encode()[:limit] if accelerator.process_index == source else b""
+    values = torch.zeros(limit + 1, dtype=torch.int32)
+    values[0] = len(data)
+    values[1 : len(data) + 1] = torch.tensor(list(data), dtype=torch.int32)
+    values = values.to(accelerator.device)
+    torch.distributed.broadcast(values, src=source)
+    return bytes(values[1 : int(values[0]) + 1].tolist()).decode(errors="replace")
 
 
 def close() -> None:

@@ -1,10 +1,13 @@
 """A mistake is shown once per launch, by whichever rank reports it first (the launcher may end the
 others before they print anything)."""
 
+import os
 import subprocess
 import sys
 
-from helpers import REPO
+from helpers import REPO, free_port
+
+from toolkit.checkpoint import rundir
 
 REPORT = "from toolkit import console; console.finish('finetune_llm', 2, 'train.max_steps: must be positive')"
 
@@ -28,3 +31,43 @@ def test_the_line_is_printed_once_whatever_the_order_and_again_for_the_next_laun
 
 def test_one_process_always_prints():
     assert ranks_reporting([0, 0], world=1).count("finetune_llm: error:") == 2
+
+
+CLAIM = """
+import sys
+from pathlib import Path
+from accelerate import Accelerator
+from toolkit.checkpoint import rundir
+from toolkit.errors import UserError
+accelerator = Accelerator(cpu=True)
+try:
+    rundir.claim(accelerator, Path(sys.argv[1]))
+except UserError as exc:
+    Path(sys.argv[2], f"rank-{accelerator.process_index}.txt").write_text(str(exc))
+"""
+
+
+def test_every_rank_raises_the_main_process_words_when_output_dir_is_held(tmp_path):
+    """Whichever rank the launcher hears first prints the line, so each must carry the holder's name."""
+    out = tmp_path / "run"
+    held = rundir.hold_lock(out)
+    script = tmp_path / "claim.py"
+    script.write_text(CLAIM)
+    said = tmp_path / "said"
+    said.mkdir()
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+    ]
+    result = subprocess.run(
+        [*launch, str(script), str(out), str(said)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    held.close()
+    words = [
+        (said / f"rank-{rank}.txt").read_text() for rank in (0, 1) if (said / f"rank-{rank}.txt").exists()
+    ]
+    assert len(words) == 2, result.stderr[-3000:]
+    assert words[0] == words[1] and f"pid {os.getpid()}" in words[0]

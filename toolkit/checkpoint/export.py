@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.checkpoint import split
-from toolkit.distributed import any_rank
+from toolkit.distributed import agreed_error
 from toolkit.errors import UserError
 from toolkit.model import quant, quant_experts
 from toolkit.model.load import DTYPES
@@ -41,8 +41,9 @@ def export_model(accelerator, model, tokenizer, out_dir: Path, dtype: str) -> No
         except (OSError, SafetensorError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             error = f"{out_dir}: model not exported: {getattr(exc, 'strerror', None) or exc}"
-    if any_rank(accelerator, bool(error))[0]:
-        raise UserError(error or f"{out_dir}: model not exported (failed on the main process)")
+    error = agreed_error(accelerator, error)
+    if error:
+        raise UserError(error)
 
 
 def _write_export(model, state_dict: dict, tokenizer, tmp: Path, out_dir: Path) -> None:

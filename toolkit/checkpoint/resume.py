@@ -16,11 +16,11 @@ from accelerate.utils.other import load as accelerate_load
 
 from toolkit import checkpoint
 from toolkit.checkpoint import portable, rundir, split
-from toolkit.distributed import any_rank
+from toolkit.distributed import agreed_error
 from toolkit.errors import UserError
 from toolkit.model import quant
 from toolkit.train import metrics, optim
-from toolkit.train.nonfinite import nonfinite_names, refuse_nonfinite
+from toolkit.train.nonfinite import nonfinite_message, nonfinite_names
 from toolkit.typed_yaml import dotted, to_dict
 
 FIXED = (
@@ -109,8 +109,9 @@ class Resume:
             bad = nonfinite_names(
                 (name, _local(p)) for name, p in model.named_parameters() if name not in packed
             )
-            if any_rank(accelerator, bool(bad))[0]:
-                refuse_nonfinite(self.checkpoint, bad or ["(on another rank)"])
+            refusal = agreed_error(accelerator, nonfinite_message(self.checkpoint, bad))
+            if refusal:
+                raise UserError(refusal)
         optim.continue_schedule(optimizer, scheduler, built)
         if accelerator.is_main_process:
             metrics.truncate_after(log.path, step, say=accelerator.print)

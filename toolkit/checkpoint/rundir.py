@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import IO
 
 from toolkit.config import RecipeConfig
-from toolkit.distributed import any_rank
+from toolkit.distributed import agreed_error
 from toolkit.errors import UserError
 from toolkit.train.watchdog import STALL_DIR
 from toolkit.typed_yaml import save_config
@@ -55,8 +55,9 @@ def claim(accelerator, output_dir: Path) -> RunLock:
             handle = hold_lock(output_dir)
         except UserError as exc:
             error = str(exc)
-    if any_rank(accelerator, bool(error))[0]:
-        raise UserError(error or f"output_dir: {output_dir} could not be claimed by the main process")
+    error = agreed_error(accelerator, error)
+    if error:
+        raise UserError(error)
     return RunLock(handle)
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from toolkit.checkpoint import split
 from toolkit.checkpoint.rundir import CONFIG
 from toolkit.config import RecipeConfig
-from toolkit.distributed import any_rank
+from toolkit.distributed import agreed_error
 from toolkit.errors import UserError
 from toolkit.model import expert_parallel
 from toolkit.pipeline import stages
@@ -181,7 +181,8 @@ def _finalize(tmp: Path, final: Path, marker: dict, config: RecipeConfig | None)
 
 
 def _agree_or_raise(accelerator, error: str, tmp: Path, final: Path, output_dir: Path) -> None:
-    if not any_rank(accelerator, bool(error))[0]:
+    error = agreed_error(accelerator, error)
+    if not error:
         accelerator.wait_for_everyone()
         return
     if accelerator.is_main_process:
@@ -192,7 +193,7 @@ def _agree_or_raise(accelerator, error: str, tmp: Path, final: Path, output_dir:
         if previous
         else "no earlier checkpoint exists"
     )
-    raise UserError(f"{final}: checkpoint not written: {error or 'failed on another rank'}; {still}")
+    raise UserError(f"{final}: checkpoint not written: {error}; {still}")
 
 
 def reload_fsdp1_optimizer(path: Path, model, optimizer) -> None:

@@ -56,7 +56,14 @@ def nonfinite_names(tensors) -> list[str]:
 def refuse_nonfinite(source, names: list[str]) -> None:
     """Stop before anything trains on or exports weights that are not finite."""
     if names:
-        raise UserError(
-            f"{source}: weights are not finite (NaN or inf) in {len(names)} tensors, first {names[0]}; "
-            "refusing to use them"
-        )
+        raise UserError(nonfinite_message(source, names))
+
+
+def nonfinite_message(source, names: list[str]) -> str:
+    """The refusal for `names` (non-finite tensors read from `source`), or "" when there are none."""
+    if not names:
+        return ""
+    return (
+        f"{source}: weights are not finite (NaN or inf) in {len(names)} tensors, first {names[0]}; "
+        "refusing to use them"
+    )
