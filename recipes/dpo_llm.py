@@ -79,8 +79,8 @@ def train(run: Run, cfg) -> int:
                 sum(int(b["attention_mask"].sum()) for b in micro_batches),
             ]
         )
-        pair_scale = loss.backward_scale(step_pairs, run.grad_accum, run.data_parallel)
-        token_scale = loss.backward_scale(chosen_tokens, run.grad_accum, run.data_parallel)
+        pair_scale = loss.backward_scale(step_pairs, run.grad_accum, run.gradient_ranks)
+        token_scale = loss.backward_scale(chosen_tokens, run.grad_accum, run.gradient_ranks)
         if pipeline is not None:
             sums = pref_pipeline.pair_step(pipeline, micro_batches, ref, cfg.dpo, pair_scale, token_scale)
         else:

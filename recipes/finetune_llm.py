@@ -56,12 +56,12 @@ def train(run: Run, cfg) -> int:
     for step, micro_batches in run.steps(train_loader, sampler, start_step):
         step_targets, step_tokens, step_rows = run.global_counts(
             [
-                sum(loss.count_targets(b["labels"]) for b in micro_batches),
+                sum(loss.batch_targets(b) for b in micro_batches),
                 sum(data.count_tokens(b) for b in micro_batches),
-                sum(len(b["input_ids"]) for b in micro_batches),
+                sum(data.count_rows(b) for b in micro_batches),
             ]
         )
-        scale = loss.backward_scale(step_targets, run.grad_accum, run.data_parallel)
+        scale = loss.backward_scale(step_targets, run.grad_accum, run.gradient_ranks)
         if pipeline is not None:
             loss_sum = pipeline.step(micro_batches, scale)
         else:

@@ -63,7 +63,7 @@ def train(run: Run, cfg) -> int:
         rows = rollout.step_rows(step, cfg)
         completion_tokens, step_tokens = rollouts.step_counts(rollout, rows, prompts)
         normaliser = grpo_loss.normaliser(cfg.grpo, len(rows), completion_tokens)
-        scale = loss.backward_scale(normaliser, run.grad_accum, run.data_parallel)
+        scale = loss.backward_scale(normaliser, run.grad_accum, run.gradient_ranks)
         sums = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
         micro_batches = rollout.micro_batches(
             rows, prompts, cfg, tokenizer.pad_token_id, rank, world, accelerator.device

@@ -26,7 +26,7 @@ from toolkit.model import expert_parallel, flops, moe, quant, quant_experts, spe
 from toolkit.model import load as models
 from toolkit.model.facts import read_model_facts
 from toolkit.pipeline import runtime as pipeline_runtime
-from toolkit.train import batches, metrics, optim
+from toolkit.train import batches, metrics, optim, sequence_parallel
 from toolkit.train.nonfinite import NonFiniteGuard
 from toolkit.train.offload import activation_offload
 from toolkit.train.router import RouterBalance, router_coef
@@ -226,12 +226,21 @@ class Run:
         return start_step
 
     def steps(self, loader, sampler, start_step: int, desc: str = "train"):
-        """(step, micro-batches) for each optimizer step left, `grad_accum` micro-batches each."""
+        """(step, micro-batches) for each optimizer step left, `grad_accum` micro-batches each.
+
+        Under sequence parallelism each rank reads `grad_accum / sp` batches a step; its group shares them
+        and each rank runs its slice of every one (toolkit/train/sequence_parallel.py)."""
+        sp = self.launch.mesh.sp
+        split = sequence_parallel.SequenceSplit(sp) if sp > 1 else None
+        if split is not None:
+            loader = sequence_parallel.unwrapped(loader)
         stream = batches.StepStream(
-            loader, sampler, self.grad_accum, start_step, self.accelerator.skip_first_batches
+            loader, sampler, self.grad_accum // sp, start_step, self.accelerator.skip_first_batches
         )
         for step in self.step_numbers(start_step, desc):
             micro_batches = stream.next_step()
+            if split is not None:
+                micro_batches = split.step(micro_batches)
             self._data_wait = time.perf_counter() - self._started
             yield step, micro_batches
 
@@ -259,6 +268,15 @@ class Run:
         """Processes that train on different batches (tensor-parallel ranks share theirs): the backend
         averages gradients over these, and the global batch is split across these."""
         return self.launch.mesh.data_parallel
+
+    @property
+    def gradient_ranks(self) -> int:
+        """Processes the backend divides the summed gradients by (see `loss.backward_scale`): the
+        data-parallel ones, except that DeepSpeed ZeRO-3's reduce-scatter divides by every process, the
+        sequence-parallel ranks of a group included (ZeRO-1/2 divide by the data-parallel processes)."""
+        if self.launch.mesh.sp > 1 and self.launch.zero_stage == 3:
+            return self.launch.world_size
+        return self.data_parallel
 
     @contextlib.contextmanager
     def micro_batch(self):

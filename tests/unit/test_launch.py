@@ -44,6 +44,8 @@ SHIPPED = {
     "pp": ("ddp", 0),
     "pp_ddp": ("ddp", 0),
     "ep": ("ddp", 0),
+    "sp": ("deepspeed", 2),
+    "sp_dp": ("deepspeed", 3),
 }
 
 

@@ -3,7 +3,7 @@ held out and mixed deterministically, optionally packed, and batched with paddin
 
 from toolkit.data.build import DataStats, build_datasets
 from toolkit.data.chat import ensure_chat_template
-from toolkit.data.collate import Collator, PackedCollator, count_tokens, model_inputs, real_tokens
+from toolkit.data.collate import Collator, PackedCollator, count_rows, count_tokens, model_inputs, real_tokens
 from toolkit.data.encode import IGNORE
 from toolkit.data.loader import RankShard, eval_loader, train_loader
 from toolkit.data.packing import LengthGroupedSampler, row_lengths
@@ -16,6 +16,7 @@ __all__ = [
     "PackedCollator",
     "RankShard",
     "build_datasets",
+    "count_rows",
     "count_tokens",
     "ensure_chat_template",
     "eval_loader",

@@ -91,6 +91,12 @@ def real_tokens(batch: dict) -> torch.Tensor:
     return batch["token_mask" if "token_mask" in batch else "attention_mask"]
 
 
+def count_rows(batch: dict) -> int:
+    """Rows in a batch; a sequence-parallel slice says how many of its rows to count (see
+    toolkit/train/sequence_parallel.py)."""
+    return batch.get("rows", len(batch["input_ids"]))
+
+
 def count_tokens(batch: dict) -> int:
     """Real (not padding) tokens in a batch of either collator."""
     return int(real_tokens(batch).sum())

@@ -22,6 +22,7 @@ from datetime import timedelta
 import torch
 from accelerate import Accelerator
 from accelerate.utils import (
+    DeepSpeedSequenceParallelConfig,
     DistributedType,
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
@@ -39,6 +40,7 @@ from toolkit.launch.deepspeed import (
 )
 from toolkit.launch.fsdp import FSDP_SETTINGS_ENV, cpu_fsdp_plugin, switch_on_cpu_fsdp
 from toolkit.launch.machine import count_gpus
+from toolkit.launch.mesh import Mesh
 from toolkit.launch.model_parallel import install_mesh, without_fsdp
 from toolkit.launch.request import ENV_SOURCE, Launch, backend_name, batch_split
 from toolkit.launch.sections import PARALLEL_SIZES
@@ -154,12 +156,15 @@ def accelerator_kwargs(launch: Launch, train: TrainConfig, grad_accum_steps: int
     # (toolkit/train/watchdog.py) reports first, and the main process may prepare data meanwhile.
     group = {"timeout": timedelta(minutes=2 * train.stall_timeout_minutes)}
     if launch.backend == "deepspeed":
-        kwargs["deepspeed_plugin"] = deepspeed_plugin(train, grad_accum_steps)
+        kwargs["deepspeed_plugin"] = deepspeed_plugin(train, grad_accum_steps, launch.mesh.sp)
         if launch.on_cpu:
             # DeepSpeed's CPU accelerator would otherwise ask for oneCCL.
             group["backend"] = "gloo"
     kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(**group)]
-    if launch.uses_mesh:
+    if launch.mesh.sp > 1:
+        # DeepSpeed builds its own sequence-parallel groups; accelerate swaps the attention in `prepare`.
+        kwargs["parallelism_config"] = sequence_parallel_config(launch.mesh)
+    elif launch.uses_mesh:
         # accelerate checks a mesh as it builds the state: it refuses one on gloo CPU processes (MULTI_CPU,
         # before FSDP is switched on below) and a tensor-parallel-only mesh under the FSDP launch it came
         # from. The launch's mesh is installed in `_finish_setup`, once the type is right.
@@ -167,6 +172,27 @@ def accelerator_kwargs(launch: Launch, train: TrainConfig, grad_accum_steps: int
             dp_replicate_size=1, dp_shard_size=1, tp_size=1, cp_size=1, sp_size=1
         )
     return kwargs
+
+
+def sequence_parallel_config(mesh: Mesh) -> ParallelismConfig:
+    """accelerate's settings for DeepSpeed's Ulysses attention: sequence lengths vary from batch to batch
+    (the collators pad each batch to its longest row), the kernel is the launch's (sdpa unless set)."""
+    handler = DeepSpeedSequenceParallelConfig(
+        sp_seq_length_is_variable=True, sp_attn_implementation=sequence_parallel_attention(os.environ)
+    )
+    return ParallelismConfig(
+        dp_replicate_size=mesh.dp_replicate,
+        dp_shard_size=mesh.dp_shard,
+        sp_size=mesh.sp,
+        sp_backend="deepspeed",
+        sp_handler=handler,
+    )
+
+
+def sequence_parallel_attention(env: Mapping[str, str]) -> str:
+    """The attention kernel a sequence-parallel launch asked for (accelerate's default: sdpa)."""
+    value = env.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION", "None")
+    return "sdpa" if value in ("", "None") else value
 
 
 def refuse_unsupported(launch: Launch) -> None:
@@ -183,7 +209,7 @@ def _finish_setup(accelerator, launch: Launch) -> None:
         switch_on_cpu_fsdp(accelerator, launch.fsdp_version)
     if launch.backend == "tp":
         without_fsdp(accelerator.state)
-    if launch.uses_mesh:
+    if launch.uses_mesh and launch.mesh.sp == 1:
         install_mesh(accelerator, launch.mesh)
     verify(accelerator, launch)
 

@@ -6,12 +6,17 @@
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 from toolkit.config import ModelConfig, RecipeConfig, TrainConfig
 from toolkit.errors import UserError
-from toolkit.launch.backend import as_tensor_parallel, deepspeed_launch, refuse_unsupported
+from toolkit.launch.backend import (
+    as_tensor_parallel,
+    deepspeed_launch,
+    refuse_unsupported,
+    sequence_parallel_attention,
+)
 from toolkit.launch.deepspeed import DS_SETTINGS_ENV
 from toolkit.launch.machine import GEFORCE_40, Machine
 from toolkit.launch.mesh import check_mesh
@@ -118,6 +123,8 @@ def check_launch(
         _check_tensor_parallel(launch.mesh.tp, cfg, facts, recipe_source)
     if launch.mesh.pp > 1:
         _check_pipeline(cfg, facts, ga, recipe_source)
+    if launch.mesh.sp > 1:
+        _check_sequence_parallel(launch, cfg, facts, recipe_source, env)
     _check_precision(launch, cfg.train, recipe_source, machine)
     if launch.backend == "fsdp":
         refuse_fsdp_settings(launch.fsdp_settings, launch.on_cpu, launch.source)
@@ -186,6 +193,51 @@ def _check_tensor_parallel(tp: int, cfg: RecipeConfig, facts: ModelFacts, recipe
     problem = tensor_parallel.plan_problem(facts.config, tp) if facts.config is not None else None
     if problem:
         raise UserError(f"model.path {cfg.model.path} in {recipe_source}: {problem}")
+
+
+def _check_sequence_parallel(
+    launch: Launch, cfg: RecipeConfig, facts: ModelFacts, recipe_source: str, env: Mapping[str, str]
+) -> None:
+    """What Ulysses sequence parallelism cannot run, refused before any data is prepared, naming the key."""
+    sp, where = launch.mesh.sp, f"{launch.source}: parallelism_config_sp_size {launch.mesh.sp}"
+    recipe = "dpo" if hasattr(cfg, "dpo") else "grpo" if hasattr(cfg, "grpo") else ""
+    if recipe:
+        raise UserError(f"{where} runs the SFT recipe (finetune_llm.py); the {recipe} recipe is refused")
+    attention = sequence_parallel_attention(env)
+    refusals = {
+        "data.packing (sdpa would attend across the packed examples)": cfg.data.packing,
+        "moe.expert_parallel": cfg.moe.expert_parallel > 1,
+        "model.attn_implementation eager (DeepSpeed's Ulysses attention needs sdpa or flash attention)": (
+            cfg.model.attn_implementation == "eager"
+        ),
+        f"model.attn_implementation {cfg.model.attn_implementation} with the launch's sp attention "
+        f"{attention} (set both alike)": cfg.model.attn_implementation not in ("eager", attention),
+    }
+    for what, refused in refusals.items():
+        if refused:
+            raise UserError(f"{where} refuses {what} in {recipe_source}")
+    zero = launch.ds_config.get("zero_optimization") or {}
+    if launch.zero_stage == 3 and str(zero.get("reduce_scatter", True)).lower() == "false":
+        raise UserError(
+            f"{where} refuses zero_optimization.reduce_scatter false in {launch.ds_config_file}: ZeRO-3 then "
+            "averages some gradient buckets over the data-parallel processes and others over every process"
+        )
+    raw = facts.raw or {}
+    heads, kv_heads = raw.get("num_attention_heads"), raw.get("num_key_value_heads")
+    kv_heads = kv_heads or heads
+    if heads and (heads % sp or (kv_heads % sp and sp % kv_heads)):
+        raise UserError(
+            f"{where}: model.path {cfg.model.path} has {heads} attention heads and {kv_heads} key/value "
+            f"heads; sequence parallelism needs the heads divisible by {sp} (and the key/value heads "
+            f"divisible by it, or dividing it)"
+        )
+    per_step = cfg.train.micro_batch_size * launch.world_size
+    if cfg.train.global_batch_size % per_step:
+        raise UserError(
+            f"{recipe_source}: train.global_batch_size ({cfg.train.global_batch_size}) is not divisible by "
+            f"train.micro_batch_size ({cfg.train.micro_batch_size}) x {launch.world_size} processes: under "
+            "sequence parallelism every process reads batches of its own, which its group then shares"
+        )
 
 
 def _check_pipeline(cfg: RecipeConfig, facts: ModelFacts, ga: int, recipe_source: str) -> None:

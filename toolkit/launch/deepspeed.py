@@ -49,11 +49,13 @@ def deepspeed_installed() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
-def deepspeed_plugin(train: TrainConfig, grad_accum_steps: int):
+def deepspeed_plugin(train: TrainConfig, grad_accum_steps: int, sequence_parallel: int = 1):
     """The launched DeepSpeed settings, each "auto" batch, accumulation and clipping field from the recipe.
 
     Accelerate alone would fill `gradient_clipping: auto` with 1.0 whatever the recipe says, and leave
     ZeRO-3 unable to gather a full state dict; the Accelerator fills precision from its mixed_precision.
+    Under sequence parallelism the config says its size: ZeRO-3's sharded model construction checks the
+    global batch against the data-parallel processes (all of them / sp) before the engine exists.
     """
     from accelerate.utils import DeepSpeedPlugin
 
@@ -69,6 +71,8 @@ def deepspeed_plugin(train: TrainConfig, grad_accum_steps: int):
     ):
         if config.get(key, "auto") == "auto":
             config[key] = value
+    if sequence_parallel > 1:
+        config["sequence_parallel_size"] = sequence_parallel
     zero = config["zero_optimization"]
     key, value = gather_setting(zero)
     if value == "auto":

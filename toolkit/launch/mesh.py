@@ -25,6 +25,9 @@ class Mesh:
     """Processes each decoder layer's linear weights are split across (Megatron-style tensor parallel)."""
     pp: int = 1
     """Processes one pipeline spans, each holding consecutive decoder layers (pipeline parallel)."""
+    sp: int = 1
+    """Processes each sequence is split across (Ulysses sequence parallel, under DeepSpeed): they train on
+    the same rows at once, each on a slice of every sequence (see toolkit/train/sequence_parallel.py)."""
 
     @classmethod
     def of(cls, sizes: dict[str, int], world_size: int, fsdp: bool) -> Mesh:
@@ -33,17 +36,22 @@ class Mesh:
         if not any(size > 1 for size in sizes.values()):
             return cls(dp_shard=world_size) if fsdp else cls(dp_replicate=world_size)
         return cls(
-            sizes.get("dp_replicate", 1), sizes.get("dp_shard", 1), sizes.get("tp", 1), sizes.get("pp", 1)
+            sizes.get("dp_replicate", 1),
+            sizes.get("dp_shard", 1),
+            sizes.get("tp", 1),
+            sizes.get("pp", 1),
+            sizes.get("sp", 1),
         )
 
     @property
     def data_parallel(self) -> int:
-        """Processes that see different batches; tensor-parallel and pipeline ranks share theirs."""
+        """Processes that see different batches; tensor-parallel, pipeline and sequence-parallel ranks share
+        theirs."""
         return self.dp_replicate * self.dp_shard
 
     @property
     def size(self) -> int:
-        return self.data_parallel * self.tp * self.pp
+        return self.data_parallel * self.tp * self.pp * self.sp
 
     def data_rank(self, process_index: int) -> int:
         """Which of the data-parallel batches process `process_index` trains on."""
@@ -54,6 +62,8 @@ class Mesh:
         it all."""
         if self.pp > 1:
             return f"pp {self.pp}" + (f" x ddp {self.dp_replicate}" if self.dp_replicate > 1 else "")
+        if self.sp > 1:
+            return f"sp {self.sp}" + (f" x dp {self.data_parallel}" if self.data_parallel > 1 else "")
         if self.tp > 1:
             parts = [str(n) for n in (self.dp_replicate, self.dp_shard) if n > 1]
             sharded = f"{fsdp_name} {' x '.join(parts)} x " if parts else ""
@@ -68,9 +78,16 @@ def check_mesh(mesh: Mesh, world_size: int, fsdp_version: int, backend: str, whe
     if mesh.size != world_size:
         raise UserError(
             f"{where}: parallelism_config sizes dp_replicate {mesh.dp_replicate} x dp_shard "
-            f"{mesh.dp_shard} x tp {mesh.tp} = {mesh.size}, but {world_size} processes are launched: "
-            f"make them multiply to {world_size}"
+            f"{mesh.dp_shard} x tp {mesh.tp} x sp {mesh.sp} = {mesh.size}, but {world_size} processes are "
+            f"launched: make them multiply to {world_size}"
         )
+    if mesh.sp > 1 and backend != "deepspeed":
+        raise UserError(
+            f"{where}: parallelism_config_sp_size {mesh.sp} needs distributed_type: DEEPSPEED (sequence "
+            "parallelism runs DeepSpeed's Ulysses attention): use accelerate_configs/sp.yaml"
+        )
+    if mesh.sp > 1 and mesh.tp > 1:
+        raise UserError(f"{where}: parallelism_config_sp_size {mesh.sp} with tp_size {mesh.tp} is refused")
     if backend == "deepspeed" and mesh.tp > 1:
         raise UserError(
             f"{where}: parallelism_config_tp_size {mesh.tp} under DeepSpeed is refused: use "

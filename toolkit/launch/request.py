@@ -74,6 +74,8 @@ def batch_split(launch: Launch) -> str:
     mesh = launch.mesh
     if mesh.pp > 1:
         return f"data-parallel {mesh.data_parallel} (world {launch.world_size} / pp {mesh.pp})"
+    if mesh.sp > 1:
+        return f"data-parallel {mesh.data_parallel} (world {launch.world_size} / sp {mesh.sp})"
     if mesh.tp == 1:
         return f"world {launch.world_size}"
     return f"data-parallel {mesh.data_parallel} (world {launch.world_size} / tp {mesh.tp})"

@@ -13,9 +13,7 @@ from toolkit.errors import UserError
 # <NAME>_SIZE) -> why ftkit refuses a size above 1. Lifting one is deleting its entry.
 UNSUPPORTED_PARALLELISM = {
     "cp": "context parallelism shards each sequence across ranks with ring attention, which needs CUDA "
-    "SDPA kernels and a sequence-sharded batch the recipes do not build",
-    "sp": "DeepSpeed sequence parallelism (Ulysses/ALST) swaps the model's attention and shards each "
-    "sequence across ranks, which the recipes' data loaders and token-weighted loss do not do",
+    "SDPA kernels and a sequence-sharded batch the recipes do not build"
 }
 PARALLEL_SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 # DeepSpeed accepts both spellings of this ZeRO-3 field, and refuses a config that sets both.

@@ -49,6 +49,13 @@ class Evaluator:
 
     def report(self, step: int, label: str) -> None:
         """Collective: eval loss, exact match and one sample answer, shown (tagged `label`) and logged."""
+        self.model.eval()  # generation too: sequence parallel attention splits rows in training mode only
+        try:
+            self._report(step, label)
+        finally:
+            self.model.train()
+
+    def _report(self, step: int, label: str) -> None:
         results = self._loss() if self.loader is not None else {}
         cfg, synced = self.cfg, self.accelerator.num_processes > 1
         generator = self.accelerator.unwrap_model(self.model)
@@ -106,6 +113,7 @@ def pipeline_eval_loss(pipeline, loader: DataLoader, accelerator, max_batches: i
 @torch.no_grad()
 def eval_loss(model, loader: DataLoader, accelerator, max_batches: int = 0) -> dict:
     """Collective: mean token loss over the whole eval set (all ranks) and its perplexity."""
+    was_training = getattr(model, "module", model).training  # DeepSpeed's engine keeps a stale flag
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     for i, batch in enumerate(loader):
@@ -119,7 +127,7 @@ def eval_loss(model, loader: DataLoader, accelerator, max_batches: int = 0) -> d
                 torch.tensor(float(count_targets(labels)), dtype=torch.float64, device=totals.device),
             ]
         )
-    model.train()
+    model.train(was_training)
     return _loss_result(accelerator, totals)
 
 

@@ -137,9 +137,10 @@ def chunked_head(model) -> TargetHead | None:
 
 
 def target_logps(model, batch: dict, uniform: bool = False) -> torch.Tensor:
-    """Per-position log-probability of the next label token, [rows, length - 1], 0 where the label is
-    IGNORE; the chunked head's forward pass. `uniform`: the caller's loss weighs every token alike (a summed
-    token loss), so the gradient is taken in the forward pass and not recomputed.
+    """Per-position log-probability of the next label token, [rows, length - 1] ([rows, length] for a
+    sequence-parallel slice), 0 where the label is IGNORE; the chunked head's forward pass. `uniform`: the
+    caller's loss weighs every token alike (a summed token loss), so the gradient is taken in the forward
+    pass and not recomputed.
 
     The first call for a model checks the head against the model's own logits (see `verify`): every rank
     makes it at the same point, so the forward passes it adds stay collective."""
@@ -151,12 +152,17 @@ def target_logps(model, batch: dict, uniform: bool = False) -> torch.Tensor:
 
 
 def _scored(model, layer: TargetHead, batch: dict, uniform: bool) -> torch.Tensor:
-    labels = batch["labels"]
-    targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
+    shifted = "shift_labels" in batch  # a sequence-parallel slice: every position has its target
+    if shifted:
+        targets = batch["shift_labels"]
+    else:
+        labels = batch["labels"]
+        targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
     layer.targets, layer.uniform = targets, uniform
     try:
         with layer.shape.moved_into_head():
-            return model(**model_inputs(batch)).logits[:, :-1]
+            logps = model(**model_inputs(batch)).logits
+            return logps if shifted else logps[:, :-1]
     finally:
         layer.targets, layer.uniform = None, False
 
@@ -172,7 +178,8 @@ def verify(model, layer: TargetHead, batch: dict) -> None:
     Probes the first PROBE_TOKENS tokens of the batch's first row, every position a target, in eval mode."""
     ids = batch["input_ids"][:1, :PROBE_TOKENS]
     probe = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    was_training = model.training
+    # DeepSpeed's engine passes eval() to its module without clearing its own flag: read the module's.
+    was_training = getattr(model, "module", model).training
     model.eval()
     try:
         logits = model(**model_inputs(probe)).logits[:, :-1].float()

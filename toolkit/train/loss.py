@@ -25,11 +25,28 @@ def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     )
 
 
+def batch_targets(batch: dict) -> int:
+    """Label tokens of `batch` that contribute to the loss: its `labels` after the next-token shift, or
+    its `shift_labels` (a sequence-parallel slice's, shifted before the cut)."""
+    if "shift_labels" in batch:
+        return int((batch["shift_labels"] != IGNORE).sum())
+    return count_targets(batch["labels"])
+
+
 def batch_loss(model, batch: dict) -> torch.Tensor:
     """`summed_token_loss` of `model` on `batch`, through the chunked head when the model has one."""
     if head.chunked_head(model) is not None:
         return -head.target_logps(model, batch, uniform=True).sum()
-    return summed_token_loss(model(**model_inputs(batch)).logits, batch["labels"])
+    logits = model(**model_inputs(batch)).logits
+    if "shift_labels" in batch:  # every position of a sequence-parallel slice has its target already
+        targets = batch["shift_labels"]
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)),
+            targets.reshape(-1),
+            ignore_index=IGNORE,
+            reduction="sum",
+        )
+    return summed_token_loss(logits, batch["labels"])
 
 
 def summed_logps_loss(logps: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
