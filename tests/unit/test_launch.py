@@ -46,6 +46,7 @@ SHIPPED = {
     "ep": ("ddp", 0),
     "sp": ("deepspeed", 2),
     "sp_dp": ("deepspeed", 3),
+    "sp_zero3": ("deepspeed", 3),
 }
 
 

@@ -34,6 +34,7 @@ EXPECTED = {
     "zero1_autotp": "zero1_autotp.json: tensor_parallel.autotp_size 2 is refused",
     "context_parallel": "context_parallel.yaml: parallelism_config_cp_size 2 is refused: context",
     "sequence_parallel": None,
+    "accelerate_docs_sp": None,
 }
 
 

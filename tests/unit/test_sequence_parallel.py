@@ -1,6 +1,7 @@
 """Ulysses sequence parallelism in one process: how a batch is cut into the ranks' slices, and what a launch
 with parallelism_config_sp_size is refused, in one line each (tests/e2e/test_sequence_parallel.py trains)."""
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -92,6 +93,14 @@ def test_the_shipped_configs_name_their_layout(monkeypatch):
     assert (sp.mesh.sp, sp.mesh.data_parallel, backend_name(sp)) == (2, 1, "sp 2")
     assert (both.mesh.sp, both.mesh.data_parallel, backend_name(both)) == (2, 2, "sp 2 x dp 2")
     assert batch_split(both) == "data-parallel 2 (world 4 / sp 2)"
+
+
+def test_sp_zero3_is_the_launch_of_accelerates_guide_yaml_that_the_e2e_tests_train(monkeypatch):
+    monkeypatch.chdir(REPO)
+    shipped = launch_of(REPO / "accelerate_configs" / "sp_zero3.yaml")
+    guide = launch_of(REPO / "tests" / "e2e" / "peer_configs" / "accelerate_docs_sp.yaml")
+    assert dataclasses.replace(shipped, source=guide.source) == guide
+    assert (guide.zero_stage, guide.mesh.sp, guide.world_size) == (3, 2, 2)
 
 
 def test_the_accelerator_gets_deepspeeds_sequence_parallel_settings(monkeypatch):

@@ -57,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="train.activation_offload: saved activations in CPU RAM, one layer's on the GPU",
     )
+    plan.add_argument(
+        "--longest-seq",
+        action="store_true",
+        default=None,
+        help="also the longest --seq-len each setup and layout fits (multiples of 1024, up to 1M)",
+    )
     plan.add_argument("--dtype", choices=choices(PlanDtype), help="weights (default as recipes)")
     plan.add_argument("--mixed-precision", choices=choices(PlanPrecision), help="default bf16")
     plan.add_argument(

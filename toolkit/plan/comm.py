@@ -14,6 +14,10 @@ over n ranks each rank sends (n-1)/n of the whole tensor, to all-reduce twice th
              sent by one GPU: a middle stage sends 2, the first and the last 1; interleaved, each of a GPU's
              chunks sends to its neighbours. pp x ddp adds an all-reduce of each stage's gradients across the
              copies, once a step
+    sp       Ulysses sequence parallelism over sp GPUs: per attention layer 4 all-to-alls in forward (q, k, v
+             in; the output back), 4 in backward, and checkpointing repeats the forward's, every micro-batch;
+             each sends (sp-1)/sp of the GPU's local tensors (seq/sp tokens). Beside them, ZeRO's collectives
+             over all the processes
 Weights travel as the backend gathers them (FSDP2's param_dtype, the compute dtype under bf16 autocast;
 DeepSpeed's stored dtype), gradients as it reduces them, activations in the compute dtype (the pipeline's
 hidden states in the residual stream's). Small tensors ZeRO-3 keeps whole are counted as gathered.
@@ -53,6 +57,19 @@ def ep_bytes(counts, ep: int, tokens: int, checkpointing: bool, precision: Preci
     replicated = counts.trainable - counts.expert_params if counts.method == "full" else counts.trainable
     grads = replicated * param_bytes(counts.method, "ddp", precision)[1]
     return counts.layers * per_layer + all_reduce(ep, grads)
+
+
+def ulysses_bytes(counts, sp: int, tokens: int, checkpointing: bool, precision: Precision) -> int:
+    """Bytes one GPU sends per optimizer step for Ulysses' all-to-alls over `sp` GPUs, `tokens` being its own
+    slices of the sequences it runs in that step. Per token and attention layer it sends q and the output
+    (heads x head_dim each) and k and v (kv heads x head_dim each; DeepSpeed repeats fewer kv heads than sp
+    until there are sp), the share (sp - 1) / sp leaving the GPU, in forward, backward and the recomputed
+    forward under checkpointing."""
+    kv_heads = counts.kv_heads * max(1, sp // counts.kv_heads)
+    width = 2 * (counts.heads + kv_heads) * counts.head_dim
+    passes = 3 if checkpointing else 2
+    per_layer = tokens * width * compute_bytes(precision) * (sp - 1) // sp
+    return counts.layers * passes * per_layer
 
 
 def data_parallel_bytes(counts, backend: str, n_gpus: int, micro_batches: int, precision: Precision) -> int:

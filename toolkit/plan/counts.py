@@ -51,6 +51,8 @@ class ModelCounts:
     kv_heads: int
     head_dim: int
     vocab: int
+    positions: int = 0
+    """The config's max_position_embeddings: the longest sequence the model was made for (0: none named)."""
     experts: int = 0
     """Routed experts per MoE layer (0: a dense model)."""
     experts_per_token: int = 0
@@ -179,6 +181,7 @@ def _counts(model, text, method: str, lora_r: int, source: str) -> ModelCounts:
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         vocab=text.vocab_size,
+        positions=getattr(text, "max_position_embeddings", None) or 0,
         experts=routing.experts,
         experts_per_token=routing.per_token,
         expert_params=expert_params,

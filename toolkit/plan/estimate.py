@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from toolkit.errors import UserError
 from toolkit.launch.machine import GIB
 from toolkit.model import flops
-from toolkit.plan import comm, generation, memory, parallel, pipeline
+from toolkit.plan import comm, generation, longest, memory, parallel, pipeline, sequence
 from toolkit.plan.cost import Cost, CostRequest, estimate_cost
 from toolkit.plan.counts import ModelCounts, count_parameters, load_model_config
 from toolkit.plan.footprint import MemoryEstimate
@@ -37,10 +37,13 @@ class Plan:
     full_head: MemoryEstimate | None = None
     """The recommended setup with the full logits instead of the chunked head (None under loss.head full)."""
     layouts: tuple[parallel.Layout, ...] = ()
-    """The model-parallel layouts (tp, fsdp_tp, hsdp, then the pipelines pp and pp_ddp) on more than one GPU,
-    at the rows' micro-batch."""
+    """The model-parallel layouts (tp, fsdp_tp, hsdp, ep, then the pipelines pp and pp_ddp, then sequence
+    parallelism under ZeRO) on more than one GPU, at the rows' micro-batch."""
     comm: dict[str, int] = dataclasses.field(default_factory=dict)
     """Bytes each GPU sends per optimizer step under each data-parallel backend, at the rows' micro-batch."""
+    longest: dict[str, int] | None = None
+    """With --longest-seq: each backend's and layout's longest --seq-len that fits (`plan.longest`; 0: not
+    even the shortest), at the rows' micro-batch; None without."""
 
     def fits(self, row: MemoryEstimate) -> bool:
         return fits(row, self.request)
@@ -69,10 +72,9 @@ def make_plan(request: PlanRequest, cost: CostRequest | None = None) -> Plan:
     counts = count_parameters(config, request.method, request.lora_r, source)
     precision = resolve_precision(request)
     micro = request.micro_batch or 1
-    backends = [b for tier in tiers(request.gpus) for b in tier] if request.gpus == 1 else memory.BACKENDS
     rows = [
         _estimate(counts, request, precision, b, ckpt, micro)
-        for b in backends
+        for b in _backends(request)
         for ckpt in _ckpt_options(request)
     ]
     choice = recommend(counts, request, precision)
@@ -86,10 +88,46 @@ def make_plan(request: PlanRequest, cost: CostRequest | None = None) -> Plan:
         flops_per_token=flops.flops_per_token(counts, request.row_tokens),
         cost=estimate_cost(cost, request.gpus) if cost else None,
         full_head=_with_full_head(choice, counts, request, precision),
-        layouts=parallel.layouts(counts, request, precision, _ckpt_options(request), micro)
-        + pipeline.layouts(config, counts, request, precision, _ckpt_options(request), micro),
+        layouts=_layouts(config, counts, request, precision, micro),
         comm=_data_parallel_comm(counts, request, precision, micro),
+        longest=longest.longest_fitting(_fitting(config, counts, request, precision, micro))
+        if request.longest_seq
+        else None,
     )
+
+
+def _backends(request: PlanRequest) -> tuple[str, ...]:
+    """The data-parallel backends with rows: every one on several GPUs, those of the tiers on one."""
+    return tuple(b for tier in SINGLE_GPU_TIERS for b in tier) if request.gpus == 1 else memory.BACKENDS
+
+
+def _layouts(config, counts, request: PlanRequest, precision, micro: int) -> tuple[parallel.Layout, ...]:
+    """The layouts beside the data-parallel backends, in the order the report shows them."""
+    ckpt = _ckpt_options(request)
+    return (
+        parallel.layouts(counts, request, precision, ckpt, micro)
+        + pipeline.layouts(config, counts, request, precision, ckpt, micro)
+        + sequence.layouts(counts, request, precision, ckpt, micro)
+    )
+
+
+def _fitting(config, counts, request: PlanRequest, precision, micro: int):
+    """What `longest.longest_fitting` asks: at a sequence length, whether some checkpointing option of each
+    backend and of each layout with rows fits."""
+
+    def fits_at(seq_len: int) -> dict[str, bool]:
+        at = dataclasses.replace(request, seq_len=seq_len)
+        options = _ckpt_options(at)
+        found = {
+            backend: any(fits(_estimate(counts, at, precision, backend, c, micro), at) for c in options)
+            for backend in _backends(at)
+        }
+        for layout in _layouts(config, counts, at, precision, micro):
+            if layout.rows:
+                found[layout.label] = any(fits(row, at) for row in layout.rows)
+        return found
+
+    return fits_at
 
 
 def _data_parallel_comm(counts, request: PlanRequest, precision, micro: int) -> dict[str, int]:

@@ -1,6 +1,6 @@
-"""The model-parallel part of `ftkit plan`'s text: each layout's memory and traffic per GPU, what cannot be
-split and why, each pipeline's split, and what tensor parallelism and pipelines send against data
-parallelism."""
+"""The model-parallel part of `ftkit plan`'s text: each layout's memory and traffic per GPU (sequence
+parallelism's all-to-alls noted on its rows), what cannot be split and why, each pipeline's split, and what
+tensor parallelism and pipelines send against data parallelism."""
 
 from __future__ import annotations
 
@@ -21,11 +21,13 @@ def layouts_section(plan: Plan) -> list[str]:
     head += f"{'CPU RAM':>9}{'comm/step':>11}" + (f"{'schedule':>12}{'bubble':>7}" if piped else "")
     lines = ["", head + f"  fits {plan.request.gpu_mem:g} GiB"]
     for layout in plan.layouts:
-        for row, sent in zip(layout.rows, layout.comm):
+        a2a = layout.all_to_all or (None,) * len(layout.rows)
+        for row, sent, part in zip(layout.rows, layout.comm, a2a):
             cells = f"{_size(sent):>11}" + (_schedule_cells(layout) if piped else "")
-            lines.append(row_line(plan, row, layout.mesh.label, cells))
+            note = f"all-to-all {_size(part)}/step" if part is not None else ""
+            lines.append(row_line(plan, row, layout.mesh.label, cells, note))
     lines += _refusals(plan)
-    split = [layout for layout in plan.layouts if layout.mesh.pp == layout.mesh.ep == 1]
+    split = [layout for layout in plan.layouts if layout.mesh.pp == layout.mesh.ep == layout.mesh.sp == 1]
     if any(layout.mesh.ep > 1 for layout in plan.layouts):
         lines.append(
             "  ep E: the routed experts split E ways and each token sent to its experts' GPU (all-to-all); "
@@ -38,9 +40,23 @@ def layouts_section(plan: Plan) -> list[str]:
             + ("" if len(split) > 1 else " (fsdp_tp and hsdp need an even number of GPUs, 4 or more)")
         )
     lines += _pipeline_legend(plan)
+    lines += _sequence_legend(plan)
     dp = " | ".join(f"{backend} {_size(sent)}" for backend, sent in plan.comm.items())
     lines.append(f"comm     per GPU per optimizer step at micro-batch {micro} (toolkit/plan/comm.py): {dp}")
     return lines + _pcie_note(plan)
+
+
+def _sequence_legend(plan: Plan) -> list[str]:
+    """What the sequence-parallel rows mean, and which config file runs each."""
+    meshes = [layout.mesh for layout in plan.layouts if layout.mesh.sp > 1 and layout.rows]
+    if not meshes:
+        return []
+    files = ", ".join(f"{mesh.label} accelerate_configs/{mesh.backend}.yaml" for mesh in meshes)
+    return [
+        "  zero + sp N: N GPUs share each micro-batch, each holding seq/N tokens of every sequence "
+        "(DeepSpeed Ulysses: an all-to-all around attention), states sharded by the ZeRO stage over all "
+        f"GPUs; x dp D: D such groups, each its own micro-batch ({files}; toolkit/plan/sequence.py)"
+    ]
 
 
 def _pipelines(plan: Plan) -> list[PipelineLayout]:

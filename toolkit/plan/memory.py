@@ -11,9 +11,9 @@ backend keeps per rank; activations and overhead are estimates (formulas in thei
     zero3_offload   1/N          1/N          1/N           all of it in CPU RAM instead of GPU memory
 
 The model-parallel layouts (tp, fsdp_tp, hsdp) are in `plan.parallel`, the pipelines (pp, pp x ddp) in
-`plan.pipeline`; what each backend sends between GPUs is in `plan.comm`; GRPO's generation phase is in
-`plan.generation`; the records these formulas fill (`ModelStateBytes`, `MemoryEstimate`) are in
-`plan.footprint`.
+`plan.pipeline`, sequence parallelism (ZeRO + sp) in `plan.sequence`; what each backend sends between GPUs
+is in `plan.comm`; GRPO's generation phase is in `plan.generation`; the records these formulas fill
+(`ModelStateBytes`, `MemoryEstimate`) are in `plan.footprint`.
 """
 
 from __future__ import annotations
@@ -262,17 +262,21 @@ def overhead_bytes(tensor_bytes: int, backend: str, n_gpus: int, counts, precisi
     return CUDA_CONTEXT + comm + int(FRAGMENTATION * tensor_bytes)
 
 
-def cpu_ram_bytes(counts, backend: str, n_gpus: int, states: ModelStateBytes, precision: Precision) -> int:
+def cpu_ram_bytes(
+    counts, backend: str, n_gpus: int, states: ModelStateBytes, precision: Precision, zero3_init: bool = True
+) -> int:
     """CPU RAM of the whole machine: each process's own footprint, plus the larger of loading the model and
-    holding offloaded states. Every process loads the full model into RAM first, except ZeRO-3
-    (`zero3_init_flag`: each keeps its shard) and QLoRA (quantized straight onto its GPU, but for a mixture
-    of experts' fused experts, which each process holds in RAM in 16-bit until they are quantized)."""
+    holding offloaded states. Every process loads the full model into RAM first, except ZeRO-3 with
+    `zero3_init` (zero3_init_flag: each keeps its shard) and QLoRA (quantized straight onto its GPU, but for
+    a mixture of experts' fused experts, which each process holds in RAM in 16-bit until they are
+    quantized)."""
     procs = 1 if backend == "single" else n_gpus
     base = counts.frozen if counts.method != "full" else counts.total
     weight_b = 2 if precision.weights == "bfloat16" else 4
+    sharded_init = zero3_init and backend in ("zero3", "zero3_offload")
     if counts.method == "qlora":  # a mixture of experts' experts load to RAM in 16-bit, then go 4-bit
-        loading = 0 if backend in ("zero3", "zero3_offload") else procs * counts.expert_params * 2
-    elif backend in SHARDED_PARAMS and backend != "fsdp":
+        loading = 0 if sharded_init else procs * counts.expert_params * 2
+    elif sharded_init:
         loading = base * weight_b
     else:
         loading = procs * base * weight_b
@@ -303,13 +307,14 @@ def estimate(
     head: Head = Head(),
     offload: bool = False,
     accumulation: int | None = None,
+    zero3_init: bool = True,
 ) -> MemoryEstimate:
     """Everything one GPU (and the machine's RAM) needs for `backend` on `n_gpus` GPUs; preference tuning
     runs 2 `sequences_per_example` (chosen and rejected) and may hold `reference` bytes of frozen weights.
     With `offload` (train.activation_offload) the activations wait in CPU RAM and the GPU holds one layer's
     (the layer computing, or being recomputed) besides the loss head's. `accumulation` is the micro-batches a
     step (None: assume several); with one, on single or DDP, gradients and activations do not peak together
-    (`MemoryEstimate.grads_meet_activations`)."""
+    (`MemoryEstimate.grads_meet_activations`). `zero3_init`: see `cpu_ram_bytes`."""
     states = model_state_bytes(counts, backend, n_gpus, precision)
     working = working_weight_bytes(counts, backend, precision)
     sequences = micro_batch * sequences_per_example
@@ -334,7 +339,7 @@ def estimate(
         activations=activations,
         head=loss_head,
         overhead=overhead_bytes(tensors, backend, n_gpus, counts, precision),
-        cpu_ram=cpu_ram_bytes(counts, backend, n_gpus, states, precision)
+        cpu_ram=cpu_ram_bytes(counts, backend, n_gpus, states, precision, zero3_init)
         + (1 if backend == "single" else n_gpus) * offloaded,
         reference=reference,
         grads_meet_activations=meet,

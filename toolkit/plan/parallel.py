@@ -12,7 +12,8 @@ the data-parallel backends of `plan.memory`.
    model's transformers `base_model_tp_plan` names them (colwise and rowwise, Megatron-style).
 ** embeddings, norms and the output head (the chunked loss head needs it whole).
 TP ranks run the same micro-batch: the residual stream is whole on each, the attention and MLP inner
-activations are split T ways. FSDP gathers a layer across its D (or S) shards only.
+activations are split T ways. FSDP gathers a layer across its D (or S) shards only. The pipelines are in
+`plan.pipeline`, sequence parallelism in `plan.sequence`; they share this module's `Mesh` and `Layout`.
 """
 
 from __future__ import annotations
@@ -35,20 +36,25 @@ class Mesh:
     """One layout's device mesh; the product of its sizes is the number of GPUs."""
 
     backend: str
-    """tp | fsdp_tp | hsdp | pp | pp_ddp."""
+    """tp | fsdp_tp | hsdp | ep | pp | pp_ddp | sp | sp_zero3 | sp_dp: its accelerate config file's name."""
     tp: int = 1
     shard: int = 1
     """FSDP shards (dp_shard)."""
     replicate: int = 1
-    """Copies of the sharded model (HSDP's dp_replicate), or of the whole pipeline (pp_ddp)."""
+    """Copies of the sharded model (HSDP's dp_replicate), of the whole pipeline (pp_ddp), or groups of sp GPUs
+    that run different micro-batches (sp_dp)."""
     pp: int = 1
     """Pipeline stages, one process each (`plan.pipeline`)."""
     ep: int = 1
     """Processes a mixture of experts' routed experts are split over, each its own micro-batch."""
+    sp: int = 1
+    """Processes each sequence is split across (Ulysses sequence parallelism, `plan.sequence`)."""
+    zero: str = ""
+    """The ZeRO stage a sequence-parallel layout runs under: zero2 | zero3."""
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.shard * self.replicate * self.pp * self.ep
+        return self.tp * self.shard * self.replicate * self.pp * self.ep * self.sp
 
     @property
     def data_parallel(self) -> int:
@@ -57,6 +63,8 @@ class Mesh:
 
     @property
     def label(self) -> str:
+        if self.sp > 1:
+            return f"{self.zero} + sp {self.sp}" + (f" x dp {self.replicate}" if self.replicate > 1 else "")
         if self.ep > 1:
             return f"ep {self.ep}"
         if self.pp > 1:
@@ -78,6 +86,8 @@ class Layout:
     comm: tuple[int, ...] = ()
     """Bytes each GPU sends per optimizer step, one figure per row."""
     grad_accum: int = 0
+    all_to_all: tuple[int, ...] = ()
+    """Of `comm`, what sequence parallelism's all-to-alls send, one figure per row (sp layouts only)."""
 
     @property
     def label(self) -> str:

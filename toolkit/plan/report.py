@@ -9,6 +9,7 @@ from toolkit.launch.machine import GIB
 from toolkit.plan.estimate import Plan
 from toolkit.plan.footprint import MemoryEstimate
 from toolkit.plan.layouts_report import layouts_section
+from toolkit.plan.longest import LIMIT, STEP
 from toolkit.plan.memory import qlora_load_bytes
 from toolkit.plan.parallel import Layout
 from toolkit.plan.pipeline import PipelineLayout
@@ -19,8 +20,10 @@ def render_text(plan: Plan) -> str:
     """The plan as the terminal shows it: model, setup, per-GPU memory by backend, recommendation, cost."""
     lines = [*_header(plan), "", *setups_table(plan), *generation_table(plan), "", *_recommendation(plan)]
     lines += _head_note(plan)
+    lines += _sequence_note(plan)
     lines += _qlora_loading(plan)
     lines += layouts_section(plan)
+    lines += _longest(plan)
     if plan.cost is not None:
         lines += ["", *_cost(plan)]
     lines += [
@@ -140,6 +143,41 @@ def _head_note(plan: Plan) -> list[str]:
     ]
 
 
+def _sequence_note(plan: Plan) -> list[str]:
+    """One line when nothing fits without offloading the model states but a sequence-parallel layout does."""
+    if plan.choice is not None and not plan.choice.states.in_cpu_ram:
+        return []
+    for layout in plan.layouts:
+        for row, a2a in zip(layout.rows, layout.all_to_all):
+            if plan.fits(row) and not row.states.in_cpu_ram:
+                ckpt = "on" if row.checkpointing else "off"
+                return [
+                    f"  without offload: {layout.label} fits, gradient checkpointing {ckpt}, "
+                    f"{row.per_gpu()['total'] / GIB:.1f} of {plan.request.gpu_mem:g} GiB per GPU, all-to-all "
+                    f"{a2a / GIB:.1f} GiB per GPU per step (accelerate_configs/{layout.mesh.backend}.yaml)"
+                ]
+    return []
+
+
+def _longest(plan: Plan) -> list[str]:
+    """--longest-seq: each setup's and layout's longest sequence, flagged past the model's positions."""
+    if plan.longest is None:
+        return []
+    positions = plan.counts.positions
+    beyond = f"; *: past the model's max_position_embeddings, {positions:,}" if positions else ""
+    lines = [
+        "",
+        f"longest  --seq-len that fits {plan.request.gpu_mem:g} GiB per GPU at micro-batch "
+        f"{plan.rows[0].micro_batch}, with the better grad ckpt option (multiples of {STEP} up to "
+        f"{LIMIT:,}{beyond})",
+    ]
+    for name, tokens in plan.longest.items():
+        shown = "none" if tokens == 0 else f"{tokens:,}" + ("+" if tokens == LIMIT else "")
+        flag = " *" if positions and tokens > positions else ""
+        lines.append(f"  {name:30}{shown:>10}{flag}")
+    return lines
+
+
 def _qlora_loading(plan: Plan) -> list[str]:
     """The peak the table leaves out: ftkit loads a whole 4-bit base per process before FSDP2 or ZeRO-3
     shard it, so a sharded QLoRA run also needs that much on each GPU (FSDP2) while loading."""
@@ -186,6 +224,7 @@ def to_json(plan: Plan) -> dict:
         "cost": dataclasses.asdict(plan.cost) if plan.cost is not None else None,
         "comm_bytes": plan.comm,
         "model_parallel": [_layout_json(plan, layout) for layout in plan.layouts],
+        "longest_seq": plan.longest,
     }
 
 
@@ -197,10 +236,15 @@ def _layout_json(plan: Plan, layout: Layout) -> dict:
         "dp_shard": mesh.shard,
         "dp_replicate": mesh.replicate,
         "pp": mesh.pp,
+        "sp": mesh.sp,
+        "zero": mesh.zero or None,
+        "config_file": f"accelerate_configs/{mesh.backend}.yaml",
         "refusal": layout.refusal,
         "grad_accum": layout.grad_accum or None,
         "rows": [{**_row_json(plan, row), "comm_bytes": sent} for row, sent in zip(layout.rows, layout.comm)],
     }
+    for row, a2a in zip(found["rows"], layout.all_to_all):
+        row["all_to_all_bytes"] = a2a
     if isinstance(layout, PipelineLayout) and layout.pipe is not None:
         pipe = layout.pipe
         found |= {

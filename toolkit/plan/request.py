@@ -49,6 +49,8 @@ class PlanRequest:
     activation_offload: bool = False
     """train.activation_offload: the activations saved for backward wait in CPU RAM; the GPU holds one
     layer's."""
+    longest_seq: bool = False
+    """Also find each setup's and layout's longest --seq-len that fits (a multiple of 1024, up to 1M)."""
     dtype: PlanDtype = "auto"
     """Weights dtype (auto: bfloat16 for LoRA/QLoRA, float32 for full, as recipes)."""
     mixed_precision: PlanPrecision = "bf16"

@@ -33,14 +33,16 @@ def generates(plan: Plan) -> bool:
     return plan.request.generation_round() is not None
 
 
-def row_line(plan: Plan, row: MemoryEstimate, name: str, extra: str = "") -> str:
-    """One setup's line: its parts per GPU and CPU RAM in GiB, the caller's `extra` cells, whether it fits."""
+def row_line(plan: Plan, row: MemoryEstimate, name: str, extra: str = "", note: str = "") -> str:
+    """One setup's line: its parts per GPU and CPU RAM in GiB, the caller's `extra` cells, whether it fits,
+    then the caller's `note`."""
     parts = row.per_gpu()
-    name = f"{name:14}grad ckpt {'on ' if row.checkpointing else 'off'}"
+    name = f"{name:13} grad ckpt {'on ' if row.checkpointing else 'off'}"
     cells = "".join(f"{parts[k] / GIB:7.1f}" for k in COLUMNS)
     cells += f"{PHASES[row.peak_phase]:>6}" if generates(plan) else ""
-    note = "  (states in CPU RAM)" if row.states.in_cpu_ram else ""
-    return f"{name:33}{cells}{row.cpu_ram / GIB:9.1f}{extra}  {'yes' if plan.fits(row) else 'no'}{note}"
+    notes = [text for text in ("states in CPU RAM" if row.states.in_cpu_ram else "", note) if text]
+    end = f"  ({'; '.join(notes)})" if notes else ""
+    return f"{name:33}{cells}{row.cpu_ram / GIB:9.1f}{extra}  {'yes' if plan.fits(row) else 'no'}{end}"
 
 
 def generation_table(plan: Plan) -> list[str]:
