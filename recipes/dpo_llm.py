@@ -74,8 +74,8 @@ def train(run: Run, cfg) -> int:
     for step, micro_batches in run.steps(loader, sampler, start_step, desc="dpo"):
         step_pairs, chosen_tokens, step_tokens = run.global_counts(
             [
-                sum(len(b["pair_index"]) for b in micro_batches),
-                sum(loss.count_targets(b["labels"].chunk(2)[0]) for b in micro_batches),
+                sum(data.count_rows(b) // 2 for b in micro_batches),
+                sum(pref_loss.chosen_targets(b) for b in micro_batches),
                 sum(int(b["attention_mask"].sum()) for b in micro_batches),
             ]
         )

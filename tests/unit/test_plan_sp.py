@@ -109,10 +109,12 @@ def test_heads_sp_does_not_divide_get_no_sp_rows_but_a_reason(tiny, gpus, kv_hea
     assert f"\nzero2 + sp {gpus}  grad ckpt" not in text
 
 
-def test_sequence_parallelism_runs_only_the_sft_recipe(tiny):
-    plan = make_plan(PlanRequest(model=tiny(), gpus=2, seq_len=256, global_batch=8, objective="dpo"))
+def test_sequence_parallelism_runs_the_sft_and_preference_recipes(tiny):
+    plan = make_plan(PlanRequest(model=tiny(), gpus=2, seq_len=256, global_batch=8, objective="grpo"))
     refusals = {layout.refusal for layout in plan.layouts if layout.mesh.sp > 1}
-    assert refusals == {"sequence parallelism runs the SFT recipe (finetune_llm.py); dpo is refused"}
+    assert refusals == {"sequence parallelism runs the SFT and preference recipes; grpo is refused"}
+    plan = make_plan(PlanRequest(model=tiny(), gpus=2, seq_len=256, global_batch=8, objective="dpo"))
+    assert all(layout.rows for layout in plan.layouts if layout.mesh.sp > 1)
 
 
 def test_llama3_8b_lora_at_32k_fits_two_24gb_gpus_without_offload(long_plan):

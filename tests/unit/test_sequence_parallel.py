@@ -114,10 +114,22 @@ def test_the_accelerator_gets_deepspeeds_sequence_parallel_settings(monkeypatch)
     assert kwargs["deepspeed_plugin"].deepspeed_config["sequence_parallel_size"] == 2
 
 
-def preference() -> RecipeConfig:
-    from toolkit.preference.config import PreferenceConfig
+def preference(**dpo) -> RecipeConfig:
+    from toolkit.preference.config import DpoConfig, PreferenceConfig
 
-    return PreferenceConfig(train=TrainConfig(global_batch_size=16, micro_batch_size=2))
+    return PreferenceConfig(train=TrainConfig(global_batch_size=16, micro_batch_size=2), dpo=DpoConfig(**dpo))
+
+
+def grpo() -> RecipeConfig:
+    from toolkit.grpo.config import GrpoRecipeConfig
+
+    return GrpoRecipeConfig(train=TrainConfig(global_batch_size=16, micro_batch_size=2))
+
+
+def test_preference_tuning_runs_with_a_precomputed_or_no_reference(monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert check(SP_DP, preference(precompute_reference=True)) == []
+    assert check(SP_DP, preference(loss="simpo")) == []
 
 
 def sft(*keys: str) -> RecipeConfig:
@@ -127,7 +139,12 @@ def sft(*keys: str) -> RecipeConfig:
 @pytest.mark.parametrize(
     "cfg, env, message",
     [
-        (preference, {}, "runs the SFT recipe .*; the dpo recipe is refused"),
+        (
+            preference,
+            {},
+            "refuses a reference computed during training .* set dpo.precompute_reference: true",
+        ),
+        (grpo, {}, "runs the SFT and preference recipes; the grpo recipe is refused"),
         (lambda: sft("data.packing=true"), {}, "refuses data.packing"),
         (lambda: sft("model.attn_implementation=eager"), {}, "refuses model.attn_implementation eager"),
         (

@@ -200,9 +200,15 @@ def _check_sequence_parallel(
 ) -> None:
     """What Ulysses sequence parallelism cannot run, refused before any data is prepared, naming the key."""
     sp, where = launch.mesh.sp, f"{launch.source}: parallelism_config_sp_size {launch.mesh.sp}"
-    recipe = "dpo" if hasattr(cfg, "dpo") else "grpo" if hasattr(cfg, "grpo") else ""
-    if recipe:
-        raise UserError(f"{where} runs the SFT recipe (finetune_llm.py); the {recipe} recipe is refused")
+    if hasattr(cfg, "grpo"):
+        raise UserError(f"{where} runs the SFT and preference recipes; the grpo recipe is refused")
+    if hasattr(cfg, "dpo") and _live_reference(cfg):
+        raise UserError(
+            f"{where} refuses a reference computed during training (dpo.loss {cfg.dpo.loss} with "
+            f"{'dpo.reference_model' if cfg.dpo.reference_model else 'the adapter switched off'}) in "
+            f"{recipe_source}: set dpo.precompute_reference: true (computed once, on whole rows, before "
+            "training)"
+        )
     attention = sequence_parallel_attention(env)
     refusals = {
         "data.packing (sdpa would attend across the packed examples)": cfg.data.packing,
@@ -238,6 +244,13 @@ def _check_sequence_parallel(
             f"train.micro_batch_size ({cfg.train.micro_batch_size}) x {launch.world_size} processes: under "
             "sequence parallelism every process reads batches of its own, which its group then shares"
         )
+
+
+def _live_reference(cfg) -> bool:
+    """A preference config whose reference log-probs come from forward passes during training."""
+    from toolkit.preference.config import precomputes_reference, uses_reference
+
+    return uses_reference(cfg) and not precomputes_reference(cfg)
 
 
 def _check_pipeline(cfg: RecipeConfig, facts: ModelFacts, ga: int, recipe_source: str) -> None:

@@ -13,10 +13,11 @@ trades it back. So a GPU's activations and loss head are those of seq / sp token
 and `memory.head_bytes` at that length; the attention terms come to the same bytes split by heads), while
 the model states follow the ZeRO stage's sharding over all the processes, as the zero rows do. Ulysses needs
 sp to divide the attention heads, and the kv heads to divide sp or be divisible by it (DeepSpeed repeats kv
-heads fewer than sp), and runs only the SFT recipe. CPU RAM counts the whole model loaded by every process
-first, under ZeRO-3 too: an upper bound where ZeRO-3 builds the model sharded. Traffic: ZeRO's collectives
-over all processes for the step's micro-batches, each of seq / sp tokens a sequence, plus the all-to-alls
-(`comm.ulysses_bytes`).
+heads fewer than sp), and runs the SFT and preference recipes (the latter with the reference log-probs
+precomputed before training, so no reference model is held while training). CPU RAM counts the whole model
+loaded by every process first, under ZeRO-3 too: an upper bound where ZeRO-3 builds the model sharded.
+Traffic: ZeRO's collectives over all processes for the step's micro-batches, each of seq / sp tokens a
+sequence, plus the all-to-alls (`comm.ulysses_bytes`).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def meshes(gpus: int) -> list[Mesh]:
 
 def refusal(counts, mesh: Mesh, request: PlanRequest) -> str | None:
     """Why `mesh` cannot split this model's sequences, in one line; None when it can."""
-    if request.objective != "sft":
-        return f"sequence parallelism runs the SFT recipe (finetune_llm.py); {request.objective} is refused"
+    if request.objective == "grpo":
+        return "sequence parallelism runs the SFT and preference recipes; grpo is refused"
     if counts.heads % mesh.sp:
         return f"sp {mesh.sp} does not divide num_attention_heads {counts.heads} (Ulysses splits the heads)"
     if counts.kv_heads % mesh.sp and mesh.sp % counts.kv_heads:

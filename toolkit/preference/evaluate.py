@@ -19,6 +19,7 @@ def evaluate_pairs(
 ) -> dict:
     """Collective: eval_* metrics over every pair of `dataset`; `reference(batch)` gives the reference
     log-probs of a stacked batch (None for reference-free losses); through `pipeline`'s stages if any."""
+    was_training = getattr(model, "module", model).training  # DeepSpeed's engine keeps a stale flag
     model.eval()
     sums = PairSums(accelerator.device)
     for rows, real in strided_batches(dataset, *data_shard(accelerator), batch_size):
@@ -28,7 +29,7 @@ def evaluate_pairs(
         else:
             logps, counts = batch_sequence_logps(model, batch)
         sums.add(pair_terms(cfg, logps, counts, reference(batch)), logps, counts, keep=real)
-    model.train()
+    model.train(was_training)
     return sums.reduce(accelerator).metrics(prefix="eval_")
 
 
@@ -69,6 +70,13 @@ class PairEvaluator:
         """Collective: the metrics and exact match of greedy answers, shown (tagged `label`) and logged."""
         if self.dataset is None:
             return
+        self.model.eval()  # generation too: sequence parallel attention splits rows in training mode only
+        try:
+            self._report(step, label)
+        finally:
+            self.model.train()
+
+    def _report(self, step: int, label: str) -> None:
         results = self._metrics()
         if self.cfg.eval.exact_match_samples:
             generator = self.accelerator.unwrap_model(self.model)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from toolkit.data.collate import model_inputs
 from toolkit.distributed import sum_over_data
 from toolkit.preference.config import DpoConfig
-from toolkit.train import head
+from toolkit.train import head, sequence_parallel
 from toolkit.train.loss import IGNORE
 
 
@@ -32,10 +32,43 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
 
 
 def batch_sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sequence_logps` of `model` on `batch`, through the chunked head when the model has one."""
+    """`sequence_logps` of `model` on `batch`, through the chunked head when the model has one. A
+    sequence-parallel slice (its `shift_labels` shifted before the cut) gives its rows' partial sums, added
+    over its group into the whole rows'."""
+    if "shift_labels" in batch:
+        return _whole_rows_logps(model, batch)
     if head.chunked_head(model) is None:
         return sequence_logps(model(**model_inputs(batch)).logits, batch["labels"])
     return head.target_logps(model, batch).sum(dim=1), target_counts(batch["labels"])
+
+
+def _whole_rows_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    # DeepSpeed's Ulysses attention is built for the loader's micro-batch of rows (its pairs): the chosen and
+    # the rejected rows run as two forward passes.
+    keys = ("input_ids", "attention_mask", "position_ids", "shift_labels")
+    halves = [{key: batch[key].chunk(2)[side] for key in keys if key in batch} for side in (0, 1)]
+    partial = torch.cat([_slice_logps(model, half) for half in halves])
+    counts = (batch["shift_labels"] != IGNORE).sum(dim=1)
+    return sequence_parallel.whole_rows(partial), sequence_parallel.whole_rows(counts)
+
+
+def _slice_logps(model, batch: dict) -> torch.Tensor:
+    """Per-row summed log-probs of a sequence-parallel slice's targets."""
+    if head.chunked_head(model) is not None:
+        return head.target_logps(model, batch).sum(dim=1)
+    logits = model(**model_inputs(batch)).logits
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    nll = F.cross_entropy(
+        logits.transpose(1, 2), batch["shift_labels"], ignore_index=IGNORE, reduction="none"
+    )
+    return -nll.sum(dim=1)
+
+
+def chosen_targets(batch: dict) -> int:
+    """Label tokens of a stacked batch's chosen rows (the first half) that the NLL term counts."""
+    if "shift_labels" in batch:
+        return int((batch["shift_labels"].chunk(2)[0] != IGNORE).sum())
+    return int(target_counts(batch["labels"].chunk(2)[0]).sum())
 
 
 def target_counts(labels: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ FILE, INFO = REFERENCE_LOGPS
 @contextlib.contextmanager
 def frozen(model):
     """Eval mode and no gradients for the duration; the previous mode is restored after."""
-    was_training = model.training
+    was_training = getattr(model, "module", model).training  # DeepSpeed's engine keeps a stale flag
     model.eval()
     try:
         with torch.no_grad():

@@ -56,26 +56,47 @@ class SequenceSplit:
         widths = [int(w) for w in widths]
         members = [{} for _ in range(self.size)]
         for key, value in batch.items():
-            padded = _pad(key, value, max(widths))
+            padded = _pad(key, value, max(widths)) if value.dim() > 1 else value  # per-row values stay
             parts = [torch.empty_like(padded) for _ in range(self.size)]
             dist.all_gather(parts, padded.contiguous(), group=self.group)
             for member, part, own in zip(members, parts, widths, strict=True):
-                member[key] = part[:, :own]
+                member[key] = part[:, :own] if part.dim() > 1 else part
         return members
 
     def cut(self, batch: dict) -> dict:
         """This rank's slice of `batch` (whole rows): shifted labels, positions of the slice, real tokens.
         `rows` counts the batch's rows on the group's first rank only, so a step's rows add up once."""
         width = -(-batch["input_ids"].shape[1] // self.size) * self.size
-        batch = {key: _pad(key, value, width) for key, value in batch.items()}
+        batch = {key: _pad(key, value, width) if value.dim() > 1 else value for key, value in batch.items()}
         labels = batch.pop("labels")
         batch["shift_labels"] = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
         batch["position_ids"] = torch.arange(width, device=labels.device).expand(labels.shape[0], -1)
         piece = width // self.size
         here = slice(self.rank * piece, (self.rank + 1) * piece)
-        cut = {key: value[:, here] for key, value in batch.items()}
+        cut = {key: value[:, here] if value.dim() > 1 else value for key, value in batch.items()}
         cut["rows"] = labels.shape[0] if self.rank == 0 else 0
         return cut
+
+
+def whole_rows(partial: torch.Tensor) -> torch.Tensor:
+    """Collective over this rank's sequence-parallel group: per-row sums over its slices (log-probs, token
+    counts) added into the whole rows'. The gradient reaches each rank's own slice sum unchanged: every rank
+    of the group computes the same loss from the whole rows, and the backend adds the ranks' gradients."""
+    from deepspeed.utils import groups
+
+    return _GroupSum.apply(partial, groups._get_sequence_parallel_group())
+
+
+class _GroupSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group) -> torch.Tensor:
+        total = partial.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 def _pad(key: str, value: torch.Tensor, width: int) -> torch.Tensor:
