@@ -146,6 +146,7 @@ def sft(*keys: str) -> RecipeConfig:
         ),
         (grpo, {}, "runs the SFT and preference recipes; the grpo recipe is refused"),
         (lambda: sft("data.packing=true"), {}, "refuses data.packing"),
+        (lambda: sft("data.streaming=true"), {}, "refuses data.streaming"),
         (lambda: sft("model.attn_implementation=eager"), {}, "refuses model.attn_implementation eager"),
         (
             sft,

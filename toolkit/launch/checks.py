@@ -212,6 +212,9 @@ def _check_sequence_parallel(
     attention = sequence_parallel_attention(env)
     refusals = {
         "data.packing (sdpa would attend across the packed examples)": cfg.data.packing,
+        "data.streaming (its rows are packed; sdpa would attend across the packed examples)": (
+            cfg.data.streaming
+        ),
         "moe.expert_parallel": cfg.moe.expert_parallel > 1,
         "model.attn_implementation eager (DeepSpeed's Ulysses attention needs sdpa or flash attention)": (
             cfg.model.attn_implementation == "eager"
