@@ -6,10 +6,12 @@ figures to bench/raw_results.json. Then the DPO section (bench/dpo.py), the data
 pipeline section (bench/pipeline.py: ddp, fsdp and pipeline schedules, launched 2-process runs) and the GRPO
 section (bench/grpo.py: ftkit's GRPO recipe against TRL's GRPOTrainer), and the mixture-of-experts section:
 the SFT contenders but the bare loop and HF Trainer on a Qwen3-MoE of the same width, the routers'
-balancing loss on in both ftkit and TRL (each at the model's coefficient, 0.001).
+balancing loss on in both ftkit and TRL (each at the model's coefficient, 0.001). Last, the long-sequence
+section (bench/long_context.py: one process against Ulysses sequence parallelism sp=2 on the SFT recipe at
+4,096 tokens a row, launched runs: tokens/s, peak memory per rank, losses, the all-to-all share).
 
     python bench/run.py [--repeats 5] [--loss-head-repeats 3] [--pipeline-repeats 2] [--grpo-repeats 2]
-        [--moe-repeats 3] [--only SECTION ...]
+        [--moe-repeats 3] [--long-context-repeats 2] [--only SECTION ...]
 """
 
 import argparse
@@ -22,6 +24,7 @@ from pathlib import Path
 import data_prep
 import dpo
 import grpo
+import long_context
 import loss_head
 import pipeline
 from common import (
@@ -152,7 +155,7 @@ def sft_section(repeats: int, moe: bool = False) -> str:
     return block
 
 
-SECTIONS = ("sft", "dpo", "data-prep", "loss-head", "pipeline", "grpo", "moe")
+SECTIONS = ("sft", "dpo", "data-prep", "loss-head", "pipeline", "grpo", "moe", "long-context")
 
 
 def main() -> None:
@@ -162,6 +165,7 @@ def main() -> None:
     parser.add_argument("--pipeline-repeats", type=int, default=2)
     parser.add_argument("--grpo-repeats", type=int, default=2)
     parser.add_argument("--moe-repeats", type=int, default=3)
+    parser.add_argument("--long-context-repeats", type=int, default=2)
     parser.add_argument(
         "--only", action="append", choices=SECTIONS, help="run this section only (repeatable; default: all)"
     )
@@ -181,6 +185,8 @@ def main() -> None:
         print(grpo.run_section(args.grpo_repeats, machine))
     if "moe" in only:
         print(sft_section(args.moe_repeats, moe=True))
+    if "long-context" in only:
+        print(long_context.run_section(args.long_context_repeats, machine))
 
 
 if __name__ == "__main__":
