@@ -141,12 +141,12 @@ def test_start_from_an_sft_adapter_makes_it_the_reference(single, pair_files, tm
 # LoRA where DPO's reference (the policy with its adapter off) meets another sharding; full fine-tuning
 # where the policy's parameters are sharded or gathered unlike DDP. ZeRO-1 (ZeRO-2 without gradient
 # partitioning) and offload under LoRA are SFT's matrix's cases: DPO adds nothing there.
-# Sequence parallelism splits both rows of each pair: full fine-tuning under sp (ZeRO-2), LoRA under sp_zero3
-# (ZeRO-3, the launch of accelerate's guide YAML) with the reference precomputed, as SP requires; for LoRA
-# that is the same reference as the adapter switched off.
+# Sequence parallelism splits both rows of each pair: LoRA under sp_zero3 (ZeRO-3, the launch of accelerate's
+# guide YAML) with the reference precomputed, as SP requires (for LoRA the same reference as the adapter
+# switched off); full fine-tuning under sp_dp is tests/e2e/test_sequence_parallel.py's (a Qwen2 shape).
 LORA_MATRIX = ["ddp", "fsdp", "zero2", "zero3", "sp_zero3"]
-FULL_MATRIX = ["ddp", "fsdp", "zero3", "zero3_offload", "sp"]
-MATRIX = ["ddp", "fsdp", "zero2", "zero3", "zero3_offload", "sp", "sp_zero3"]
+FULL_MATRIX = ["ddp", "fsdp", "zero3", "zero3_offload"]
+MATRIX = ["ddp", "fsdp", "zero2", "zero3", "zero3_offload", "sp_zero3"]
 # A separate reference is prepared three ways: by accelerate (DDP, FSDP), as a ZeRO-0 engine (ZeRO-1/2) and
 # as a ZeRO-3 engine (toolkit/preference/reference.py).
 REFERENCE_MATRIX = ["ddp", "fsdp", "zero2", "zero3"]
@@ -157,7 +157,7 @@ REFERENCE_MATRIX = ["ddp", "fsdp", "zero2", "zero3"]
 def test_backend_gives_one_process_loss(config, single, pair_files, tmp_path):
     method, out, _ = single
     if method == "full" and config == "sp_zero3":
-        pytest.skip("full fine-tuning with sequence parallelism is the sp case; sp_zero3 runs LoRA")
+        pytest.skip("full fine-tuning with sequence parallelism: tests/e2e/test_sequence_parallel.py (sp_dp)")
     if method == "full" and config not in FULL_MATRIX:
         pytest.skip(
             "ZeRO-1/2 shard only optimizer states: full fine-tuning there is DDP's case for the policy"

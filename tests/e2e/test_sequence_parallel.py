@@ -1,6 +1,7 @@
 """Ulysses sequence parallelism on gloo CPU processes trains like one process: the shipped sp.yaml (ZeRO-2,
 through `ftkit train`), sp_dp.yaml (ZeRO-3, sp 2 x dp 2) and accelerate's own guide's YAML as written
-(ZeRO-3) on a Qwen2-shaped model; checkpoints resume exactly and the export is plain HF files."""
+(ZeRO-3) on a Qwen2-shaped model; checkpoints resume exactly and the export is plain HF files. DPO under
+sp_dp on the Qwen2 shape (tests/e2e/test_dpo_recipe.py has LoRA under sp_zero3 on the Llama)."""
 
 import shutil
 from pathlib import Path
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.multiproc
 # micro 2: global batch 8 = 2 x 4 processes under sp_dp.yaml; the one-process runs use the same settings.
 SETTINGS = ["train.max_steps=6", "train.save_every_steps=3", "train.micro_batch_size=2"]
 DOCS_YAML = REPO / "tests" / "e2e" / "peer_configs" / "accelerate_docs_sp.yaml"
+DPO = REPO / "recipes" / "dpo_llm.py"
 
 
 def tiny_qwen2(path: Path) -> Path:
@@ -41,11 +43,30 @@ def tiny_qwen2(path: Path) -> Path:
     return path
 
 
+def preference_settings(root: Path) -> list[str]:
+    """DPO from the model itself on 32 of the demo's pairs, full fine-tuning: the reference log-probs are
+    computed once before training, as sequence parallelism requires."""
+    demo = REPO / "toolkit" / "assets" / "demo"
+    for name, rows in (("pairs_train", 32), ("pairs_eval", 8)):
+        lines = (demo / f"{name}.jsonl").read_text().splitlines(True)[:rows]
+        (root / f"{name}.jsonl").write_text("".join(lines))
+    return [
+        f"data.train={root / 'pairs_train.jsonl'}",
+        f"data.eval={root / 'pairs_eval.jsonl'}",
+        "model.adapter=null",
+        "train.learning_rate=1e-4",
+        "train.max_steps=3",
+        "train.micro_batch_size=2",
+        "dpo.sft_weight=0",
+    ]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """name -> (output_dir, result), each launched once for the module when first asked for."""
     done = {}
     qwen2 = [f"model.path={tiny_qwen2(tmp_path_factory.mktemp('qwen2') / 'model')}", "model.method=full"]
+    dpo = [*qwen2, *preference_settings(tmp_path_factory.mktemp("pairs"))]
     cases = {
         "single": lambda out: run_recipe(out, *SETTINGS, launch=launch("single", 1)),
         "sp": lambda out: run_ftkit_train(out, "sp", *SETTINGS),
@@ -57,6 +78,8 @@ def runs(tmp_path_factory):
             *qwen2,
             launch=["--config_file", str(DOCS_YAML), "--main_process_port", str(free_port())],
         ),
+        "qwen2-dpo-single": lambda out: run_recipe(out, *dpo, launch=launch("single", 1), recipe=DPO),
+        "qwen2-dpo-sp_dp": lambda out: run_recipe(out, *dpo, launch=launch("sp_dp", 4), recipe=DPO),
     }
 
     def get(name: str):
@@ -109,3 +132,16 @@ def test_sequence_parallel_resumes_exactly(runs, tmp_path):
     assert step_losses(out) == pytest.approx(step_losses(source), rel=1e-6)
     assert logged(out, "grad_norm") == pytest.approx(logged(source, "grad_norm"), rel=1e-6)
     assert_same_weights(final_weights(out), final_weights(source))
+
+
+def test_preference_tuning_under_sp_x_dp_splits_both_rows_of_each_pair_like_one_process(runs):
+    """DPO on a Qwen2 shape, 4 processes: 2 groups of 2, each pair's chosen and rejected rows split in two."""
+    out, result = runs("qwen2-dpo-sp_dp")
+    reference, _ = runs("qwen2-dpo-single")
+    assert "backend sp 2 x dp 2 (gloo)" in result.stdout
+    assert len(step_losses(out)) == 3
+    assert step_losses(out) == pytest.approx(step_losses(reference), rel=1e-3)
+    assert logged(out, "grad_norm") == pytest.approx(logged(reference, "grad_norm"), rel=1e-3)
+    assert logged(out, "reward_margin") == pytest.approx(
+        logged(reference, "reward_margin"), rel=1e-3, abs=1e-6
+    )
