@@ -6,7 +6,6 @@ bench/raw_dpo.json (also run by `make bench`, after the SFT table).
     python bench/dpo.py [--repeats 3]
 """
 
-import argparse
 import json
 import statistics
 import sys
@@ -24,7 +23,7 @@ from common import (
     write_pairs,
     write_results,
 )
-from harness import machine, run_process, table
+from harness import run_from_command_line, run_process, table
 
 from toolkit.train.metrics import read_metrics
 
@@ -134,13 +133,5 @@ def run_section(repeats: int, machine) -> str:
     return block
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-
-    print(run_section(args.repeats, machine))
-
-
 if __name__ == "__main__":
-    main()
+    run_from_command_line(__doc__, run_section, repeats=3)

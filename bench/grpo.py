@@ -9,7 +9,6 @@ bench/raw_grpo.json (also run by `make bench`).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -17,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from common import ROOT, write_results
-from harness import machine, run_process, table
+from harness import run_from_command_line, run_process, table
 
 from toolkit.train.metrics import read_metrics
 
@@ -173,13 +172,5 @@ def run_section(repeats: int, machine) -> str:
     return block
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
-
-    print(run_section(args.repeats, machine))
-
-
 if __name__ == "__main__":
-    main()
+    run_from_command_line(__doc__, run_section, repeats=2)

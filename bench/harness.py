@@ -64,3 +64,12 @@ def machine() -> str:
         f"Python {platform.python_version()}, torch {torch.__version__} (CPU), "
         f"load average at the end {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}"
     )
+
+
+def run_from_command_line(doc: str, run_section, repeats: int) -> None:
+    """A section's own command line: `--repeats` (default `repeats`), then the section's block printed."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=repeats)
+    print(run_section(parser.parse_args().repeats, machine))

@@ -10,7 +10,6 @@ figures to bench/raw_long_context.json (also run by `make bench`).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -22,7 +21,7 @@ import time
 from pathlib import Path
 
 from common import LEARNING_RATE, ROOT, TOKENIZER_DIR, build_model_dir, sentences, write_results
-from harness import machine
+from harness import run_from_command_line
 
 from toolkit.train.metrics import read_metrics
 
@@ -273,13 +272,5 @@ def run_section(repeats: int, machine) -> str:
     return block
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
-
-    print(run_section(args.repeats, machine))
-
-
 if __name__ == "__main__":
-    main()
+    run_from_command_line(__doc__, run_section, repeats=2)

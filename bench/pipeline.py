@@ -10,7 +10,6 @@ by `make bench`).
 
 from __future__ import annotations
 
-import argparse
 import json
 import socket
 import statistics
@@ -19,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from common import LEARNING_RATE, ROOT, build_model_dir, write_data, write_results
-from harness import machine, run_process
+from harness import run_from_command_line, run_process
 
 from toolkit.train.metrics import read_metrics
 
@@ -176,13 +175,5 @@ def run_section(repeats: int, machine) -> str:
     return block
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
-
-    print(run_section(args.repeats, machine))
-
-
 if __name__ == "__main__":
-    main()
+    run_from_command_line(__doc__, run_section, repeats=2)

@@ -10,6 +10,7 @@ from toolkit.pipeline.generate import PipelineGenerator
 from toolkit.preference.config import DpoConfig
 from toolkit.preference.data import strided_batches
 from toolkit.preference.loss import PairSums, batch_sequence_logps, pair_terms, target_counts
+from toolkit.train.evaluate import eval_mode
 from toolkit.train.generation import greedy_answer
 
 
@@ -70,11 +71,8 @@ class PairEvaluator:
         """Collective: the metrics and exact match of greedy answers, shown (tagged `label`) and logged."""
         if self.dataset is None:
             return
-        self.model.eval()  # generation too: sequence parallel attention splits rows in training mode only
-        try:
+        with eval_mode(self.model):
             self._report(step, label)
-        finally:
-            self.model.train()
 
     def _report(self, step: int, label: str) -> None:
         results = self._metrics()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -49,11 +50,8 @@ class Evaluator:
 
     def report(self, step: int, label: str) -> None:
         """Collective: eval loss, exact match and one sample answer, shown (tagged `label`) and logged."""
-        self.model.eval()  # generation too: sequence parallel attention splits rows in training mode only
-        try:
+        with eval_mode(self.model):
             self._report(step, label)
-        finally:
-            self.model.train()
 
     def _report(self, step: int, label: str) -> None:
         results = self._loss() if self.loader is not None else {}
@@ -108,6 +106,17 @@ def pipeline_eval_loss(pipeline, loader: DataLoader, accelerator, max_batches: i
         loss_sum += pipeline.eval_sum(group).item()
         tokens += sum(count_targets(batch["labels"]) for batch in group)
     return _loss_result(accelerator, torch.tensor([loss_sum, float(tokens)], dtype=torch.float64))
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """`model` in eval mode for the duration, in training mode after. Generation too needs it: sequence
+    parallel attention splits rows in training mode only."""
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train()
 
 
 @torch.no_grad()
