@@ -157,18 +157,18 @@ def one_process_micro_4(tmp_path_factory):
     return step_losses(out)
 
 
-@pytest.mark.parametrize("micro", [1, 2])
-def test_split_of_the_global_batch_does_not_change_the_loss(micro, one_process_micro_4, tmp_path):
-    """1 process x micro 4 x GA 1 == 2 processes x micro 1 x GA 2 == 2 processes x micro 2 x GA 1."""
+def test_split_of_the_global_batch_does_not_change_the_loss(one_process_micro_4, tmp_path):
+    """1 process x micro 4 x GA 1 == 2 processes x micro 1 x GA 2 (2 processes x micro 4 x GA 1 against one
+    process x micro 4 x GA 2 is every backend's case above)."""
     out = tmp_path / "run"
     result = run_recipe(
         out,
         "train.global_batch_size=4",
-        f"train.micro_batch_size={micro}",
+        "train.micro_batch_size=1",
         "train.max_steps=6",
         launch=launch("ddp"),
     )
-    assert f"micro {micro} x GA {2 // micro} x world 2" in result.stdout
+    assert "micro 1 x GA 2 x world 2" in result.stdout
     assert step_losses(out) == pytest.approx(one_process_micro_4, rel=1e-5)
 
 
