@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from toolkit.checkpoint import read_marker, safe_load
+from toolkit.checkpoint import moments, read_marker, safe_load
 from toolkit.checkpoint.split import DCP_MODEL, DCP_OPTIMIZER
 from toolkit.errors import UserError
 from toolkit.model import quant
@@ -73,61 +73,23 @@ def check_pickles(path: Path) -> None:
                 safe_load.check_dcp(directory)
 
 
-def read_optimizer_moments(path: Path, model, optimizer) -> dict[str, dict[str, torch.Tensor]] | None:
+def read_optimizer_moments(path: Path, model, optimizer) -> moments.Moments | None:
     """Per-parameter optimizer state by parameter name for `optimizer` (built for `model`, not yet
-    prepared), or None where the checkpoint's cannot be told apart by name.
-
-    dcp keeps it by name. A replicated optimizer.bin keeps it by position, which names it when `optimizer`
-    was built the same way (checked: every group's size, every moment's shape). DeepSpeed keeps its moments
-    in flat partitions that only DeepSpeed at the same world size can read.
-    """
+    prepared), or None where the checkpoint's cannot be told apart by name (an optimizer.bin of an
+    optimizer grouped otherwise)."""
     layout = checkpoint_layout(path)
-    if layout == "replicated" and (path / REPLICATED_OPTIMIZER).is_file():
-        saved = torch.load(path / REPLICATED_OPTIMIZER, weights_only=True, map_location="cpu")
-        return _positional_moments(saved, model, optimizer)
-    if layout != "dcp":
-        return None
-    moments: dict[str, dict[str, torch.Tensor]] = {}
+    if layout == "replicated":
+        if not (path / REPLICATED_OPTIMIZER).is_file():
+            return None
+        saved = torch.load(path / REPLICATED_OPTIMIZER, weights_only=True, map_location="cpu", mmap=True)
+        return moments.positional(saved, model, optimizer)
+    if layout == "deepspeed":
+        return moments.read_zero(path / DEEPSPEED_TAG)
+    found: moments.Moments = {}
     for key, tensor in _read_dcp(path / DCP_OPTIMIZER, "optimizer.state.").items():
         name, _, field = key.rpartition(".")
-        moments.setdefault(name, {})[field] = tensor
-    return moments
-
-
-def _positional_moments(saved: dict, model, optimizer) -> dict[str, dict[str, torch.Tensor]] | None:
-    whole = getattr(model, "pipeline_whole_trained", None)
-    if whole is not None:
-        return _whole_model_moments(saved, whole)
-    groups = [group["params"] for group in optimizer.param_groups]
-    if [len(group["params"]) for group in saved["param_groups"]] != [len(group) for group in groups]:
-        return None
-    names = {id(param): name for name, param in model.named_parameters()}
-    positions = [index for group in saved["param_groups"] for index in group["params"]]
-    moments = {}
-    for index, param in zip(positions, [param for group in groups for param in group]):
-        state = saved["state"].get(index, {})
-        if any(value.dim() and value.shape != param.shape for value in state.values()):
-            return None
-        moments[names[id(param)]] = state
-    return moments
-
-
-def _whole_model_moments(saved: dict, whole: list[tuple[str, tuple]]) -> dict | None:
-    """Moments by name for a pipeline stage, from the order the optimizer gives the whole model's trained
-    parameters (`optim.build_optimizer`: matrices, then vectors; `whole` as `stages.trim` recorded it)."""
-    groups = [[n for n, shape in whole if len(shape) >= 2], [n for n, shape in whole if len(shape) < 2]]
-    groups = [group for group in groups if group]
-    if [len(group["params"]) for group in saved["param_groups"]] != [len(group) for group in groups]:
-        return None
-    shapes = dict(whole)
-    positions = [index for group in saved["param_groups"] for index in group["params"]]
-    moments = {}
-    for index, name in zip(positions, [name for group in groups for name in group]):
-        state = saved["state"].get(index, {})
-        if any(value.dim() and tuple(value.shape) != shapes[name] for value in state.values()):
-            return None
-        moments[name] = state
-    return moments
+        found.setdefault(name, {})[field] = tensor
+    return found
 
 
 def resume_plan(marker: dict, current: dict) -> str:
@@ -145,28 +107,36 @@ def resume_plan(marker: dict, current: dict) -> str:
     return "exact" if all(saved[key] == now[key] for key in keys) else "weights"
 
 
-def restore_portable(path: Path, model, optimizer, scheduler, current: dict) -> str:
-    """Load a checkpoint from another layout into the model, optimizer and scheduler built for this run.
+def restore_portable(path: Path, model, optimizer, scheduler) -> moments.Moments | None:
+    """Load a checkpoint from another layout into the model and scheduler built for this run, and read its
+    optimizer moments by name (None where they cannot be named) for the caller to place: `moments.into_plain`
+    before `prepare` where `plain_optimizer(current)`, else `moments.into_prepared` after it.
 
-    Call it before `accelerator.prepare`, on every process, while the model is a plain module. Returns
-    the one line to print: what was carried over, or a warning that the optimizer moments restart.
+    Call it before `accelerator.prepare`, on every process, while the model is a plain module.
     """
-    marker = read_marker(path)
     weights = read_weights(path, lambda weights: quant.packed_names(model))
     if stages.is_part(model):  # a pipeline stage takes its own layers from the whole model's weights
         weights = {name: weights[name] for name in model.state_dict() if name in weights}
     load_weights(model, weights)
     restore_schedule(scheduler, optimizer, torch.load(path / SCHEDULER, weights_only=True))
-    source = f"a {describe(marker)} checkpoint"
-    # Before `prepare` the optimizer holds the parameters it will train, unless FSDP or DeepSpeed swap them.
-    moments = read_optimizer_moments(path, model, optimizer) if _replicated(current["backend"]) else None
-    if moments is None:
-        return (
-            f"warning: optimizer moments restart: the optimizer state of {source} does not load under "
-            f"{describe(current)}; weights, learning-rate schedule and data position resumed"
-        )
-    load_optimizer_moments(model, optimizer, moments)
-    return f"resumed weights, optimizer and learning-rate schedule from {source} on {describe(current)}"
+    return read_optimizer_moments(path, model, optimizer)
+
+
+def plain_optimizer(current: dict) -> bool:
+    """Whether the optimizer keeps training the parameters it holds before `prepare` (FSDP and DeepSpeed
+    swap them for shards or flat partitions)."""
+    return _replicated(current["backend"])
+
+
+def carried(path: Path, current: dict, placed: bool) -> str:
+    """The one line a portable resume prints: what was carried over, or that the moments restart."""
+    source = f"a {describe(read_marker(path))} checkpoint"
+    if placed:
+        return f"resumed weights, optimizer and learning-rate schedule from {source} on {describe(current)}"
+    return (
+        f"warning: optimizer moments restart: the optimizer state of {source} does not load under "
+        f"{describe(current)}; weights, learning-rate schedule and data position resumed"
+    )
 
 
 def restore_schedule(scheduler, optimizer, saved: dict) -> None:
@@ -201,35 +171,8 @@ def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> No
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
                 param.copy_(weights[name])
     current = model.state_dict()
-    whole = {k: like(current[k], v) for k, v in weights.items() if k not in partitioned}
+    whole = {k: moments.like(current[k], v) for k, v in weights.items() if k not in partitioned}
     model.load_state_dict(whole, strict=False)
-
-
-def load_optimizer_moments(model, optimizer, moments: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Give a plain optimizer the per-parameter state saved by name (its groups stay as built)."""
-    names = {id(param): name for name, param in model.named_parameters()}
-    # A torch optimizer's state_dict numbers parameters in order through its groups.
-    params = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
-    by_name = dict(model.named_parameters())
-    state = {
-        i: {field: like(by_name[name], value) for field, value in moments[name].items()}
-        for i, name in enumerate(params)
-        if name in moments
-    }
-    if len(state) != len(params):
-        raise UserError(f"optimizer state covers {len(state)} of {len(params)} trained parameters")
-    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
-
-
-def like(target: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-    """`whole` laid out as `target` is: this rank's part where `target` is split (a DTensor), else as is.
-    Every rank holds `whole`, so each cuts its own part without communicating. A 0-d value (Adam's step
-    count) stays plain."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if not isinstance(target, DTensor) or whole.dim() == 0:
-        return whole
-    return distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
 
 
 def describe(layout: dict) -> str:

@@ -15,7 +15,7 @@ import yaml
 from accelerate.utils.other import load as accelerate_load
 
 from toolkit import checkpoint
-from toolkit.checkpoint import portable, rundir, split
+from toolkit.checkpoint import moments, portable, rundir, split
 from toolkit.distributed import agreed_error
 from toolkit.errors import UserError
 from toolkit.model import quant
@@ -52,6 +52,8 @@ class Resume:
         self.marker = checkpoint.read_marker(path) if path is not None else {}
         self._exact = False
         self._held = None
+        self._pending = None
+        """(moments or None, layout) still to place after `prepare`, on a portable resume."""
 
     @classmethod
     def find(cls, output_dir: Path, cfg, say=print, fixed: tuple[str, ...] = FIXED) -> Resume:
@@ -84,10 +86,14 @@ class Resume:
             return
         current = checkpoint.layout(accelerator, model)
         self._exact = portable.resume_plan(self.marker, current) == "exact"
-        if not self._exact:
-            accelerator.print(
-                portable.restore_portable(self.checkpoint, model, optimizer, scheduler, current)
-            )
+        if self._exact:
+            return
+        found = portable.restore_portable(self.checkpoint, model, optimizer, scheduler)
+        if found is not None and portable.plain_optimizer(current):
+            moments.into_plain(model, optimizer, found)
+            accelerator.print(portable.carried(self.checkpoint, current, placed=True))
+        else:
+            self._pending = (found, current)
 
     def after_prepare(self, accelerator, log: metrics.MetricsLog, prepared_model) -> tuple[int, int]:
         """Load what `accelerator.load_state` restores, check the weights, continue the schedule under this
@@ -98,6 +104,12 @@ class Resume:
             return 0, 0
         model, optimizer, scheduler, built = self._held
         step = self.marker["step"]
+        if self._pending is not None:
+            found, current = self._pending
+            placed = found is not None and moments.into_prepared(
+                accelerator, prepared_model, model, optimizer, found
+            )
+            accelerator.print(portable.carried(self.checkpoint, current, placed))
         if self._exact:
             _warn_random_states(self.checkpoint, accelerator)
             packed = quant.packed_names(model)
