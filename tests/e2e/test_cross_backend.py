@@ -106,10 +106,10 @@ def resume_copy(source, tmp_path):
 
 
 # (source run, target config, target processes): every pair carries the optimizer moments by name. Four
-# processes take micro-batches of 2 for the same global batch of 8.
+# processes take micro-batches of 2 for the same global batch of 8. A DCP state into a plain optimizer is
+# tests/e2e/test_model_parallel.py's tp-to-ddp.
 RESUMES = {
     "ddp world 2 -> single world 1": ("ddp", "single", 1),
-    "fsdp2 -> ddp": ("fsdp", "ddp", 2),
     "zero2 -> single": ("zero2", "single", 1),
     "zero3 -> fsdp2": ("zero3", "fsdp", 2),
     "fsdp2 -> zero2": ("fsdp", "zero2", 2),

@@ -77,9 +77,7 @@ def runs(tmp_path_factory):
         return run_recipe(out, adapter, *DPO, *extra, config=DPO_CONFIG, recipe=DPO_RECIPE, launch=launcher)
 
     recipes["single-dpo"] = dpo
-    recipes["tp-dpo"] = lambda out: dpo(out, launch("tp"))
     recipes["fsdp_tp-dpo"] = lambda out: dpo(out, launch("fsdp_tp", 4))
-    recipes["hsdp-dpo"] = lambda out: dpo(out, launch("hsdp", 4), *MICRO_2)
 
     def get(name: str):
         if name not in done:
@@ -162,14 +160,16 @@ def test_checkpoint_continues_on_another_layout_with_its_optimizer(name, config,
     assert (
         f"resumed weights, optimizer and learning-rate schedule from a {saved_as} checkpoint" in result.stdout
     )
-    assert step_losses(out) == pytest.approx(step_losses(source)[2:], rel=1e-3)
+    assert step_losses(out) == pytest.approx(step_losses(source)[2:], rel=1e-5)
     assert logged(out, "lr") == pytest.approx(logged(source, "lr")[2:], rel=1e-6)
     assert_same_weights(final_weights(out), final_weights(source))
 
 
-@pytest.mark.parametrize("config", ["tp", "fsdp_tp", "hsdp"])
+@pytest.mark.parametrize("config", ["fsdp_tp"])
 def test_preference_recipe_under_tensor_parallel(config, runs):
-    """DPO with LoRA (reference = adapter off) from the SFT adapter, as one process computes it."""
+    """DPO with LoRA (reference = adapter off) from the SFT adapter, as one process computes it. On
+    fsdp_tp, whose DTensor shards hold both of TP's and FSDP2's splits: TP alone and HSDP add nothing to
+    the preference path, and their meshes train in the SFT cases above."""
     out, result = runs(f"{config}-dpo")
     reference, _ = runs("single-dpo")
     assert CASES[f"{config}-full"][1] in result.stdout

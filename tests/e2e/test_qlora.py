@@ -46,15 +46,19 @@ def test_every_backend_takes_the_steps_of_one_process(name, trained):
 
 
 @pytest.mark.multiproc
-def test_a_zero3_run_resumes_exactly(trained, tmp_path):
+@pytest.mark.parametrize("config, processes", [("zero3", 2), ("single", 1)])
+def test_a_zero3_run_resumes_exactly_on_zero3_or_one_process(config, processes, trained, tmp_path):
+    """On ZeRO-3 through DeepSpeed's own loader; on one process through the portable path (the 4-bit
+    base's packed weights and the adapter's moments read back from ZeRO-3's partitions)."""
     source = trained("zero3")
     out = tmp_path / "resumed"
     shutil.copytree(source, out)
     shutil.rmtree(out / "final")
     shutil.rmtree(out / "checkpoints" / "step-4")
-    result = run_recipe(out, *QLORA, launch=launch("zero3", 2))
+    result = run_recipe(out, *QLORA, launch=launch(config, processes))
     assert f"at step {RESUME_AT}" in result.stdout
-    assert step_losses(out) == pytest.approx(step_losses(source), rel=1e-6)
+    assert "optimizer moments restart" not in result.stdout
+    assert step_losses(out) == pytest.approx(step_losses(source), rel=1e-5 if processes == 1 else 1e-6)
 
 
 def adapter(directory):

@@ -155,7 +155,10 @@ def restore_schedule(scheduler, optimizer, saved: dict) -> None:
 def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Copy `weights` into `model`, also where ZeRO-3 already partitioned it at construction or tensor
     parallelism split it."""
-    expected = set(model.state_dict())
+    # ZeRO-3 keeps parameters and buffers only: a 4-bit base's quantization state (absmax, maps) is not in
+    # its checkpoint, and the frozen base this run just quantized from the same file already holds it.
+    packed = tuple(f"{name}." for name in quant.packed_names(model))
+    expected = {name for name in model.state_dict() if name in weights or not name.startswith(packed or "\0")}
     if expected != set(weights):
         missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
         raise UserError(
