@@ -158,7 +158,7 @@ def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> No
     # ZeRO-3 keeps parameters and buffers only: a 4-bit base's quantization state (absmax, maps) is not in
     # its checkpoint, and the frozen base this run just quantized from the same file already holds it.
     packed = tuple(f"{name}." for name in quant.packed_names(model))
-    expected = {name for name in model.state_dict() if name in weights or not name.startswith(packed or "\0")}
+    expected = {name for name in model.state_dict() if name in weights or not name.startswith(packed)}
     if expected != set(weights):
         missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
         raise UserError(
