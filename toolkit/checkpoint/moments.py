@@ -14,13 +14,15 @@ own part, so nothing is communicated.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 
-Moments = dict[str, dict[str, torch.Tensor]]
+Moments = Mapping[str, dict[str, torch.Tensor]]
 """parameter name -> optimizer state fields (Adam: step, exp_avg, exp_avg_sq)."""
 
 ZERO_OPTIM = "optimizer_state_dict"
@@ -66,7 +68,7 @@ def _whole_model(saved: dict, whole: list[tuple[str, tuple]]) -> Moments | None:
     return moments
 
 
-def read_zero(directory: Path) -> Moments:
+def read_zero(directory: Path) -> LazyMoments:
     """Adam's moments of a ZeRO-1/2/3 checkpoint directory (DeepSpeed's tag folder), by parameter name.
     The files were checked by `safe_load.check_deepspeed` and are read under the same allow-list."""
     from toolkit.checkpoint import safe_load
@@ -98,42 +100,70 @@ def _group_states(rank: dict, flats: list[torch.Tensor]) -> list[dict]:
     return trimmed
 
 
-def _cut_zero12(ranks: list[dict], shapes: list[dict]) -> Moments:
+class LazyMoments(Mapping):
+    """Moments cut from memory-mapped files when a parameter is asked for, so reading a checkpoint holds
+    one parameter's state at a time beside what the caller keeps (`cuts`: name -> its reader)."""
+
+    def __init__(self, cuts: dict[str, Callable[[], dict[str, torch.Tensor]]]):
+        self._cuts = cuts
+
+    def __getitem__(self, name: str) -> dict[str, torch.Tensor]:
+        return self._cuts[name]()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._cuts
+
+    def __iter__(self):
+        return iter(self._cuts)
+
+    def __len__(self) -> int:
+        return len(self._cuts)
+
+
+def _cut_zero12(ranks: list[dict], shapes: list[dict]) -> LazyMoments:
     """ZeRO-1/2: a group's partitions, rank after rank, are its parameters end to end (each followed by
     its alignment padding where DeepSpeed recorded one)."""
     flats = [rank["single_partition_of_fp32_groups"] for rank in ranks]
     states = [_group_states(rank, flat) for rank, flat in zip(ranks, flats)]
     paddings = ranks[0].get("param_alignment_paddings")
-    moments: Moments = {}
+
+    def cut(group: int, offset: int, shape) -> dict[str, torch.Tensor]:
+        found = {"step": states[0][group]["step"]}
+        for field in ZERO_STATE_FIELDS:
+            parts = [rank_states[group][field] for rank_states in states]
+            found[field] = _span(parts, offset, math.prod(shape)).view(shape)
+        return found
+
+    cuts = {}
     for group, group_shapes in enumerate(shapes):
         offset = 0
         for index, (name, shape) in enumerate(group_shapes.items()):
-            numel = math.prod(shape)
-            moments[name] = {"step": states[0][group]["step"]}
-            for field in ZERO_STATE_FIELDS:
-                parts = [rank_states[group][field] for rank_states in states]
-                moments[name][field] = _span(parts, offset, numel).view(shape)
-            offset += numel + (paddings[group][index] if paddings else 0)
-    return moments
+            cuts[name] = functools.partial(cut, group, offset, shape)
+            offset += math.prod(shape) + (paddings[group][index] if paddings else 0)
+    return LazyMoments(cuts)
 
 
-def _cut_zero3(ranks: list[dict], shapes: dict) -> Moments:
+def _cut_zero3(ranks: list[dict], shapes: dict) -> LazyMoments:
     """ZeRO-3: each parameter is split into world-size equal pieces (the last padded), piece r in rank r's
     flat groups at the same offset."""
     world = len(ranks)
     flats = [rank["fp32_flat_groups"] for rank in ranks]
     states = [_group_states(rank, flat) for rank, flat in zip(ranks, flats)]
-    moments: Moments = {}
-    offset = 0
-    for name, shape in shapes.items():
+
+    def cut(offset: int, shape) -> dict[str, torch.Tensor]:
         numel = math.prod(shape)
-        piece = math.ceil(numel / world)
-        moments[name] = {"step": states[0][0]["step"]}
+        found = {"step": states[0][0]["step"]}
         for field in ZERO_STATE_FIELDS:
+            piece = math.ceil(numel / world)
             pieces = [_span([g[field] for g in rank_states], offset, piece) for rank_states in states]
-            moments[name][field] = torch.cat(pieces)[:numel].view(shape)
-        offset += piece
-    return moments
+            found[field] = torch.cat(pieces)[:numel].view(shape)
+        return found
+
+    cuts, offset = {}, 0
+    for name, shape in shapes.items():
+        cuts[name] = functools.partial(cut, offset, shape)
+        offset += math.ceil(math.prod(shape) / world)
+    return LazyMoments(cuts)
 
 
 def _span(parts: list[torch.Tensor], start: int, numel: int) -> torch.Tensor:
@@ -209,8 +239,9 @@ def _into_zero(zero, model, moments: Moments) -> None:
         zero._hp_optimizer_states_linked = False
         zero._lazy_init_hp_params_optimizer_state()
     for name, param in trained:
+        saved = moments[name]
         for field in ZERO_STATE_FIELDS:
-            safe_set_full_optimizer_state(param, moments[name][field].to(torch.float32), field)
+            safe_set_full_optimizer_state(param, saved[field].to(torch.float32), field)
 
 
 def like(target: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:

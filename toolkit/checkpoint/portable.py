@@ -14,6 +14,7 @@ All three also hold scheduler.bin and random_states_<rank>.pkl, written by accel
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import warnings
 from pathlib import Path
@@ -85,11 +86,16 @@ def read_optimizer_moments(path: Path, model, optimizer) -> moments.Moments | No
         return moments.positional(saved, model, optimizer)
     if layout == "deepspeed":
         return moments.read_zero(path / DEEPSPEED_TAG)
-    found: moments.Moments = {}
-    for key, tensor in _read_dcp(path / DCP_OPTIMIZER, "optimizer.state.").items():
-        name, _, field = key.rpartition(".")
-        found.setdefault(name, {})[field] = tensor
-    return found
+    directory, prefix = path / DCP_OPTIMIZER, "optimizer.state."
+    keys: dict[str, list[str]] = {}
+    for key in _dcp_tensor_keys(directory, prefix):
+        keys.setdefault(key.removeprefix(prefix).rpartition(".")[0], []).append(key)
+
+    def cut(name: str) -> dict[str, torch.Tensor]:
+        found = _read_dcp(directory, prefix, keys[name])
+        return {key.rpartition(".")[2]: tensor for key, tensor in found.items()}
+
+    return moments.LazyMoments({name: functools.partial(cut, name) for name in keys})
 
 
 def resume_plan(marker: dict, current: dict) -> str:
@@ -197,21 +203,33 @@ def _whole(layout: dict) -> bool:
     return _replicated(layout["backend"]) and split == (1, 1, 1)
 
 
-def _read_dcp(directory: Path, prefix: str) -> dict[str, torch.Tensor]:
-    """Every tensor under `prefix` in a torch.distributed.checkpoint directory, whole, without a group."""
+def _dcp_tensor_keys(directory: Path, prefix: str) -> dict[str, object]:
+    """key -> its tensor metadata, for every tensor under `prefix` in a torch.distributed.checkpoint."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(directory))
+    return {
+        key: meta
+        for key, meta in dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+
+
+def _read_dcp(directory: Path, prefix: str, only: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors under `prefix` (those in `only`, when given) of a torch.distributed.checkpoint
+    directory, whole, without a process group."""
+    import torch.distributed.checkpoint as dcp
+
+    metas = _dcp_tensor_keys(directory, prefix)
     wanted = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in reader.read_metadata().state_dict_metadata.items()
-        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+        for key, meta in metas.items()
+        if only is None or key in only
     }
     with warnings.catch_warnings():
         # Reading without a process group is the point here, not an accident worth a warning.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(wanted, storage_reader=reader, no_dist=True)
+        dcp.load(wanted, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
     return {key.removeprefix(prefix): tensor for key, tensor in wanted.items()}
 
 
