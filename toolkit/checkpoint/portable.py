@@ -99,7 +99,8 @@ def read_optimizer_moments(path: Path, model, optimizer) -> moments.Moments | No
 
 
 def resume_plan(marker: dict, current: dict) -> str:
-    """exact: `accelerator.load_state` restores everything; weights: `restore_portable` before prepare.
+    """exact: `accelerator.load_state` restores everything (the layout's own files); portable: weights and
+    schedule through `restore_portable` before prepare, optimizer moments by name (`moments`).
 
     `current` is `checkpoint.layout(accelerator)`. Replicated layouts (single, DDP) hold complete model
     and optimizer states, so they load exactly at any world size; sharded ones only into their own layout.
@@ -110,7 +111,7 @@ def resume_plan(marker: dict, current: dict) -> str:
     saved = {"zero_stage": None if marker["backend"] == "DEEPSPEED" else 0, **MESH_DEFAULTS, **marker}
     keys = ("backend", "world_size", "zero_stage", *MESH_DEFAULTS)
     now = {**MESH_DEFAULTS, **current}
-    return "exact" if all(saved[key] == now[key] for key in keys) else "weights"
+    return "exact" if all(saved[key] == now[key] for key in keys) else "portable"
 
 
 def restore_portable(path: Path, model, optimizer, scheduler) -> moments.Moments | None:
