@@ -110,6 +110,8 @@ def test_each_node_runs_ftkit_train_resuming_into_the_bucket(task, tmp_path, nod
     nodes_seen = train.resolve_nodes(args, {})
     plan = train.plan_launch(args, overrides, cfg, NODE, nodes_seen, train.recipe_path(name))
     assert plan.processes == nodes * gpus and plan.per_node == gpus
+    # The main process writes model and optimizer: nothing sharded crosses the nodes' separate mounts.
+    assert plan.backend == ("single" if nodes * gpus == 1 else "ddp"), plan.reason
     if nodes > 1:
         at = plan.argv.index("--num_machines")
         assert plan.argv[at : at + 6] == [
