@@ -11,19 +11,22 @@ from safetensors.torch import load_file
 from toolkit.checkpoint import CONFIG
 from toolkit.commands import cli
 
-# Warmup off, so the steps around the resume move the weights enough for Adam's moments to matter.
+# Warmup off, so the steps around the resume move the weights enough for Adam's moments to matter; 5 steps,
+# a checkpoint at 3.
 SETTINGS = {
     "lora": [
         "model.method=lora",
         "train.learning_rate=1e-3",
         "train.warmup_steps=0",
-        "train.save_every_steps=2",
+        "train.save_every_steps=3",
+        "train.max_steps=5",
     ],
     "full": [
         "model.method=full",
         "train.learning_rate=1e-4",
         "train.warmup_steps=0",
-        "train.save_every_steps=2",
+        "train.save_every_steps=3",
+        "train.max_steps=5",
     ],
 }
 RUNS = {  # name -> (accelerate config, processes, method, extra overrides)
@@ -32,7 +35,9 @@ RUNS = {  # name -> (accelerate config, processes, method, extra overrides)
     "zero2": ("zero2", 2, "lora", []),
     "zero3": ("zero3", 2, "full", []),
 }
-RESUME_AT = 2  # of QUICK's 4 steps
+# Odd, so that a launch with another accumulation (one process where two had one micro-batch each) resumes
+# mid-way through what its own accumulation would count: accelerate's micro-batch count must follow.
+RESUME_AT = 3  # of 5 steps
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +72,7 @@ def assert_same_tensors(got: dict, expected: dict) -> None:
 @pytest.mark.parametrize("name", ["ddp", "fsdp", "zero3"])
 def test_export_of_the_last_checkpoint_equals_the_runs_final_export(name, trained, tmp_path):
     run = trained(name)
-    checkpoint = run / "checkpoints" / "step-4"
+    checkpoint = run / "checkpoints" / "step-5"
     assert (checkpoint / CONFIG).is_file()  # self-describing: base model and method travel with it
     out = tmp_path / "export"
     assert cli.main(["export", str(checkpoint), "--out", str(out)]) == 0
@@ -80,7 +85,7 @@ def test_exported_adapter_loads_with_peft_and_merges_like_the_recipe(trained, tm
     from transformers import AutoModelForCausalLM
 
     run = trained("ddp")
-    checkpoint = run / "checkpoints" / "step-4"
+    checkpoint = run / "checkpoints" / "step-5"
     adapter, merged = tmp_path / "adapter", tmp_path / "merged"
     assert cli.main(["export", str(checkpoint), "--out", str(adapter), "--dtype", "bf16"]) == 0
     assert {t.dtype for t in tensors(adapter).values()} == {torch.bfloat16}
@@ -130,7 +135,7 @@ def test_resume_under_another_world_size_or_backend_continues_the_run(case, trai
     assert f"at step {RESUME_AT}" in result.stdout
     assert "optimizer moments restart" not in result.stdout
     straight, resumed = step_losses(source), step_losses(out)
-    assert len(resumed) == len(straight) == 4
+    assert len(resumed) == len(straight) == 5
     # The first resumed step's loss is computed before its update: it sees only the restored weights. The
     # next ones follow Adam updates, which land elsewhere unless both moments and the step count carried
     # over (restarted moments make the update lr * sign(g) per weight instead of lr * m / sqrt(v)).

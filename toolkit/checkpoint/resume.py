@@ -125,6 +125,9 @@ class Resume:
             if refusal:
                 raise UserError(refusal)
         optim.continue_schedule(optimizer, scheduler, built)
+        # accelerate counts micro-batches to know when accumulation syncs, and load_state restores the count
+        # of the saving launch: under another accumulation (another world size) it could sync mid-step.
+        accelerator.step = step * accelerator.gradient_accumulation_steps
         if accelerator.is_main_process:
             metrics.truncate_after(log.path, step, say=accelerator.print)
         accelerator.print(f"resumed from {self.checkpoint} at step {step}")
