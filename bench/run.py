@@ -8,10 +8,12 @@ section (bench/grpo.py: ftkit's GRPO recipe against TRL's GRPOTrainer), and the 
 the SFT contenders but the bare loop and HF Trainer on a Qwen3-MoE of the same width, the routers'
 balancing loss on in both ftkit and TRL (each at the model's coefficient, 0.001). Last, the long-sequence
 section (bench/long_context.py: one process against Ulysses sequence parallelism sp=2 on the SFT recipe at
-4,096 tokens a row, launched runs: tokens/s, peak memory per rank, losses, the all-to-all share).
+4,096 tokens a row, launched runs: tokens/s, peak memory per rank, losses, the all-to-all share), and the
+memory of reading a ZeRO-3 checkpoint's optimizer moments one parameter at a time (bench/moments_memory.py,
+its checkpoint built once and cached under runs/bench-moments/).
 
     python bench/run.py [--repeats 5] [--loss-head-repeats 3] [--pipeline-repeats 2] [--grpo-repeats 2]
-        [--moe-repeats 3] [--long-context-repeats 2] [--only SECTION ...]
+        [--moe-repeats 3] [--long-context-repeats 2] [--moments-repeats 3] [--only SECTION ...]
 """
 
 import argparse
@@ -26,6 +28,7 @@ import dpo
 import grpo
 import long_context
 import loss_head
+import moments_memory
 import pipeline
 from common import (
     BATCH,
@@ -155,7 +158,7 @@ def sft_section(repeats: int, moe: bool = False) -> str:
     return block
 
 
-SECTIONS = ("sft", "dpo", "data-prep", "loss-head", "pipeline", "grpo", "moe", "long-context")
+SECTIONS = ("sft", "dpo", "data-prep", "loss-head", "pipeline", "grpo", "moe", "long-context", "moments")
 
 
 def main() -> None:
@@ -166,6 +169,7 @@ def main() -> None:
     parser.add_argument("--grpo-repeats", type=int, default=2)
     parser.add_argument("--moe-repeats", type=int, default=3)
     parser.add_argument("--long-context-repeats", type=int, default=2)
+    parser.add_argument("--moments-repeats", type=int, default=3)
     parser.add_argument(
         "--only", action="append", choices=SECTIONS, help="run this section only (repeatable; default: all)"
     )
@@ -187,6 +191,8 @@ def main() -> None:
         print(sft_section(args.moe_repeats, moe=True))
     if "long-context" in only:
         print(long_context.run_section(args.long_context_repeats, machine))
+    if "moments" in only:
+        print(moments_memory.run_section(args.moments_repeats, [3], machine))
 
 
 if __name__ == "__main__":
