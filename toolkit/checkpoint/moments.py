@@ -68,7 +68,7 @@ def _whole_model(saved: dict, whole: list[tuple[str, tuple]]) -> Moments | None:
     return moments
 
 
-def read_zero(directory: Path) -> LazyMoments:
+def read_zero(directory: Path) -> OnDemand:
     """Adam's moments of a ZeRO-1/2/3 checkpoint directory (DeepSpeed's tag folder), by parameter name.
     The files were checked by `safe_load.check_deepspeed` and are read under the same allow-list."""
     from toolkit.checkpoint import safe_load
@@ -100,14 +100,14 @@ def _group_states(rank: dict, flats: list[torch.Tensor]) -> list[dict]:
     return trimmed
 
 
-class LazyMoments(Mapping):
-    """Moments cut from memory-mapped files when a parameter is asked for, so reading a checkpoint holds
-    one parameter's state at a time beside what the caller keeps (`cuts`: name -> its reader)."""
+class OnDemand(Mapping):
+    """A parameter's moments (or weight) read from memory-mapped files when asked for, so reading a
+    checkpoint holds one parameter's at a time beside what the caller keeps (`cuts`: name -> its reader)."""
 
-    def __init__(self, cuts: dict[str, Callable[[], dict[str, torch.Tensor]]]):
+    def __init__(self, cuts: dict[str, Callable[[], object]]):
         self._cuts = cuts
 
-    def __getitem__(self, name: str) -> dict[str, torch.Tensor]:
+    def __getitem__(self, name: str):
         return self._cuts[name]()
 
     def __contains__(self, name: object) -> bool:
@@ -120,7 +120,7 @@ class LazyMoments(Mapping):
         return len(self._cuts)
 
 
-def _cut_zero12(ranks: list[dict], shapes: list[dict]) -> LazyMoments:
+def _cut_zero12(ranks: list[dict], shapes: list[dict]) -> OnDemand:
     """ZeRO-1/2: a group's partitions, rank after rank, are its parameters end to end (each followed by
     its alignment padding where DeepSpeed recorded one)."""
     flats = [rank["single_partition_of_fp32_groups"] for rank in ranks]
@@ -131,7 +131,7 @@ def _cut_zero12(ranks: list[dict], shapes: list[dict]) -> LazyMoments:
         found = {"step": states[0][group]["step"]}
         for field in ZERO_STATE_FIELDS:
             parts = [rank_states[group][field] for rank_states in states]
-            found[field] = _span(parts, offset, math.prod(shape)).view(shape)
+            found[field] = torch.cat(_span(parts, offset, math.prod(shape))).view(shape)
         return found
 
     cuts = {}
@@ -140,10 +140,10 @@ def _cut_zero12(ranks: list[dict], shapes: list[dict]) -> LazyMoments:
         for index, (name, shape) in enumerate(group_shapes.items()):
             cuts[name] = functools.partial(cut, group, offset, shape)
             offset += math.prod(shape) + (paddings[group][index] if paddings else 0)
-    return LazyMoments(cuts)
+    return OnDemand(cuts)
 
 
-def _cut_zero3(ranks: list[dict], shapes: dict) -> LazyMoments:
+def _cut_zero3(ranks: list[dict], shapes: dict) -> OnDemand:
     """ZeRO-3: each parameter is split into world-size equal pieces (the last padded), piece r in rank r's
     flat groups at the same offset."""
     world = len(ranks)
@@ -155,29 +155,31 @@ def _cut_zero3(ranks: list[dict], shapes: dict) -> LazyMoments:
         found = {"step": states[0][0]["step"]}
         for field in ZERO_STATE_FIELDS:
             piece = math.ceil(numel / world)
-            pieces = [_span([g[field] for g in rank_states], offset, piece) for rank_states in states]
-            found[field] = torch.cat(pieces)[:numel].view(shape)
+            views = [
+                v for rank_states in states for v in _span([g[field] for g in rank_states], offset, piece)
+            ]
+            found[field] = torch.cat(views)[:numel].view(shape)  # the one copy out of the mapped files
         return found
 
     cuts, offset = {}, 0
     for name, shape in shapes.items():
         cuts[name] = functools.partial(cut, offset, shape)
         offset += math.ceil(math.prod(shape) / world)
-    return LazyMoments(cuts)
+    return OnDemand(cuts)
 
 
-def _span(parts: list[torch.Tensor], start: int, numel: int) -> torch.Tensor:
-    """Elements [start, start + numel) of the parts laid end to end, copying only those."""
-    pieces, begin = [], 0
+def _span(parts: list[torch.Tensor], start: int, numel: int) -> list[torch.Tensor]:
+    """Views of elements [start, start + numel) of the parts laid end to end (the caller copies them once)."""
+    views, begin = [], 0
     for part in parts:
         end = begin + part.numel()
         low, high = max(start, begin), min(start + numel, end)
         if low < high:
-            pieces.append(part[low - begin : high - begin])
+            views.append(part[low - begin : high - begin])
         begin = end
-    if sum(piece.numel() for piece in pieces) != numel:
+    if sum(view.numel() for view in views) != numel:
         raise ValueError(f"flat partitions hold {begin} elements, short of [{start}, {start + numel})")
-    return torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
+    return views
 
 
 def into_plain(model, optimizer, moments: Moments) -> None:

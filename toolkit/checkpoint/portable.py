@@ -17,6 +17,7 @@ import contextlib
 import functools
 import io
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -48,9 +49,10 @@ def checkpoint_layout(path: Path) -> str:
     )
 
 
-def read_weights(path: Path, packed=None) -> dict[str, torch.Tensor]:
-    """The full model state (names as in the unwrapped model's state_dict), on CPU, in one copy. `packed`
-    (weights -> names) names 4-bit packed weights, whose bit patterns the finiteness check leaves alone."""
+def read_weights(path: Path, packed=None) -> Mapping[str, torch.Tensor]:
+    """The full model state (names as in the unwrapped model's state_dict), on CPU, in one copy (ZeRO's
+    read a tensor at a time, when asked for). `packed` (weights -> names) names 4-bit packed weights, whose
+    bit patterns the finiteness check leaves alone."""
     read_marker(path)
     check_pickles(path)
     layout = checkpoint_layout(path)
@@ -95,7 +97,7 @@ def read_optimizer_moments(path: Path, model, optimizer) -> moments.Moments | No
         found = _read_dcp(directory, prefix, keys[name])
         return {key.rpartition(".")[2]: tensor for key, tensor in found.items()}
 
-    return moments.LazyMoments({name: functools.partial(cut, name) for name in keys})
+    return moments.OnDemand({name: functools.partial(cut, name) for name in keys})
 
 
 def resume_plan(marker: dict, current: dict) -> str:
@@ -234,9 +236,17 @@ def _read_dcp(directory: Path, prefix: str, only: list[str] | None = None) -> di
     return {key.removeprefix(prefix): tensor for key, tensor in wanted.items()}
 
 
-def _read_zero(path: Path) -> dict[str, torch.Tensor]:
+def _read_zero(path: Path) -> moments.OnDemand:
+    """ZeRO's fp32 weights by name, each gathered from the ranks' memory-mapped partitions when asked for
+    (DeepSpeed's lazy mode), so no process holds them all unless it keeps them all."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     # The helper reports each stage on stdout; a caller prints its own summary instead.
     with contextlib.redirect_stdout(io.StringIO()):
-        return get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_TAG)
+        lazy = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_TAG, lazy_mode=True)
+    return moments.OnDemand({name: _reader(tensor) for name, tensor in lazy.items()})
+
+
+def _reader(tensor):
+    """A whole tensor as it is (buffers, ZeRO-2's views), a ZeRO-3 gathered one when read."""
+    return (lambda: tensor) if isinstance(tensor, torch.Tensor) else tensor.contiguous

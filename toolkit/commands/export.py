@@ -55,7 +55,7 @@ def export_checkpoint(
     skeleton = model_skeleton(cfg)
     shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
     packed = (lambda saved: quant.packed_keys(saved, shapes)) if cfg.model.method == "qlora" else None
-    weights = portable.read_weights(checkpoint_dir, packed)
+    weights = dict(portable.read_weights(checkpoint_dir, packed))  # cast and written whole
     cast_weights(weights, skeleton, dtype)
     tokenizer = models.load_tokenizer(cfg.model)
     data.ensure_chat_template(tokenizer)  # as the recipe did before training, so prompts render the same
