@@ -3,9 +3,11 @@ resumes real DeepSpeed checkpoints on other layouts with them)."""
 
 import math
 
+import pytest
 import torch
 
-from toolkit.checkpoint import moments
+from toolkit.checkpoint import moments, resume
+from toolkit.errors import UserError
 
 SHAPES = {"a": (3, 5), "b": (7,), "c": (2, 2)}
 
@@ -42,3 +44,18 @@ def test_span_reads_across_partition_borders():
     assert torch.cat(moments._span(parts, 3, 5)).tolist() == [3, 4, 5, 6, 7]
     assert torch.cat(moments._span(parts, 6, 4)).tolist() == [6, 7, 8, 9]
     assert [view.numel() for view in moments._span(parts, 1, 2)] == [2]
+
+
+def test_moments_that_miss_a_trained_parameter_are_refused_in_one_line_naming_the_checkpoint(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    step = torch.tensor(1.0)  # ZeRO keeps one per group: every parameter cut from it gets this tensor
+    saved = {"weight": {"step": step, "exp_avg": torch.ones(2, 2), "exp_avg_sq": torch.ones(2, 2)}}
+    refused = f"^train.resume: {tmp_path}: optimizer state covers 1 of 2 trained"
+    with pytest.raises(UserError, match=refused), resume._naming(tmp_path):
+        moments.into_plain(model, optimizer, saved)
+    assert not optimizer.state  # nothing half-loaded
+    saved["bias"] = {"step": step, "exp_avg": torch.ones(2), "exp_avg_sq": torch.ones(2)}
+    moments.into_plain(model, optimizer, saved)
+    steps = [state["step"] for state in optimizer.state.values()]
+    assert len(steps) == 2 and steps[0] is not steps[1]  # Adam counts each in place: never one shared tensor

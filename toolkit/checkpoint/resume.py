@@ -9,6 +9,7 @@ same model and data. A recipe makes one `Resume` and calls it on either side of 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import yaml
@@ -88,12 +89,13 @@ class Resume:
         self._exact = portable.resume_plan(self.marker, current) == "exact"
         if self._exact:
             return
-        found = portable.restore_portable(self.checkpoint, model, optimizer, scheduler)
-        if found is not None and portable.plain_optimizer(current):
+        with _naming(self.checkpoint):
+            found = portable.restore_portable(self.checkpoint, model, optimizer, scheduler)
+            if found is None or not portable.plain_optimizer(current):
+                self._pending = (found, current)
+                return
             moments.into_plain(model, optimizer, found)
-            accelerator.print(portable.carried(self.checkpoint, current, placed=True))
-        else:
-            self._pending = (found, current)
+        accelerator.print(portable.carried(self.checkpoint, current, placed=True))
 
     def after_prepare(self, accelerator, log: metrics.MetricsLog, prepared_model) -> tuple[int, int]:
         """Load what `accelerator.load_state` restores, check the weights, continue the schedule under this
@@ -106,9 +108,10 @@ class Resume:
         step = self.marker["step"]
         if self._pending is not None:
             found, current = self._pending
-            placed = found is not None and moments.into_prepared(
-                accelerator, prepared_model, model, optimizer, found
-            )
+            with _naming(self.checkpoint):
+                placed = found is not None and moments.into_prepared(
+                    accelerator, prepared_model, model, optimizer, found
+                )
             accelerator.print(portable.carried(self.checkpoint, current, placed))
         if self._exact:
             _warn_random_states(self.checkpoint, accelerator)
@@ -202,6 +205,15 @@ def _run_config(output_dir: Path) -> dict | None:
 def _identity(config: dict | None) -> dict:
     flat = dotted(config or {})
     return {key: value for key, value in flat.items() if _is_fixed(key, FIXED)}
+
+
+@contextlib.contextmanager
+def _naming(path: Path):
+    """A checkpoint that does not fit this run's model is refused in one line that names it."""
+    try:
+        yield
+    except UserError as exc:
+        raise UserError(f"train.resume: {path}: {exc}") from None
 
 
 def _warn_random_states(path: Path, accelerator) -> None:
