@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from toolkit.errors import UserError
+
 Moments = Mapping[str, dict[str, torch.Tensor]]
 """parameter name -> optimizer state fields (Adam: step, exp_avg, exp_avg_sq)."""
 
@@ -258,7 +260,5 @@ def like(target: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
 
 
 def _check_covered(covered: int, trained: int) -> None:
-    from toolkit.errors import UserError
-
     if covered != trained:
         raise UserError(f"optimizer state covers {covered} of {trained} trained parameters")
