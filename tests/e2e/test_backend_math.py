@@ -12,11 +12,12 @@ import torch
 from helpers import DS_RECIPE_KEYS, REPO, free_port, run_launched
 
 SCRIPT = REPO / "tests" / "scripts" / "train_tiny.py"
-# Backend -> the accelerate distributed type it must run as here (no GPU). ZeRO-1 is ZeRO-2 less the gradient
-# partitioning; it trains the recipe beside the others in tests/e2e/test_backends.py, as does ZeRO-3 with
-# offload (full fine-tuning and LoRA: losses, gradient norms and weights against one process). DeepSpeed set
-# up by accelerate's own settings, without a JSON, is tests/e2e/test_peer_configs.py's zero3_native.
-BACKENDS = {"ddp": "MULTI_CPU", "fsdp": "FSDP", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED"}
+# Backend -> the accelerate distributed type it must run as here (no GPU). ZeRO-1/2 (optimizer states and
+# gradients partitioned, whole weights) train the recipe beside the others in tests/e2e/test_backends.py with
+# LoRA (losses, gradient norms and weights against one process): full fine-tuning puts more parameters into
+# the same partitions, nothing else. ZeRO-3 with offload trains there too. DeepSpeed set up by accelerate's
+# own settings, without a JSON, is tests/e2e/test_peer_configs.py's zero3_native.
+BACKENDS = {"ddp": "MULTI_CPU", "fsdp": "FSDP", "zero3": "DEEPSPEED"}
 
 
 def launch_tiny(

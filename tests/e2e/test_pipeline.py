@@ -53,7 +53,7 @@ RUNS = {
     "single-dpo-lora": (DPO_LORA, None),
     "single-dpo-full": (DPO_FULL, None),
     "pp-dpo-lora": ([*DPO_LORA, *PP], ("pp", 2)),
-    "pp_ddp-dpo-full": ([*DPO_FULL, *PP, *MICRO_2], ("pp_ddp", 4)),
+    "pp-dpo-full": ([*DPO_FULL, *PP], ("pp", 2)),
     "single-full": (FULL, None),
     "single-lora": (LORA, None),
     "pp-full": ([*FULL, *PP], ("pp", 2)),
@@ -198,7 +198,7 @@ def test_ftkit_export_of_a_pipeline_checkpoint_gives_the_final_adapter(runs, tmp
 
 
 @pytest.mark.parametrize(
-    "name, twin", [("pp-dpo-lora", "single-dpo-lora"), ("pp_ddp-dpo-full", "single-dpo-full")]
+    "name, twin", [("pp-dpo-lora", "single-dpo-lora"), ("pp-dpo-full", "single-dpo-full")]
 )
 def test_preference_recipe_through_the_stages_is_one_process(name, twin, runs):
     """Policy and reference log-probs through the stages (adapter off; precomputed for full), the pair
