@@ -37,7 +37,13 @@ def train(run: Run, cfg) -> int:
         tokenizer, train_set, eval_set = run.chat_data()
         flash_varlen = run.features.attention == "flash_attention_2"
         train_loader, sampler = data.train_loader(
-            train_set, cfg.data, cfg.train, tokenizer.pad_token_id, cfg.seed, flash_varlen
+            train_set,
+            cfg.data,
+            cfg.train,
+            tokenizer.pad_token_id,
+            cfg.seed,
+            flash_varlen,
+            collate=run.collate(tokenizer.pad_token_id),
         )
         eval_loader = run.eval_loader(eval_set, tokenizer.pad_token_id)
         model = run.load_model()
@@ -46,7 +52,7 @@ def train(run: Run, cfg) -> int:
     optimizer, scheduler = run.optimizer(model)
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     evaluator = evaluate.Evaluator(
-        accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, run.log, pipeline
+        accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, run.log, pipeline, run.images
     )
     start_step = run.begin(model, evaluator)  # a checkpoint's state, or the starting point measured
 

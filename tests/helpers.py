@@ -305,3 +305,72 @@ def logged(out, key: str) -> list:
 
 def marker(out, step: int) -> dict:
     return json.loads((out / "checkpoints" / f"step-{step}" / MARKER).read_text())
+
+
+# A tiny random Qwen2.5-VL on the embedded tokenizer, its processor saved beside it (image processor,
+# tokenizer with Qwen's vision tokens, a chat template writing each image as Qwen does).
+QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}"
+    "{%- for part in message['content'] %}{%- if part['type'] == 'image' %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}{%- elif part['type'] == 'text' %}"
+    "{{- part['text'] }}{%- endif %}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def tiny_qwen_vl(path: Path) -> Path:
+    """A random two-layer Qwen2.5-VL (vision tower: 2 blocks, 14-pixel patches merged 2 x 2) at `path`."""
+    from transformers import (
+        AutoTokenizer,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "toolkit" / "assets" / "tiny-llama")
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VISION_TOKENS})
+    ids = tokenizer.convert_tokens_to_ids(QWEN_VISION_TOKENS)
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    tower = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        fullatt_block_indexes=[1],
+        window_size=56,
+    )
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=tower,
+        vision_start_token_id=ids[0],
+        vision_end_token_id=ids[1],
+        image_token_id=ids[2],
+        video_token_id=ids[3],
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(path)
+    images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
+    tokenizer.chat_template = QWEN_TEMPLATE
+    # Saved part by part: without torchvision the processor cannot save its (absent) video processor.
+    images.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

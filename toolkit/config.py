@@ -96,6 +96,24 @@ class LoraConfig:
 
 
 @dataclass
+class VisionConfig:
+    """What trains in a vision-language model besides the language model, and how large images may be.
+    Read only for a model with a vision tower (model/vision.py)."""
+
+    train_projector: bool = False
+    """Train the projector that maps the tower's features into the language model (LoRA: saved whole)."""
+    train_tower: bool = False
+    """Train the vision tower too (LoRA: adapters on its blocks' linear layers; full: its weights)."""
+    tower_blocks: NonNegativeInt = 0
+    """With train_tower, train only the tower's last this many blocks (0: all of them)."""
+    tower_learning_rate: PositiveFloat | None = None
+    """The tower's peak learning rate (None: train.learning_rate); scheduled like the rest."""
+    max_pixels: PositiveInt | None = 589_824
+    """Images larger than this many pixels are scaled down first (aspect kept), so a 4k screenshot cannot
+    blow a row up (768 x 768 by default); None: as given (the family's own processor still resizes)."""
+
+
+@dataclass
 class DataConfig:
     train: str | list[str] = "toolkit/assets/demo/train.jsonl"
     """Training data: a file (jsonl/json/parquet/csv), a hub dataset id, or a list of them."""
@@ -257,6 +275,7 @@ class RecipeConfig:
     """Seed for weights of new modules, data order and dropout."""
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     loss: LossConfig = field(default_factory=LossConfig)

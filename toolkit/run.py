@@ -22,7 +22,7 @@ from toolkit.checkpoint.resume import Resume
 from toolkit.errors import UserError, run_main
 from toolkit.launch import backend, checks, machine
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE, StopRequest
-from toolkit.model import expert_parallel, flops, moe, quant, quant_experts, speed, tensor_parallel
+from toolkit.model import expert_parallel, flops, moe, quant, quant_experts, speed, tensor_parallel, vision
 from toolkit.model import load as models
 from toolkit.model.facts import read_model_facts
 from toolkit.pipeline import runtime as pipeline_runtime
@@ -50,6 +50,10 @@ class Run:
         self.pipe = None
         self.recipe_state = None
         """A callable the recipe sets: tensors of its own a checkpoint keeps (None when there are none)."""
+        self.processor = None
+        """A vision-language model's processor (images to pixels), once the data is read; else None."""
+        self.images = None
+        """A vision-language model's image handling (data.ImageInputs), once the data is read; else None."""
 
     def __enter__(self) -> Run:
         return self
@@ -106,9 +110,12 @@ class Run:
         encoded by the main process first (the others read its cache); the data summary printed."""
         accelerator = self.accelerator
         tokenizer = models.load_tokenizer(self.cfg.model)
+        self.images = vision.image_inputs(self.cfg.model, self.cfg.vision.max_pixels)
+        if self.images is not None:
+            self.processor, tokenizer = self.images.processor, self.images.processor.tokenizer
         data.ensure_chat_template(tokenizer)
         train_set, eval_set, stats = data.build_datasets(
-            self.cfg.data, tokenizer, self.cfg.seed, accelerator.main_process_first
+            self.cfg.data, tokenizer, self.cfg.seed, accelerator.main_process_first, self.images
         )
         accelerator.print(stats.summary())
         return tokenizer, train_set, eval_set
@@ -119,7 +126,14 @@ class Run:
         if eval_set is None:
             return None
         rank, world = distributed.data_shard(self.accelerator)
-        return data.eval_loader(eval_set, rank, world, self.cfg.train.micro_batch_size, pad_id)
+        return data.eval_loader(
+            eval_set, rank, world, self.cfg.train.micro_batch_size, pad_id, self.collate(pad_id)
+        )
+
+    def collate(self, pad_id: int):
+        """The batch maker of a vision-language model's rows (pixels beside tokens); None for text, whose
+        loaders choose their own."""
+        return data.VisionCollator(pad_id, self.images) if self.images is not None else None
 
     def load_model(self):
         """The model to train, on this rank's device, announced; every forward pass counts as progress.
@@ -147,6 +161,7 @@ class Run:
             quant_cast=cast,
             loss=cfg.loss,
             experts=cfg.moe,
+            parts=cfg.vision,
         )
         if cfg.moe.expert_parallel > 1:
             expert_parallel.keep_out_of_ddp(model, cfg.moe.expert_parallel)
@@ -156,6 +171,8 @@ class Run:
         self.accelerator.print(
             f"model: {cfg.model.path} ({cfg.model.method}), {trainable:,} of {total:,} parameters trained"
         )
+        if self.processor is not None:
+            self.accelerator.print(vision.parts_line(model))
         self.router = self._router_balance(model)
         self.meter = metrics.StepSpeed(
             flops.ModelShape.of(model), self.accelerator.device, self.accelerator.num_processes
@@ -208,11 +225,18 @@ class Run:
     def optimizer(self, model):
         """(optimizer, scheduler) for `model`, with what a checkpoint restores before `prepare` held."""
         optimizer = optim.build_optimizer(
-            model, self.cfg.train, self.data_parallel, self.features.fused_adamw
+            model, self.cfg.train, self.data_parallel, self.features.fused_adamw, self._tower_lr(model)
         )
         scheduler = optim.build_scheduler(optimizer, self.cfg.train)
         self.resume.before_prepare(model, optimizer, scheduler, self.accelerator)
         return optimizer, scheduler
+
+    def _tower_lr(self, model) -> tuple[set[str], float] | None:
+        """A vision tower's own learning rate (vision.tower_learning_rate), for its trained parameters."""
+        rate = self.cfg.vision.tower_learning_rate
+        if rate is None or self.processor is None:
+            return None
+        return vision.tower_parameter_names(model), rate
 
     def begin(self, model, evaluator) -> int:
         """Collective, after `prepare`: the checkpoint's state restored (returns its step), or a fresh

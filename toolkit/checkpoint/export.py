@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from toolkit.checkpoint import split
 from toolkit.distributed import agreed_error
 from toolkit.errors import UserError
-from toolkit.model import quant, quant_experts
-from toolkit.model.load import DTYPES
+from toolkit.model import quant, quant_experts, vision
+from toolkit.model.load import DTYPES, model_class
 from toolkit.pipeline import runtime, stages
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -50,6 +50,7 @@ def _write_export(model, state_dict: dict, tokenizer, tmp: Path, out_dir: Path) 
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), state_dict=state_dict)
     tokenizer.save_pretrained(str(tmp))
+    vision.copy_processor_files(Path(tokenizer.name_or_path), tmp)
     verify_export(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
@@ -130,7 +131,7 @@ def adapted_base(adapter_dir: Path, trust_remote_code: bool = False, **kwargs):
     from peft import PeftModel
 
     base_path = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
-    base = AutoModelForCausalLM.from_pretrained(base_path, trust_remote_code=trust_remote_code, **kwargs)
+    base = model_class(base_path).from_pretrained(base_path, trust_remote_code=trust_remote_code, **kwargs)
     if (adapter_dir / START_ADAPTER).is_dir():
         base = PeftModel.from_pretrained(base, str(adapter_dir / START_ADAPTER)).merge_and_unload()
     return base
@@ -161,6 +162,7 @@ def merge_adapter(
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(str(out_dir))
     AutoTokenizer.from_pretrained(str(adapter_dir)).save_pretrained(str(out_dir))
+    vision.copy_processor_files(adapter_dir, out_dir)
     verify_export(out_dir, trust_remote_code)
 
 
@@ -203,7 +205,7 @@ def _expected_shapes(path: Path, trust_remote_code: bool) -> tuple[dict[str, tup
     else:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     with torch.device("meta"), outside_zero3():
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        model = vision.auto_class(config.model_type).from_config(config, trust_remote_code=trust_remote_code)
         if is_adapter:
             peft_config.inference_mode = False
             model = get_peft_model(model, peft_config).base_model.model

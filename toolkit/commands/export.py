@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from toolkit import data
 from toolkit.checkpoint import CONFIG, MARKER, damage, export, portable, read_marker
@@ -16,7 +16,7 @@ from toolkit.checkpoint.rundir import MARKER as RUN_MARKER
 from toolkit.config import RecipeConfig
 from toolkit.errors import UserError
 from toolkit.model import load as models
-from toolkit.model import quant
+from toolkit.model import quant, vision
 from toolkit.recipes import load_any_recipe_config
 
 EXPORT_MARKER = ".ftkit-export"
@@ -154,13 +154,14 @@ def model_skeleton(cfg: RecipeConfig) -> torch.nn.Module:
         raise UserError(f"model.path: {cfg.model.path}: {models.remote_code_refusal(exc)}") from None
     dtype = config.dtype if cfg.model.dtype == "auto" else models.DTYPES[cfg.model.dtype]
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
+        model = vision.auto_class(config.model_type).from_config(
             config, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code
         )
+        parts = cfg.vision if vision.is_vision(config.model_type) else None
         if cfg.model.method != "full":
             from peft import get_peft_model
 
-            model = get_peft_model(model, models.peft_config(cfg.lora, model))
+            model = get_peft_model(model, models.peft_config(cfg.lora, model, parts))
     return model
 
 

@@ -7,14 +7,17 @@ from toolkit.data.collate import Collator, PackedCollator, count_rows, count_tok
 from toolkit.data.encode import IGNORE
 from toolkit.data.loader import RankShard, eval_loader, train_loader
 from toolkit.data.packing import LengthGroupedSampler, row_lengths
+from toolkit.data.vision_rows import ImageInputs, VisionCollator
 
 __all__ = [
     "IGNORE",
+    "ImageInputs",
     "Collator",
     "DataStats",
     "LengthGroupedSampler",
     "PackedCollator",
     "RankShard",
+    "VisionCollator",
     "build_datasets",
     "count_rows",
     "count_tokens",

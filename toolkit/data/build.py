@@ -22,6 +22,7 @@ from toolkit.data.packing import pack_dataset
 from toolkit.data.parallel import default_num_proc
 from toolkit.data.sources import read_source, train_sources
 from toolkit.data.streaming import StreamRows
+from toolkit.data.vision_rows import ImageInputs, VisionEncoder, image_fingerprint
 from toolkit.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -79,19 +80,26 @@ class _Part:
 
 
 def build_datasets(
-    cfg: DataConfig, tokenizer, seed: int, main_process_first=contextlib.nullcontext
+    cfg: DataConfig,
+    tokenizer,
+    seed: int,
+    main_process_first=contextlib.nullcontext,
+    images: ImageInputs | None = None,
 ) -> tuple[datasets.Dataset, datasets.Dataset | None, DataStats]:
     """(train, eval or None, stats): rows with `input_ids` and `labels`, identical for the same config,
     data, tokenizer and seed. `main_process_first` (e.g. `accelerator.main_process_first`) lets the main
-    process encode while the other ranks wait and then load its cached result."""
+    process encode while the other ranks wait and then load its cached result. `images` (a
+    vision-language model's processor) encodes rows with their images (and an `images` column)."""
     names = train_sources(cfg)
     if not names:
         raise UserError("data.train: no training source given")
+    if images is not None:
+        _check_vision_settings(cfg)
     if cfg.streaming:
         return _streaming(names, cfg, tokenizer, main_process_first)
     with main_process_first():
-        parts = [_prepare(name, cfg, tokenizer) for name in names]
-        held = _prepare(cfg.eval, cfg, tokenizer) if cfg.eval else None
+        parts = [_prepare(name, cfg, tokenizer, images) for name in names]
+        held = _prepare(cfg.eval, cfg, tokenizer, images) if cfg.eval else None
     rng = np.random.default_rng(seed)
     held_set = held.dataset if held else None
     split = split_sources([p.dataset for p in parts], held_set, cfg.eval_fraction, cfg.weights, rng)
@@ -113,6 +121,17 @@ def build_datasets(
             stats.dropped,
         )
     return train, eval_set, stats
+
+
+def _check_vision_settings(cfg: DataConfig) -> None:
+    """What image rows cannot do yet, refused in one line rather than mixed silently."""
+    if cfg.packing:
+        raise UserError(
+            "data.packing: rows with images are not packed (their image positions would cross rows); "
+            "set data.packing: false"
+        )
+    if cfg.streaming:
+        raise UserError("data.streaming: rows with images are read whole; set data.streaming: false")
 
 
 def _streaming(names: list[str], cfg: DataConfig, tokenizer, main_process_first):
@@ -158,7 +177,11 @@ def data_format(source, cfg: DataConfig, tokenizer) -> str:
     return fmt
 
 
-def _encoder(fmt: str, cfg: DataConfig, tokenizer) -> ChunkEncoder:
+def _encoder(fmt: str, cfg: DataConfig, tokenizer, images: ImageInputs | None = None) -> ChunkEncoder:
+    if images is not None:
+        return VisionEncoder(
+            fmt, tokenizer, cfg.max_length, cfg.assistant_only_loss, cfg.train_reasoning, images
+        )
     return ChunkEncoder(fmt, tokenizer, cfg.max_length, cfg.assistant_only_loss, cfg.train_reasoning)
 
 
@@ -178,16 +201,23 @@ def _stats(names: list[str], parts: list[_Part], held: _Part | None, split: Spli
     )
 
 
-def _prepare(name: str, cfg: DataConfig, tokenizer) -> _Part:
+def _prepare(name: str, cfg: DataConfig, tokenizer, images: ImageInputs | None = None) -> _Part:
     """One source read, checked and encoded chunk by chunk, from the cache when this exact work was done
     before."""
     source = read_source(name, cfg.split)
     fmt = data_format(source, cfg, tokenizer)
-    key = cache_key(source.identity, fmt, cfg.max_length, _masking(cfg), tokenizer_fingerprint(tokenizer))
+    key = cache_key(
+        source.identity,
+        fmt,
+        cfg.max_length,
+        _masking(cfg),
+        tokenizer_fingerprint(tokenizer),
+        *([image_fingerprint(images)] if images is not None else []),
+    )
     dataset, counts = encode_to_cache(
         key,
         source.read(CHUNK),
-        _encoder(fmt, cfg, tokenizer),
+        _encoder(fmt, cfg, tokenizer, images),
         cfg.num_proc or default_num_proc(),
         desc=f"encoding {name}",
         empty_error=lambda counts: (

@@ -19,6 +19,9 @@ from tqdm.auto import tqdm
 from toolkit.data.parallel import ordered_map
 from toolkit.errors import UserError
 
+TOKENS = pa.list_(pa.int32())
+COLUMN_TYPES = {"images": pa.list_(pa.string())}
+"""Columns that are not token ids: a row's image references."""
 # Bump when encoding changes, so rows cached by older code are not reused.
 CACHE_VERSION = 2
 
@@ -80,7 +83,9 @@ class ArrowBatches:
 
     def __call__(self, chunk) -> tuple[pa.RecordBatch, dict]:
         columns, counts = self.encode(chunk)
-        arrays = {name: pa.array(values, type=pa.list_(pa.int32())) for name, values in columns.items()}
+        arrays = {
+            name: pa.array(values, type=COLUMN_TYPES.get(name, TOKENS)) for name, values in columns.items()
+        }
         return pa.record_batch(arrays), counts
 
 

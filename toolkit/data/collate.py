@@ -77,6 +77,13 @@ MODEL_KEYS = (
     "cu_seq_lens_k",
     "max_length_q",
     "max_length_k",
+    # A vision-language model's image inputs (toolkit/data/vision_rows.py), as its processor names them.
+    "pixel_values",
+    "pixel_attention_mask",
+    "image_sizes",
+    "image_grid_thw",
+    "token_type_ids",
+    "mm_token_type_ids",
 )
 
 

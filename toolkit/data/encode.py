@@ -88,6 +88,11 @@ def _render(record: dict, fmt: str, tokenizer, masked: bool, train_reasoning: bo
     example = to_example(record, fmt, where)
     if "text" in example:
         return example["text"], None
+    if example.get("images"):
+        raise UserError(
+            f"{where}: this row has {len(example['images'])} image(s), but model.path is a text-only model; "
+            "use a vision-language model or leave the images out"
+        )
     if not example["messages"]:
         return "", []
     messages, tools = example["messages"], example["tools"]

@@ -1,10 +1,17 @@
 """Record layouts: detect which one a source uses and turn each record into either a conversation
-({"messages": [...], "tools": [...] or None}) or plain text ({"text": ...}).
+({"messages": [...], "tools": [...] or None, "images": [ref, ...]}) or plain text ({"text": ...}).
 
 A conversation's messages are normalised to the OpenAI/Hugging Face form every chat template reads: a
 role (system, user, assistant, tool), text content, and where present `tool_calls` (each
 {"type": "function", "function": {"name", "arguments": dict}}), `tool_call_id`, `name` and
 `reasoning_content`. A message with `train: false` (or `weight: 0`) keeps `train: False` and is not trained.
+
+Content is a string, except in a message holding images: there it is a list of {"type": "text", "text"}
+and {"type": "image"} parts in order, and the example's `images` lists one reference per image part over
+the whole conversation, as the record gave it (a path or URL; `images.resolve_image` resolves it). Images
+come as OpenAI/Hugging Face content parts with their own source, as bare {"type": "image"} parts (TRL), or
+as `<image>` placeholders in the text (LLaMA-Factory, LLaVA), the last two matched in order with the
+record's `images` (or LLaVA's `image`) column.
 """
 
 from __future__ import annotations
@@ -22,6 +29,10 @@ FORMAT_KEYS = {
     "prompt_completion": ("prompt", "completion"),
 }
 ROLES = ("system", "user", "assistant", "tool")
+IMAGE_COLUMNS = ("images", "image")
+IMAGE_PLACEHOLDER = "<image>"
+# Where each kind of image part keeps its source; a bare "image" part has none and takes the column's next.
+IMAGE_SOURCES = {"image": ("image", "url", "path"), "image_url": ("image_url",)}
 PAIR_KEYS = ("chosen", "rejected")
 
 
@@ -77,13 +88,15 @@ def to_example(record: dict, fmt: str, where: str) -> dict:
     if fmt == "text":
         return {"text": _text(record, "text", fmt, where)}
     if fmt in CONVERSATIONS:
-        messages = _system(record, where) + _conversation(record, fmt, where)
-        return {"messages": messages, "tools": tools_of(record, where)}
+        system = _system(record, where)
+        messages, images = _conversation(record, fmt, where)
+        return {"messages": system + messages, "tools": tools_of(record, where), "images": images}
+    _no_images(record, fmt, where)
     if fmt == "alpaca":
-        return {"messages": _alpaca(record, where), "tools": None}
+        return {"messages": _alpaca(record, where), "tools": None, "images": []}
     if fmt == "prompt_completion":
         prompt, completion = _text(record, "prompt", fmt, where), _text(record, "completion", fmt, where)
-        return {"messages": _turns(prompt, completion), "tools": None}
+        return {"messages": _turns(prompt, completion), "tools": None, "images": []}
     raise ValueError(f"unknown format {fmt!r}")
 
 
@@ -161,15 +174,31 @@ def _json(text: str, key: str, where: str):
         ) from None
 
 
-def _conversation(record: dict, fmt: str, where: str) -> list[dict]:
+def _conversation(record: dict, fmt: str, where: str) -> tuple[list[dict], list[str]]:
+    """(messages, image references). `<image>` in text is a placeholder only in a record with an image
+    column: without one the row is text and stays exactly as written."""
     fields = CONVERSATIONS[fmt]
-    return turns_to_messages(_list(record, fields.turns, fmt, where), fmt, fields.turns, where)
+    turns = _list(record, fields.turns, fmt, where)
+    column = _image_column(record, where)
+    messages, sources = _read_turns(turns, fmt, fields.turns, where, placeholders=column is not None)
+    return messages, _match_images(sources, column or [], where)
 
 
 def turns_to_messages(turns: list, fmt: str, key: str, where: str) -> list[dict]:
-    """The turns of a `messages` or `sharegpt` list (field `key` of the record) as normalised messages."""
+    """The turns of a `messages` or `sharegpt` list (field `key` of the record) as normalised messages. Text
+    only: its callers (preference pairs) do not read images, so an image part is refused, not dropped."""
+    messages, sources = _read_turns(turns, fmt, key, where, placeholders=False)
+    if sources:
+        raise UserError(f"{where}: field '{key}' holds an image part; preference pairs read text only")
+    return messages
+
+
+def _read_turns(
+    turns: list, fmt: str, key: str, where: str, placeholders: bool
+) -> tuple[list[dict], list[str | None]]:
+    """(messages, one source per image part in order: the part's own, or None where the column gives it)."""
     fields = CONVERSATIONS[fmt]
-    messages = []
+    messages, sources = [], []
     for i, turn in enumerate(turns):
         here = f"{where}: {key}[{i}]"
         if not isinstance(turn, dict):
@@ -184,19 +213,25 @@ def turns_to_messages(turns: list, fmt: str, key: str, where: str) -> list[dict]
         if speaker == "function_call":
             message = {"role": "assistant", "content": "", "tool_calls": _calls(turn.get(fields.text), here)}
         else:
-            message = _message(turn, fields, fields.roles[speaker], fmt, here)
+            message, found = _message(turn, fields, fields.roles[speaker], fmt, here, placeholders)
+            sources += found
         if turn.get("train") is False or turn.get("weight") in (0, 0.0):
             message["train"] = False
         messages.append(message)
-    return messages
+    return messages, sources
 
 
-def _message(turn: dict, fields: TurnFields, role: str, fmt: str, where: str) -> dict:
+def _message(
+    turn: dict, fields: TurnFields, role: str, fmt: str, where: str, placeholders: bool
+) -> tuple[dict, list[str | None]]:
     calls = turn.get("tool_calls")
     content = turn.get(fields.text)
     if content is None and not calls:
         raise UserError(f"{where}: missing field '{fields.text}' (data.format {fmt})")
-    message = {"role": role, "content": _content(content, fields.text, where)}
+    content, sources = _content(content, fields.text, where, placeholders)
+    if sources and role == "assistant":
+        raise UserError(f"{where}: images in an assistant turn are not trained; put them in a user turn")
+    message = {"role": role, "content": content}
     if calls:
         if role != "assistant":
             raise UserError(f"{where}: field 'tool_calls' is only for assistant turns, not {role}")
@@ -207,24 +242,112 @@ def _message(turn: dict, fields: TurnFields, role: str, fmt: str, where: str) ->
             if not isinstance(value, str):
                 raise UserError(f"{where}: field '{key}' must be text, got {type(value).__name__}")
             message[key] = value
-    return message
+    return message, sources
 
 
-def _content(content, key: str, where: str) -> str:
-    """Text, or a list of text parts ([{"type": "text", "text": ...}]) joined into one text."""
+def _content(content, key: str, where: str, placeholders: bool) -> tuple[str | list[dict], list[str | None]]:
+    """(content, image sources): text, or a list of parts whose text is joined into one text when it holds
+    no image. Empty text parts are dropped; they render to nothing."""
     if content is None or isinstance(content, str):
-        return content or ""
+        text = content or ""
+        return _split_placeholders(text) if placeholders and IMAGE_PLACEHOLDER in text else (text, [])
     if not isinstance(content, list):
         raise UserError(
-            f"{where}: field '{key}' must be text or a list of text parts, got {type(content).__name__}"
+            f"{where}: field '{key}' must be text or a list of content parts, got {type(content).__name__}"
         )
-    parts = []
+    parts, sources = [], []
     for j, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise UserError(f"{where}: field '{key}'[{j}] is a {kind!r} part; only text parts are read")
-        parts.append(part["text"])
-    return "".join(parts)
+        field = f"field '{key}'[{j}]"
+        kind = _part_kind(part, field, where)
+        if kind == "text":
+            parts += [{"type": "text", "text": part["text"]}] if part["text"] else []
+        else:
+            parts.append({"type": "image"})
+            sources.append(_image_source(part, kind, field, where))
+    if not sources:
+        return "".join(part["text"] for part in parts), []
+    return parts, sources
+
+
+def _part_kind(part, field: str, where: str) -> str:
+    if not isinstance(part, dict):
+        raise UserError(f"{where}: {field} must be a content part object, got {type(part).__name__}")
+    kind = part.get("type")
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise UserError(f"{where}: {field}.text must be text, got {type(part.get('text')).__name__}")
+    elif kind not in IMAGE_SOURCES:
+        raise UserError(f"{where}: {field} is a {kind!r} part; only text and image parts are read")
+    return kind
+
+
+def _image_source(part: dict, kind: str, field: str, where: str) -> str | None:
+    """The part's own image path or URL; None for a bare {"type": "image"}, which the column fills."""
+    given = [key for key in IMAGE_SOURCES[kind] if part.get(key) is not None]
+    if not given:
+        if kind == "image_url":
+            raise UserError(f"{where}: {field} is an 'image_url' part without its 'image_url' {{'url': ...}}")
+        return None
+    if len(given) > 1:
+        raise UserError(f"{where}: {field} gives its image twice ({', '.join(given)}); give one")
+    source = part[given[0]]
+    if kind == "image_url" and isinstance(source, dict):
+        source = source.get("url")
+    if not isinstance(source, str) or not source:
+        raise UserError(
+            f"{where}: {field}.{given[0]} must be an image path or URL, got {type(source).__name__}"
+        )
+    return source
+
+
+def _split_placeholders(text: str) -> tuple[list[dict], list[None]]:
+    """Text with `<image>` placeholders as text and image parts; each image comes from the column."""
+    pieces = text.split(IMAGE_PLACEHOLDER)
+    parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+    for piece in pieces[1:]:
+        parts += [{"type": "image"}] + ([{"type": "text", "text": piece}] if piece else [])
+    return parts, [None] * (len(pieces) - 1)
+
+
+def _image_column(record: dict, where: str) -> list[str] | None:
+    """The record's image paths (`images`, or LLaVA's `image`; one string or a list); None without one."""
+    present = [key for key in IMAGE_COLUMNS if record.get(key) not in (None, "")]
+    if not present:
+        return None
+    if len(present) > 1:
+        raise UserError(f"{where}: fields 'images' and 'image' both list images; give one")
+    key = present[0]
+    images = record[key]
+    images = [images] if isinstance(images, str) else images
+    if not isinstance(images, list):
+        raise UserError(f"{where}: field '{key}' must be a list of image paths, got {type(images).__name__}")
+    for j, image in enumerate(images):
+        if not isinstance(image, str) or not image:
+            raise UserError(f"{where}: field '{key}'[{j}] must be an image path, got {type(image).__name__}")
+    return images
+
+
+def _match_images(sources: list[str | None], column: list[str], where: str) -> list[str]:
+    """One reference per image part. A part with its own source keeps it; the others (bare parts and
+    placeholders) take the column's images in order. Both count: the row must give exactly one image per
+    part, so a column that repeats the parts' own images is refused rather than guessed at."""
+    inline = sum(source is not None for source in sources)
+    if len(sources) - inline != len(column):
+        given = inline + len(column)
+        detail = f" ({inline} in the parts, {len(column)} in the image column)" if inline else ""
+        raise UserError(f"{where}: {len(sources)} image placeholder(s) but {given} image(s) given{detail}")
+    rest = iter(column)
+    return [source if source is not None else next(rest) for source in sources]
+
+
+def _no_images(record: dict, fmt: str, where: str) -> None:
+    """Layouts without turns to place images in refuse an image column rather than drop it."""
+    for key in IMAGE_COLUMNS:
+        if record.get(key) not in (None, "", []):
+            raise UserError(
+                f"{where}: field '{key}' is read with the messages and conversations layouts, "
+                f"not data.format {fmt}"
+            )
 
 
 def _calls(calls, where: str) -> list[dict]:

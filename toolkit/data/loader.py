@@ -83,10 +83,13 @@ def _stream_loader(rows: StreamRows, data: DataConfig, train: TrainConfig, pad_i
     return loader, sampler
 
 
-def eval_loader(dataset, rank: int, world_size: int, batch_size: int, pad_id: int) -> DataLoader:
-    """Rank `rank`'s share of the held-out `dataset`, padded batches in a fixed order."""
+def eval_loader(
+    dataset, rank: int, world_size: int, batch_size: int, pad_id: int, collate=None
+) -> DataLoader:
+    """Rank `rank`'s share of the held-out `dataset`, padded batches in a fixed order (by `collate`, else
+    the SFT collator)."""
     return DataLoader(
-        RankShard(dataset, rank, world_size), batch_size=batch_size, collate_fn=Collator(pad_id)
+        RankShard(dataset, rank, world_size), batch_size=batch_size, collate_fn=collate or Collator(pad_id)
     )
 
 
@@ -107,4 +110,4 @@ class RankShard(Dataset):
         if i < len(self.indices):
             return self.dataset[self.indices[i]]
         row = self.dataset[0]
-        return {"input_ids": row["input_ids"], "labels": [IGNORE] * len(row["labels"])}
+        return {**row, "labels": [IGNORE] * len(row["labels"])}

@@ -11,12 +11,12 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model, prepare_model_for_kbit_training
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from toolkit.config import LoraConfig, LossConfig, ModelConfig, MoeConfig, check_local_path
+from toolkit.config import LoraConfig, LossConfig, ModelConfig, MoeConfig, VisionConfig, check_local_path
 from toolkit.errors import UserError
-from toolkit.model import expert_parallel, lora_targets, moe, quant, quant_experts, speed
+from toolkit.model import expert_parallel, lora_targets, moe, quant, quant_experts, speed, vision
 from toolkit.model.speed import SpeedFeatures
 from toolkit.train import head
 
@@ -27,6 +27,16 @@ def load_tokenizer(cfg: ModelConfig):
     """The model's tokenizer, with a pad token (the eos token when the model has none)."""
     check_local_path(cfg.path, "model.path")
     return with_pad_token(_from_pretrained(AutoTokenizer, cfg, "tokenizer"))
+
+
+def model_class(path: str):
+    """transformers' auto class for the model at `path`: image-text-to-text for a vision-language model
+    (a family ftkit has not proven is refused by name), causal LM otherwise."""
+    kind = vision.model_type(path)
+    if vision.is_vision(kind):
+        vision.check_family(kind, path)
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def with_pad_token(tokenizer):
@@ -50,6 +60,7 @@ def load_model(
     quant_cast: str | None = None,
     loss: LossConfig | None = None,
     experts: MoeConfig | None = None,
+    parts: VisionConfig | None = None,
 ):
     """The trainable model: everything trainable for `full`, only the adapter for `lora`/`qlora`.
 
@@ -58,7 +69,8 @@ def load_model(
     casts parameters to (`quant.cast_dtype`), which auto storage packs 4-bit weights into; `loss` chooses
     the output head (the chunked head is installed for `loss.head: chunked`; none given: the model's own);
     `experts` (a mixture of experts' `moe` section) chooses the experts' kernel and splits them over
-    `expert_parallel` processes.
+    `expert_parallel` processes; `parts` (the `vision` section) chooses what of a vision-language model
+    trains besides its language model.
     """
     check_local_path(cfg.path, key)
     attention = features.attention if features else cfg.attn_implementation
@@ -67,7 +79,8 @@ def load_model(
         kwargs["experts_implementation"] = experts.experts_implementation
     if cfg.method == "qlora":
         kwargs.update(_qlora_kwargs(cfg, local_rank, quant.storage_name(cfg.quant_storage, quant_cast)))
-    model = _from_pretrained(AutoModelForCausalLM, cfg, "model", key, **kwargs)
+    model = _from_pretrained(model_class(cfg.path), cfg, "model", key, **kwargs)
+    seeing = vision.is_vision(getattr(model.config, "model_type", None))
     if cfg.method == "qlora":
         quant.keep_training_layout(model)
     if cfg.adapter:
@@ -79,6 +92,8 @@ def load_model(
         expert_parallel.split_experts(model, experts.expert_parallel)
     if features and features.liger:
         speed.apply_liger(model)
+    if seeing and cfg.method == "full":
+        vision.freeze_for_full(model, parts or VisionConfig())
     checkpointing = wants_checkpointing(cfg, model)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -90,7 +105,7 @@ def load_model(
         quant.keep_bf16_stream(model, bf16)
     if cfg.method in ("lora", "qlora"):
         with quant_experts.unquantized_look(model):
-            model = _with_adapter(model, lora)
+            model = _with_adapter(model, lora, (parts or VisionConfig()) if seeing else None)
         quant_experts.peft_wrappers_stack(model)
         if checkpointing:
             # Frozen embeddings give checkpointed blocks inputs without grad; the adapters need one.
@@ -132,22 +147,23 @@ def _weights(param) -> int:
     return math.prod(moe.full_shape(param))
 
 
-def peft_config(lora: LoraConfig, model) -> PeftLoraConfig:
+def peft_config(lora: LoraConfig, model, parts: VisionConfig | None = None) -> PeftLoraConfig:
     """The peft LoRA/DoRA settings for a recipe's `lora` section on `model` (on a mixture of experts, the
-    parts its keys choose: lora_targets)."""
+    parts its keys choose: lora_targets; on a vision-language model, the parts `parts` chooses)."""
+    targets = vision.lora_targets(model, lora, parts) if parts else lora_targets.peft_targets(lora, model)
     return PeftLoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         use_dora=lora.use_dora,
         task_type="CAUSAL_LM",
-        **lora_targets.peft_targets(lora, model),
+        **targets,
     )
 
 
-def _with_adapter(model, lora: LoraConfig):
+def _with_adapter(model, lora: LoraConfig, parts: VisionConfig | None):
     try:
-        return get_peft_model(model, peft_config(lora, model))
+        return get_peft_model(model, peft_config(lora, model, parts))
     except ValueError as exc:  # peft's "target modules not found" and its kin
         raise UserError(f"lora.target_modules: {lora.target_modules}: {str(exc).splitlines()[0]}") from None
 

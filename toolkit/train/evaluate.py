@@ -35,10 +35,13 @@ class Evaluator:
         cfg: EvalConfig,
         log: MetricsLog,
         pipeline=None,
+        images=None,
     ):
         self.accelerator, self.model, self.tokenizer = accelerator, model, tokenizer
         self.loader, self.dataset, self.cfg, self.log = loader, dataset, cfg, log
         self.pipeline = pipeline
+        self.images = images
+        """A vision-language model's data.ImageInputs (rows' images to pixels), else None."""
         self.shown: dict[str, dict] = {}
         """What each `report` measured, by its label ("before", "after"): the run's closing lines read it."""
 
@@ -69,12 +72,15 @@ class Evaluator:
                     cfg.exact_match_samples,
                     cfg.max_new_tokens,
                     synced,
+                    self.images,
                 )
         self._show(step, label, results)
-        prompt_ids = self._sample_prompt()
+        prompt_ids, pixels = self._sample_prompt()
         if prompt_ids is not None:
             with root_params_gathered(self.model), self.accelerator.autocast():
-                answer = greedy_answer(generator, self.tokenizer, prompt_ids, cfg.max_new_tokens, synced)
+                answer = greedy_answer(
+                    generator, self.tokenizer, prompt_ids, cfg.max_new_tokens, synced, pixels
+                )
             question = " ".join(self.tokenizer.decode(prompt_ids, skip_special_tokens=True).split())
             self.accelerator.print(f"[{label}] sample: {question!r} -> {answer!r}")
 
@@ -89,12 +95,18 @@ class Evaluator:
             return pipeline_eval_loss(self.pipeline, self.loader, self.accelerator, self.cfg.max_batches)
         return eval_loss(self.model, self.loader, self.accelerator, self.cfg.max_batches)
 
-    def _sample_prompt(self) -> list[int] | None:
-        """The configured prompt, else the first eval row's prompt, else none."""
+    def _sample_prompt(self) -> tuple[list[int] | None, dict | None]:
+        """(prompt ids, image inputs or None): the configured prompt, else the first eval row's prompt
+        (with its images), else none."""
         if self.cfg.sample_prompt:
-            return chat_prompt_ids(self.tokenizer, self.cfg.sample_prompt)
-        pair = split_prompt(self.dataset[0]) if self.dataset is not None else None
-        return pair[0] if pair else None
+            return chat_prompt_ids(self.tokenizer, self.cfg.sample_prompt), None
+        row = self.dataset[0] if self.dataset is not None else None
+        pair = split_prompt(row) if row is not None else None
+        if pair is None:
+            return None, None
+        refs = row.get("images")
+        pixels = self.images.pixels([self.images.open(refs, "an eval row")]) if self.images and refs else None
+        return pair[0], pixels
 
 
 def pipeline_eval_loss(pipeline, loader: DataLoader, accelerator, max_batches: int = 0) -> dict:

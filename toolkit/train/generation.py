@@ -26,11 +26,16 @@ def split_prompt(row: dict) -> tuple[list[int], list[int]] | None:
 
 
 @torch.no_grad()
-def greedy_answer(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, synced: bool) -> str:
-    """Collective when `synced`: every rank must call it with the same prompt (sharded weights)."""
+def greedy_answer(
+    model, tokenizer, prompt_ids: list[int], max_new_tokens: int, synced: bool, images: dict | None = None
+) -> str:
+    """Collective when `synced`: every rank must call it with the same prompt (sharded weights). `images`:
+    a vision-language model's image inputs for the prompt's image tokens."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids], device=device)
+    pixels = {key: value.to(device) for key, value in (images or {}).items()}
     out = model.generate(
+        **pixels,
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=max_new_tokens,
@@ -42,12 +47,18 @@ def greedy_answer(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, 
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 
-def exact_match(model, tokenizer, dataset, samples: int, max_new_tokens: int, synced: bool) -> float:
-    """Share of the first `samples` answerable rows whose greedy answer equals the reference."""
-    pairs = [p for p in (split_prompt(dataset[i]) for i in range(min(samples, len(dataset)))) if p]
-    hits = sum(
-        greedy_answer(model, tokenizer, prompt, max_new_tokens, synced)
-        == tokenizer.decode(reference, skip_special_tokens=True).strip()
-        for prompt, reference in pairs
-    )
-    return hits / max(len(pairs), 1)
+def exact_match(
+    model, tokenizer, dataset, samples: int, max_new_tokens: int, synced: bool, images=None
+) -> float:
+    """Share of the first `samples` answerable rows whose greedy answer equals the reference. `images` (a
+    vision-language model's data.ImageInputs) gives each row's image inputs."""
+    rows = [dataset[i] for i in range(min(samples, len(dataset)))]
+    cases = [(split_prompt(row), row.get("images")) for row in rows]
+    hits = 0
+    for pair, refs in cases:
+        if pair is None:
+            continue
+        pixels = images.pixels([images.open(refs, "an eval row")]) if images is not None and refs else None
+        answer = greedy_answer(model, tokenizer, pair[0], max_new_tokens, synced, pixels)
+        hits += answer == tokenizer.decode(pair[1], skip_special_tokens=True).strip()
+    return hits / max(sum(pair is not None for pair, _ in cases), 1)

@@ -17,22 +17,38 @@ def scaled_learning_rate(cfg: TrainConfig, world_size: int) -> float:
 
 
 def build_optimizer(
-    model: torch.nn.Module, cfg: TrainConfig, world_size: int, fused: bool = False
+    model: torch.nn.Module,
+    cfg: TrainConfig,
+    world_size: int,
+    fused: bool = False,
+    own_lr: tuple[set[str], float] | None = None,
 ) -> torch.optim.AdamW:
     """AdamW over trainable parameters; biases and norm weights (1-D tensors) are never decayed.
 
-    `fused` picks torch's single-kernel CUDA implementation (`speed.resolve` decides where it applies).
+    `fused` picks torch's single-kernel CUDA implementation (`speed.resolve` decides where it applies);
+    `own_lr` (parameter names, peak learning rate) gives those parameters groups of their own, scaled and
+    scheduled like the rest (a vision tower's rate).
     """
-    decay, no_decay = [], []
-    for param in model.parameters():
+    lr = scaled_learning_rate(cfg, world_size)
+    names, other_lr = own_lr or (set(), lr)
+    groups: dict[tuple[bool, bool], list] = {}
+    for name, param in model.named_parameters():
         if param.requires_grad:
             # ZeRO-3 may have partitioned the parameter already (shape [0]); its full shape decides.
-            (decay if len(getattr(param, "ds_shape", param.shape)) >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
+            decayed = len(getattr(param, "ds_shape", param.shape)) >= 2
+            groups.setdefault((name in names, decayed), []).append(param)
+    order = [(False, True), (False, False), (True, True), (True, False)]
     return torch.optim.AdamW(
-        groups,
-        lr=scaled_learning_rate(cfg, world_size),
+        [
+            {
+                "params": groups[key],
+                "weight_decay": cfg.weight_decay if key[1] else 0.0,
+                **({"lr": other_lr * lr / cfg.learning_rate} if key[0] else {}),
+            }
+            for key in order
+            if key in groups
+        ],
+        lr=lr,
         betas=tuple(cfg.adam_betas),
         fused=True if fused else None,
     )

@@ -1,0 +1,303 @@
+"""Vision-language models: which families load, their processor, and which of their parts train.
+
+A vision-language model is a vision tower (an image encoder), a projector that maps its features into the
+language model's embedding space, and the language model with its output head. transformers names these
+parts alike across families (`vision_tower`/`visual`/`vision_model`, `multi_modal_projector`/`connector`/
+`visual.merger`, `language_model`/`text_model`), so one set of name rules places every parameter.
+
+By default only the language model trains (LoRA or full); `vision.train_projector` and
+`vision.train_tower` (all blocks or the last `tower_blocks`) add the other parts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from torch import nn
+
+from toolkit.config import LoraConfig, ModelConfig, VisionConfig
+from toolkit.errors import UserError
+
+# Families this toolkit trains (model_type -> what users call it), each checked to build, train and
+# generate through the same code; others with a vision tower are refused by name.
+FAMILIES = {
+    "llava": "Llava",
+    "llava_next": "Llava-NeXT",
+    "mistral3": "Mistral-3 (Mistral-Small-3.1)",
+    "idefics3": "Idefics3",
+    "smolvlm": "SmolVLM",
+    "qwen2_vl": "Qwen2-VL",
+    "qwen2_5_vl": "Qwen2.5-VL",
+    "qwen3_vl": "Qwen3-VL",
+    "gemma3": "Gemma-3",
+}
+# Name parts, checked in this order: a projector can sit inside the tower's module (Qwen's merger).
+PROJECTOR_NAMES = ("multi_modal_projector", "connector", "visual.merger", "visual.deepstack_merger_list")
+TOWER_NAMES = ("vision_tower", "visual", "vision_model")
+NEWLINE_PARAMS = ("image_newline",)
+"""Learned parameters Llava-NeXT adds between image rows: part of the projector."""
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+)
+"""A processor's files besides the tokenizer's: an export carries them so it loads with AutoProcessor."""
+
+
+def model_type(path: str) -> str | None:
+    """config.json's model_type of a local model folder (read as plain JSON: no model code runs)."""
+    config_file = Path(path).expanduser() / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        return json.loads(config_file.read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+def is_vision(kind: str | None) -> bool:
+    """Whether `kind` (a model_type) is an image-text-to-text family transformers ships."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def auto_class(kind: str | None):
+    """transformers' auto class that builds a `kind` model with its head."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision(kind) else AutoModelForCausalLM
+
+
+def copy_processor_files(source: Path, out: Path) -> None:
+    """A vision-language model's processor files from `source` (its folder, or an export of it) into the
+    export `out`, where the tokenizer's own saving did not already write them (a text model has none)."""
+    for name in PROCESSOR_FILES:
+        if (source / name).is_file() and not (out / name).exists():
+            shutil.copyfile(source / name, out / name)
+
+
+def check_family(kind: str, path: str) -> None:
+    """One line refusing a vision-language family this toolkit has not proven."""
+    if kind not in FAMILIES:
+        raise UserError(
+            f"model.path: {path}: {kind} is a vision-language family ftkit does not train yet "
+            f"(supported: {', '.join(sorted(FAMILIES))})"
+        )
+
+
+def load_processor(cfg: ModelConfig):
+    """The model's processor (image processor + tokenizer + chat template), from its folder alone.
+
+    Qwen's processors also build a video processor, which needs torchvision; image-only training does
+    not, so without torchvision the processor is assembled from its image processor and tokenizer."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    from toolkit.model.load import local_path, with_pad_token
+
+    path = local_path(cfg.path)
+    remote = cfg.trust_remote_code
+    try:
+        processor = AutoProcessor.from_pretrained(path, trust_remote_code=remote)
+    except (ImportError, ValueError) as exc:
+        if "torchvision" not in str(exc).lower():
+            raise UserError(f"model.path: cannot load the processor from {cfg.path}: {_first(exc)}") from None
+        processor = image_only(_processor_class(path))(
+            image_processor=AutoImageProcessor.from_pretrained(path, trust_remote_code=remote),
+            tokenizer=AutoTokenizer.from_pretrained(path, trust_remote_code=remote),
+            video_processor=None,
+        )
+    except OSError as exc:
+        raise UserError(f"model.path: cannot load the processor from {cfg.path}: {_first(exc)}") from None
+    if getattr(processor, "image_processor", None) is None:
+        raise UserError(f"model.path: {cfg.path}: its processor has no image processor")
+    with_pad_token(processor.tokenizer)
+    return processor
+
+
+def image_inputs(cfg: ModelConfig, max_pixels: int | None):
+    """A vision-language model's image handling for the data (its processor, image token, pixel budget);
+    None for a text model."""
+    from transformers import AutoConfig
+
+    from toolkit.data.vision_rows import ImageInputs
+
+    kind = kind_of(cfg.path)
+    if not is_vision(kind):
+        return None
+    check_family(kind, cfg.path)
+    processor = load_processor(cfg)
+    tokenizer = processor.tokenizer
+    tokenizer.chat_template = getattr(processor, "chat_template", None) or tokenizer.chat_template
+    if not tokenizer.chat_template:
+        raise UserError(f"model.path: {cfg.path}: no chat template to place images with; add one to it")
+    config = AutoConfig.from_pretrained(_config_folder(cfg.path), trust_remote_code=cfg.trust_remote_code)
+    return ImageInputs(processor, kind, image_token_id(config), max_pixels)
+
+
+def _config_folder(path: str) -> str:
+    """`path`, or for an exported adapter the base model it applies to (which holds config.json)."""
+    from toolkit.model.load import local_path
+
+    adapter = Path(path).expanduser() / "adapter_config.json"
+    if (Path(path).expanduser() / "config.json").is_file() or not adapter.is_file():
+        return local_path(path)
+    return json.loads(adapter.read_text())["base_model_name_or_path"]
+
+
+def image_only(processor_class):
+    """`processor_class` taking `video_processor=None`: without torchvision transformers cannot even name
+    the video processor's base class, and its argument check fails on the missing one."""
+
+    class ImageOnly(processor_class):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument is None and argument_name == "video_processor":
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    ImageOnly.__name__ = ImageOnly.__qualname__ = processor_class.__name__
+    return ImageOnly
+
+
+def _processor_class(path: str):
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    return getattr(transformers, PROCESSOR_MAPPING_NAMES[kind_of(path)])
+
+
+def kind_of(path: str) -> str | None:
+    """The model_type of a model folder, or of the base an exported adapter in `path` applies to."""
+    adapter = Path(path).expanduser() / "adapter_config.json"
+    if (Path(path).expanduser() / "config.json").is_file() or not adapter.is_file():
+        return model_type(path)
+    return model_type(json.loads(adapter.read_text()).get("base_model_name_or_path") or "")
+
+
+def _first(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def image_token_id(config) -> int:
+    """The id of the token each image's features replace."""
+    for key in ("image_token_id", "image_token_index"):
+        value = getattr(config, key, None)
+        if value is not None:
+            return int(value)
+    raise UserError(f"model.path: {config.model_type} names no image token in its config")
+
+
+def part_of(name: str) -> str:
+    """`tower`, `projector` or `language model` for a parameter or module name (any wrapper prefix)."""
+    if any(f"{p}." in f"{name}." for p in PROJECTOR_NAMES) or name.rpartition(".")[2] in NEWLINE_PARAMS:
+        return "projector"
+    if any(re.search(rf"(^|\.){p}\.", f"{name}.") for p in TOWER_NAMES):
+        return "tower"
+    return "language model"
+
+
+def tower_blocks(model: nn.Module) -> list[str]:
+    """Names of the tower's repeated blocks, in order: its longest ModuleList outside the projector."""
+    lists = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and part_of(name) == "tower"
+    ]
+    if not lists:
+        return []
+    name, blocks = max(lists, key=lambda item: len(item[1]))
+    return [f"{name}.{i}" for i in range(len(blocks))]
+
+
+def trained_tower_blocks(model: nn.Module, cfg: VisionConfig) -> list[str]:
+    """The tower blocks `cfg` trains (none unless train_tower; the last tower_blocks, or all)."""
+    if not cfg.train_tower:
+        return []
+    blocks = tower_blocks(model)
+    if cfg.tower_blocks > len(blocks):
+        raise UserError(f"vision.tower_blocks: {cfg.tower_blocks}, but the tower has {len(blocks)} blocks")
+    return blocks[-cfg.tower_blocks :] if cfg.tower_blocks else blocks
+
+
+def in_blocks(name: str, blocks: list[str]) -> bool:
+    return any(name.startswith(f"{block}.") or name == block for block in blocks)
+
+
+def freeze_for_full(model: nn.Module, cfg: VisionConfig) -> None:
+    """Full fine-tuning: the language model trains; the tower and projector only as `cfg` says."""
+    blocks = trained_tower_blocks(model, cfg)
+    whole_tower = cfg.train_tower and not cfg.tower_blocks
+    for name, param in model.named_parameters():
+        part = part_of(name)
+        if part == "projector":
+            param.requires_grad_(cfg.train_projector)
+        elif part == "tower":
+            param.requires_grad_(whole_tower or in_blocks(name, blocks))
+
+
+def lora_targets(model: nn.Module, lora: LoraConfig, cfg: VisionConfig) -> dict:
+    """peft keywords for a vision-language model: adapters on the language model's linear layers that
+    `lora.target_modules` names (and the trained tower blocks'), the projector saved whole when trained."""
+    head = model.get_output_embeddings()
+    wanted = lora.target_modules
+    blocks = trained_tower_blocks(model, cfg)
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module is head:
+            continue
+        part = part_of(name)
+        if part == "projector" or (part == "tower" and not in_blocks(name, blocks)):
+            continue
+        if wanted == "all-linear" or _named_by(name, wanted):
+            names.append(name)
+    if not names:
+        raise UserError(f"lora.target_modules: {wanted}: no linear layer of the language model matches")
+    projector = _projector_modules(model) if cfg.train_projector else None
+    return {"target_modules": names, "modules_to_save": projector}
+
+
+def _named_by(name: str, wanted: str | list[str]) -> bool:
+    if isinstance(wanted, str):
+        return re.fullmatch(wanted, name) is not None
+    return any(name == w or name.endswith(f".{w}") for w in wanted)
+
+
+def _projector_modules(model: nn.Module) -> list[str]:
+    """The projector's top modules by their last name part (what peft's modules_to_save matches)."""
+    found = []
+    for name, _ in model.named_modules():
+        if part_of(name) == "projector" and part_of(name.rpartition(".")[0]) != "projector":
+            found.append(name.rpartition(".")[2])
+    return sorted(set(found)) or None
+
+
+def trained_by_part(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """(trained, total) parameter counts per part, counted at full size (ZeRO-3 partitions included)."""
+    from toolkit.model.load import _weights
+
+    counts = {"tower": [0, 0], "projector": [0, 0], "language model": [0, 0]}
+    for name, param in model.named_parameters():
+        entry = counts[part_of(name)]
+        size = _weights(param)
+        entry[1] += size
+        entry[0] += size if param.requires_grad else 0
+    return {part: (trained, total) for part, (trained, total) in counts.items()}
+
+
+def parts_line(model: nn.Module) -> str:
+    """The start-up line: what trains in each part."""
+    described = []
+    for part, (trained, total) in trained_by_part(model).items():
+        state = "frozen" if not trained else f"{trained:,} trained"
+        described.append(f"{part} {state} of {total:,}")
+    return f"vision: {model.config.model_type}; " + ", ".join(described)
+
+
+def tower_parameter_names(model: nn.Module) -> set[str]:
+    """Names of trained tower parameters (what `vision.tower_learning_rate` applies to)."""
+    return {name for name, p in model.named_parameters() if p.requires_grad and part_of(name) == "tower"}
