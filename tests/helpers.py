@@ -374,3 +374,72 @@ def tiny_qwen_vl(path: Path) -> Path:
     images.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 180, 30), "blue": (30, 30, 220), "yellow": (230, 210, 20)}
+
+
+def square_image(path: Path, colour: str, side: int = 56) -> Path:
+    """A PNG of a `colour` square on white."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (side, side), (255, 255, 255))
+    ImageDraw.Draw(image).rectangle([side // 5, side // 5, side * 4 // 5, side * 4 // 5], fill=COLOURS[colour])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)
+    return path
+
+
+def image_layouts(folder: Path, rows: int = 12) -> list[Path]:
+    """The same kind of image questions in the four layouts users bring (TRL messages + images, OpenAI
+    parts with data URLs, LLaMA-Factory sharegpt with <image>, LLaVA JSON), one file each, images relative
+    to the file; every third row holds two images and every fourth is text only."""
+    import base64
+
+    names = list(COLOURS)
+    files = {"trl.jsonl": [], "openai.jsonl": [], "sharegpt.jsonl": [], "llava.json": []}
+    for layout, records in files.items():
+        for i in range(rows):
+            colours = [names[(i + k) % len(names)] for k in range(2 if i % 3 == 0 else 1)]
+            refs = [f"img/{layout.split('.')[0]}-{i}-{k}.png" for k in range(len(colours))]
+            for ref, colour in zip(refs, colours):
+                square_image(folder / ref, colour)
+            question, answer = "What colours are shown?", " and ".join(colours)
+            if i % 4 == 3:
+                records.append(_text_row(layout, "Say ok.", "ok"))
+            elif layout == "trl.jsonl":
+                parts = [{"type": "image"} for _ in refs] + [{"type": "text", "text": question}]
+                records.append({"messages": _chat(parts, answer), "images": refs})
+            elif layout == "openai.jsonl":
+                urls = [
+                    "data:image/png;base64," + base64.b64encode((folder / ref).read_bytes()).decode()
+                    for ref in refs
+                ]
+                parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+                records.append({"messages": _chat([*parts, {"type": "text", "text": question}], answer)})
+            elif layout == "sharegpt.jsonl":
+                turns = [{"from": "human", "value": "<image>" * len(refs) + question}]
+                records.append({"conversations": [*turns, {"from": "gpt", "value": answer}], "images": refs})
+            else:
+                turns = [{"from": "human", "value": "<image>\n" * len(refs) + question}]
+                image = refs[0] if len(refs) == 1 else refs
+                records.append({"id": str(i), "image": image, "conversations": [*turns, {"from": "gpt", "value": answer}]})
+    paths = []
+    for name, records in files.items():
+        path = folder / name
+        if name.endswith(".json"):
+            path.write_text(json.dumps(records))
+        else:
+            path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        paths.append(path)
+    return paths
+
+
+def _chat(user_parts: list, answer: str) -> list[dict]:
+    return [{"role": "user", "content": user_parts}, {"role": "assistant", "content": answer}]
+
+
+def _text_row(layout: str, question: str, answer: str) -> dict:
+    if layout in ("trl.jsonl", "openai.jsonl"):
+        return {"messages": _chat([{"type": "text", "text": question}], answer)}
+    return {"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}

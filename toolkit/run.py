@@ -21,6 +21,7 @@ from toolkit.checkpoint import rundir
 from toolkit.checkpoint.resume import Resume
 from toolkit.errors import UserError, run_main
 from toolkit.launch import backend, checks, machine
+from toolkit.launch.deepspeed import fill_width_settings
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE, StopRequest
 from toolkit.model import expert_parallel, flops, moe, quant, quant_experts, speed, tensor_parallel, vision
 from toolkit.model import load as models
@@ -173,6 +174,9 @@ class Run:
         )
         if self.processor is not None:
             self.accelerator.print(vision.parts_line(model))
+            if self.launch.backend == "deepspeed":
+                text_width = model.config.get_text_config().hidden_size
+                fill_width_settings(self.accelerator.state.deepspeed_plugin, text_width)
         self.router = self._router_balance(model)
         self.meter = metrics.StepSpeed(
             flops.ModelShape.of(model), self.accelerator.device, self.accelerator.num_processes

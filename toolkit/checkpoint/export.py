@@ -20,6 +20,8 @@ from toolkit.model.load import DTYPES, model_class
 from toolkit.pipeline import runtime, stages
 
 ADAPTER_CONFIG = "adapter_config.json"
+SAVED_WHOLE = ".modules_to_save.default."
+"""Where peft keeps the trained copy of a module an adapter saves whole (a vision projector)."""
 # A run that began from a trained adapter (model.adapter) folded it into its base, so the adapter it trains
 # applies on top of that one: a copy travels with the export and every loader folds it in first.
 START_ADAPTER = "start_adapter"
@@ -107,7 +109,7 @@ def verify_export(path: Path, trust_remote_code: bool = False) -> int:
         raise RuntimeError(f"{path}: empty tensors written: {', '.join(empty[:5])}")
     expected, tied = _expected_shapes(path, trust_remote_code)
     if (path / ADAPTER_CONFIG).is_file():
-        expected = {_adapter_key(k): v for k, v in expected.items() if "lora_" in k}
+        expected = {_adapter_key(k): v for k, v in expected.items() if "lora_" in k or SAVED_WHOLE in k}
         saved = {_adapter_key(k): v for k, v in saved.items()}
     missing = set(expected) - set(saved) - tied
     wrong = {k for k in set(saved) & set(expected) if tuple(saved[k]) != tuple(expected[k])}
@@ -227,8 +229,9 @@ def _as_saved(model, state: dict) -> dict:
 
 
 def _adapter_key(name: str) -> str:
-    """PEFT drops the adapter name and wraps keys in base_model.model when saving; compare without both."""
-    return name.removeprefix("base_model.model.").replace(".default", "")
+    """PEFT drops the adapter name and wraps keys in base_model.model when saving, and saves a module
+    trained whole (modules_to_save) under its own name; compare without all three."""
+    return name.removeprefix("base_model.model.").replace(SAVED_WHOLE, ".").replace(".default", "")
 
 
 def _persistent(model: torch.nn.Module, name: str) -> bool:

@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     gen = commands.add_parser("generate", help="chat with a fine-tuned model, adapter or full")
     gen.add_argument("--model", required=True, help="final/ or merged model directory, or a PEFT adapter")
     gen.add_argument("--prompt", required=True)
+    gen.add_argument(
+        "--image", action="append", help="an image the prompt asks about (vision-language models; repeatable)"
+    )
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument(
         "--trust-remote-code", action="store_true", help="run modelling code shipped with the model"
@@ -175,7 +178,7 @@ def _run(args) -> int:
     if args.command == "generate":
         from toolkit.commands.generate import generate_cli
 
-        print(generate_cli(args.model, args.prompt, args.max_new_tokens, args.trust_remote_code))
+        print(generate_cli(args.model, args.prompt, args.max_new_tokens, args.trust_remote_code, args.image))
         return 0
     if args.command == "plan":
         from toolkit.plan import estimate, report

@@ -82,6 +82,7 @@ def _write(
         skeleton.save_pretrained(str(tmp), state_dict=weights)
         weights.clear()  # one copy of the weights at a time: the merge loads the base again
         tokenizer.save_pretrained(str(tmp))
+        vision.copy_processor_files(Path(tokenizer.name_or_path), tmp)
         if cfg.model.adapter and cfg.model.method != "full":
             export.keep_start_adapter(tmp, cfg.model.adapter)
         if merge_lora:

@@ -22,7 +22,7 @@ from toolkit.data.packing import pack_dataset
 from toolkit.data.parallel import default_num_proc
 from toolkit.data.sources import read_source, train_sources
 from toolkit.data.streaming import StreamRows
-from toolkit.data.vision_rows import ImageInputs, VisionEncoder, image_fingerprint
+from toolkit.data.vision_rows import ImageInputs, VisionEncoder, image_fingerprint, source_folder
 from toolkit.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -212,7 +212,8 @@ def _prepare(name: str, cfg: DataConfig, tokenizer, images: ImageInputs | None =
         cfg.max_length,
         _masking(cfg),
         tokenizer_fingerprint(tokenizer),
-        *([image_fingerprint(images)] if images is not None else []),
+        # Rows keep their images' resolved paths: the same file elsewhere is other rows.
+        *([image_fingerprint(images), str(source_folder(name))] if images is not None else []),
     )
     dataset, counts = encode_to_cache(
         key,

@@ -78,3 +78,17 @@ def deepspeed_plugin(train: TrainConfig, grad_accum_steps: int, sequence_paralle
     if value == "auto":
         zero[key] = True
     return plugin
+
+
+def fill_width_settings(plugin, hidden_size: int) -> None:
+    """ZeRO's "auto" bucket and persistence sizes from the language model's width, as accelerate derives
+    them from `config.hidden_size`, which a vision-language model's config does not have at its top."""
+    zero = plugin.deepspeed_config.get("zero_optimization", {})
+    sizes = {
+        "reduce_bucket_size": hidden_size * hidden_size,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+    }
+    for key, value in sizes.items():
+        if zero.get(key) == "auto":
+            zero[key] = value

@@ -91,36 +91,37 @@ def check_family(kind: str, path: str) -> None:
         )
 
 
-def load_processor(cfg: ModelConfig):
-    """The model's processor (image processor + tokenizer + chat template), from its folder alone.
+def load_processor(cfg: ModelConfig, key: str = "model.path"):
+    """The model's processor (image processor + tokenizer + chat template), from its folder alone (an
+    exported adapter's: from its base model's folder).
 
     Qwen's processors also build a video processor, which needs torchvision; image-only training does
     not, so without torchvision the processor is assembled from its image processor and tokenizer."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
-    from toolkit.model.load import local_path, with_pad_token
+    from toolkit.model.load import with_pad_token
 
-    path = local_path(cfg.path)
+    path = _config_folder(cfg.path)
     remote = cfg.trust_remote_code
     try:
         processor = AutoProcessor.from_pretrained(path, trust_remote_code=remote)
     except (ImportError, ValueError) as exc:
         if "torchvision" not in str(exc).lower():
-            raise UserError(f"model.path: cannot load the processor from {cfg.path}: {_first(exc)}") from None
+            raise UserError(f"{key}: cannot load the processor from {cfg.path}: {_first(exc)}") from None
         processor = image_only(_processor_class(path))(
             image_processor=AutoImageProcessor.from_pretrained(path, trust_remote_code=remote),
             tokenizer=AutoTokenizer.from_pretrained(path, trust_remote_code=remote),
             video_processor=None,
         )
     except OSError as exc:
-        raise UserError(f"model.path: cannot load the processor from {cfg.path}: {_first(exc)}") from None
+        raise UserError(f"{key}: cannot load the processor from {cfg.path}: {_first(exc)}") from None
     if getattr(processor, "image_processor", None) is None:
-        raise UserError(f"model.path: {cfg.path}: its processor has no image processor")
+        raise UserError(f"{key}: {cfg.path}: its processor has no image processor")
     with_pad_token(processor.tokenizer)
     return processor
 
 
-def image_inputs(cfg: ModelConfig, max_pixels: int | None):
+def image_inputs(cfg: ModelConfig, max_pixels: int | None, key: str = "model.path"):
     """A vision-language model's image handling for the data (its processor, image token, pixel budget);
     None for a text model."""
     from transformers import AutoConfig
@@ -131,11 +132,11 @@ def image_inputs(cfg: ModelConfig, max_pixels: int | None):
     if not is_vision(kind):
         return None
     check_family(kind, cfg.path)
-    processor = load_processor(cfg)
+    processor = load_processor(cfg, key)
     tokenizer = processor.tokenizer
     tokenizer.chat_template = getattr(processor, "chat_template", None) or tokenizer.chat_template
     if not tokenizer.chat_template:
-        raise UserError(f"model.path: {cfg.path}: no chat template to place images with; add one to it")
+        raise UserError(f"{key}: {cfg.path}: no chat template to place images with; add one to it")
     config = AutoConfig.from_pretrained(_config_folder(cfg.path), trust_remote_code=cfg.trust_remote_code)
     return ImageInputs(processor, kind, image_token_id(config), max_pixels)
 
