@@ -29,7 +29,7 @@ from toolkit.launch.sections import (
     refuse_parallelism,
     refuse_unknown_wrap_classes,
 )
-from toolkit.model import expert_parallel, quant, tensor_parallel
+from toolkit.model import expert_parallel, quant, tensor_parallel, vision
 from toolkit.model.facts import ModelFacts
 from toolkit.pipeline import stages
 from toolkit.train import head
@@ -117,6 +117,7 @@ def check_launch(
     refuse_unsupported(launch)
     ga = grad_accum_steps(cfg.train, launch.mesh.data_parallel)
     refuse_parallelism(launch.parallel_sizes, launch.source)
+    _check_vision(launch, cfg, facts, recipe_source)
     if launch.parallel_sizes:
         check_mesh(launch.mesh, launch.world_size, launch.fsdp_version, launch.backend, launch.source)
     if launch.mesh.tp > 1:
@@ -156,6 +157,21 @@ def check_launch(
     if cfg.train.activation_offload and launch.on_cpu:
         notes.append("train.activation_offload: the model computes in CPU memory already; nothing is moved")
     return notes
+
+
+def _check_vision(launch: Launch, cfg: RecipeConfig, facts: ModelFacts, recipe_source: str) -> None:
+    """A vision-language model trains on the data-parallel and sharded layouts; the model-parallel ones
+    split the language model's layers or sequence in ways its image inputs do not follow yet."""
+    if not vision.is_vision(facts.model_type):
+        return
+    split = {"tp": launch.mesh.tp, "pp": launch.mesh.pp, "sp": launch.mesh.sp}
+    split["moe.expert_parallel"] = cfg.moe.expert_parallel
+    used = [f"{name} {size}" for name, size in split.items() if size > 1]
+    if used:
+        raise UserError(
+            f"{launch.source}: {used[0]} does not train a vision-language model ({facts.model_type}, "
+            f"{recipe_source}) yet; use single, ddp, fsdp or zero1/2/3"
+        )
 
 
 def _check_expert_parallel(launch: Launch, cfg: RecipeConfig, facts: ModelFacts, recipe_source: str) -> None:
@@ -317,7 +333,8 @@ def _check_qlora(
     if problem:
         raise UserError(f"{recipe_source}: {problem}")
     if facts.raw is not None:  # a hub id not read here is checked once its config is downloaded
-        problem = quant.width_problem(quant.layer_widths(facts.raw))
+        # A vision-language model quantizes its language model, whose widths its text_config holds.
+        problem = quant.width_problem(quant.layer_widths(facts.raw.get("text_config") or facts.raw))
         if problem:
             raise UserError(f"model.path {model.path} in {recipe_source}: {problem}, which QLoRA needs")
 

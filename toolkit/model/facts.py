@@ -73,9 +73,15 @@ def read_model_facts(cfg: ModelConfig) -> ModelFacts:
 def _causal_lm_class(model_type: str):
     """Transformers' causal LM class for `model_type`, or None where it has none."""
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
-    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    # A vision-language model's class with its head is the image-text-to-text one.
+    class_name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(
+        model_type
+    ) or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
     return getattr(transformers, class_name, None) if class_name else None
 
 

@@ -181,14 +181,16 @@ def _qlora_kwargs(cfg: ModelConfig, local_rank: int, storage: str) -> dict:
     except ImportError:
         raise UserError("model.method: qlora needs bitsandbytes: pip install 'ftkit[qlora]'") from None
     config = _from_pretrained(AutoConfig, cfg, "config")
-    problem = quant.width_problem(quant.layer_widths(config.to_dict()))
+    problem = quant.width_problem(quant.layer_widths(config.get_text_config().to_dict()))
     if problem:
         raise UserError(f"model.path: {cfg.path}: {problem}, which QLoRA needs")
     # One full copy per process on its own device, which FSDP2 shards after loading; under ZeRO-3
     # transformers refuses a device map and partitions the model as it builds it. A mixture of experts'
     # fused experts load to CPU memory first (16-bit, they would not fit the GPU) and go to it in 4-bit.
     staged = moe.expert_modules(config, cfg.trust_remote_code) if _gpu(local_rank) else []
-    kwargs = {"quantization_config": quant.quant_config(quant.STORAGE_DTYPES[storage], bool(staged))}
+    # A vision-language model's tower and projector stay in 16-bit: only the language model is quantized.
+    keep = list(vision.TOWER_NAMES + vision.PROJECTOR_NAMES) if vision.is_vision(config.model_type) else None
+    kwargs = {"quantization_config": quant.quant_config(quant.STORAGE_DTYPES[storage], bool(staged), keep)}
     if not is_deepspeed_zero3_enabled():
         kwargs["device_map"] = {"": _gpu(local_rank) or "cpu", **{name: "cpu" for name in staged}}
     return kwargs

@@ -29,13 +29,15 @@ def storage_name(setting: str, cast: str | None) -> str:
     return (cast or "float32") if setting == "auto" else setting
 
 
-def quant_config(storage: torch.dtype, staged_on_cpu: bool = False):
+def quant_config(storage: torch.dtype, staged_on_cpu: bool = False, keep: list[str] | None = None):
     """NF4 with double quantization, computing in bf16, packed into `storage` (storage_name's choice, so a
     backend's parameter cast leaves the packed bits intact). `staged_on_cpu`: the device map loads some
-    modules (a mixture of experts' fused experts) to CPU memory, which bitsandbytes then leaves alone."""
+    modules (a mixture of experts' fused experts) to CPU memory, which bitsandbytes then leaves alone.
+    `keep`: modules left unquantized by name (a vision tower and projector; the output head with them)."""
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
+        llm_int8_skip_modules=[*keep, "lm_head"] if keep else None,
         llm_int8_enable_fp32_cpu_offload=staged_on_cpu,
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
