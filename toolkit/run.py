@@ -406,7 +406,8 @@ class Run:
         evaluator.report(max_steps, "after")
         self.watchdog.beat("the export")
         final_dir = export_final(self.accelerator, model, tokenizer, self.cfg, self.output_dir)
-        for line in closing_lines(evaluator.shown, final_dir, self.cfg.eval.sample_prompt):
+        image = _first_image(evaluator.dataset) if self.images is not None else None
+        for line in closing_lines(evaluator.shown, final_dir, self.cfg.eval.sample_prompt, image):
             self.accelerator.print(line)
         self.accelerator.end_training()
         self._lock.release()
@@ -417,6 +418,12 @@ class Run:
         extra = self.recipe_state() if self.recipe_state is not None else None
         checkpoint.save_checkpoint(self.accelerator, self.output_dir, step, state, self.cfg, extra)
         self.schedule.saved(step)
+
+
+def _first_image(dataset) -> str | None:
+    """The first image among the opening held-out rows (what the closing line's command asks about)."""
+    rows = (dataset[i] for i in range(min(len(dataset), 100))) if dataset is not None else ()
+    return next((row["images"][0] for row in rows if row.get("images")), None)
 
 
 def exit_with(main, prog: str):

@@ -50,6 +50,7 @@ def export_model(accelerator, model, tokenizer, out_dir: Path, dtype: str) -> No
 
 def _write_export(model, state_dict: dict, tokenizer, tmp: Path, out_dir: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
+    vision.current_layout_only(model)
     model.save_pretrained(str(tmp), state_dict=state_dict)
     tokenizer.save_pretrained(str(tmp))
     vision.copy_processor_files(Path(tokenizer.name_or_path), tmp)

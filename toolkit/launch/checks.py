@@ -164,6 +164,11 @@ def _check_vision(launch: Launch, cfg: RecipeConfig, facts: ModelFacts, recipe_s
     split the language model's layers or sequence in ways its image inputs do not follow yet."""
     if not vision.is_vision(facts.model_type):
         return
+    if hasattr(cfg, "grpo"):
+        raise UserError(
+            f"{recipe_source}: the grpo recipe samples text-only prompts; {cfg.model.path} is a "
+            f"vision-language model ({facts.model_type}): train it with the SFT or preference recipe"
+        )
     split = {"tp": launch.mesh.tp, "pp": launch.mesh.pp, "sp": launch.mesh.sp}
     split["moe.expert_parallel"] = cfg.moe.expert_parallel
     used = [f"{name} {size}" for name, size in split.items() if size > 1]

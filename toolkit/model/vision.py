@@ -277,6 +277,30 @@ def _projector_modules(model: nn.Module) -> list[str]:
     return sorted(set(found)) or None
 
 
+def keep_present_blocks(model: nn.Module) -> None:
+    """Its `_no_split_modules` cut to the classes the model is built from. A vision-language model lists
+    its towers' whole families (CLIP's text embeddings beside its vision layers), and FSDP's wrapping by
+    those classes stops at the first one it cannot find."""
+    listed = getattr(model, "_no_split_modules", None)
+    if listed:
+        present = {type(module).__name__ for module in model.modules()}
+        model._no_split_modules = sorted(name for name in listed if name in present)
+
+
+def current_layout_only(model: nn.Module) -> None:
+    """Save in the hub layout transformers writes today. Loaded under ZeRO-3, transformers records its
+    legacy renamings and prefix changes too (Llava's `language_model.model.model`, CLIP's `vision_model`),
+    and saving reverses every recorded one: the export's names came out doubled
+    (`language_model.model.model.layers...`)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    if is_vision(getattr(model.config, "model_type", None)) and hasattr(model, "_weight_conversions"):
+        # What a model built from its config reverses when saving (export.verify_export's expectation).
+        mapping = get_model_conversion_mapping(model, add_legacy=False)
+        model._weight_conversions = [entry for entry in mapping if not isinstance(entry, PrefixChange)]
+
+
 def trained_by_part(model: nn.Module) -> dict[str, tuple[int, int]]:
     """(trained, total) parameter counts per part, counted at full size (ZeRO-3 partitions included)."""
     from toolkit.model.load import _weights

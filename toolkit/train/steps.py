@@ -53,9 +53,12 @@ def export_final(accelerator, model, tokenizer, cfg, output_dir: Path) -> Path:
     return final_dir
 
 
-def closing_lines(shown: dict[str, dict], final_dir: Path, prompt: str | None) -> list[str]:
+def closing_lines(
+    shown: dict[str, dict], final_dir: Path, prompt: str | None, image: str | None = None
+) -> list[str]:
     """The three lines every run ends with: the task metric before and after training (exact match where
-    measured, else the eval loss), where the result went, and the command that tries it."""
+    measured, else the eval loss), where the result went, and the command that tries it (on `image`, for
+    a vision-language model)."""
     after, before = shown.get("after", {}), shown.get("before", {})
     key = next((k for k in ("exact_match", "eval_loss") if k in after), None)
     if key is None:
@@ -65,4 +68,6 @@ def closing_lines(shown: dict[str, dict], final_dir: Path, prompt: str | None) -
         start = f"{fmt.format(before[key])} -> " if key in before else "(resumed) "
         result = f"result: held-out {key.replace('_', ' ')} {start}{fmt.format(after[key])}"
     command = f"ftkit generate --model {final_dir} --prompt {shlex.quote(prompt or '...')}"
+    if image:
+        command += f" --image {shlex.quote(image)}"
     return [result, f"saved: {final_dir.resolve()}", f"try: {command}"]
