@@ -11,7 +11,6 @@ recipes/finetune_llm.py; what differs is the data (pairs) and the loss (toolkit/
 from __future__ import annotations
 
 from toolkit import data
-from toolkit.model import load as models
 from toolkit.preference import config as pref
 from toolkit.preference import data as pairs
 from toolkit.preference import evaluate, reference
@@ -33,15 +32,15 @@ def train(run: Run, cfg) -> int:
 
     # Pairs and model: a stop here ends the run at once.
     with run.interruptible():
-        tokenizer = models.load_tokenizer(cfg.model)
+        tokenizer = run.chat_tokenizer()
         train_set, eval_set, stats = pairs.build_pairs(
-            cfg.data, tokenizer, pref.prompt_budget(cfg), cfg.seed, accelerator.main_process_first
+            cfg.data, tokenizer, pref.prompt_budget(cfg), cfg.seed, accelerator.main_process_first, run.images
         )
         accelerator.print(stats.summary())
         train_set = train_set.add_column("pair_index", list(range(len(train_set))))
         if eval_set is not None:
             eval_set = eval_set.add_column("pair_index", list(range(len(eval_set))))
-        collate = pairs.PairCollator(tokenizer.pad_token_id)
+        collate = pairs.PairCollator(tokenizer.pad_token_id, run.images)
         lengths = pairs.pair_lengths(train_set) if cfg.data.group_by_length else None
         loader, sampler = data.train_loader(
             train_set, cfg.data, cfg.train, tokenizer.pad_token_id, cfg.seed, False, collate, lengths

@@ -31,7 +31,7 @@ from toolkit.train import batches, metrics, optim, sequence_parallel
 from toolkit.train.nonfinite import NonFiniteGuard
 from toolkit.train.offload import activation_offload
 from toolkit.train.router import RouterBalance, router_coef
-from toolkit.train.steps import apply_update, closing_lines, every, export_final
+from toolkit.train.steps import apply_update, closing_lines, every, export_final, first_image
 from toolkit.train.watchdog import Watchdog
 from toolkit.typed_yaml import flat_dict
 
@@ -110,16 +110,22 @@ class Run:
         """(tokenizer, train rows, eval rows or None) from the config's data section in the SFT layouts,
         encoded by the main process first (the others read its cache); the data summary printed."""
         accelerator = self.accelerator
-        tokenizer = models.load_tokenizer(self.cfg.model)
-        self.images = vision.image_inputs(self.cfg.model, self.cfg.vision.max_pixels)
-        if self.images is not None:
-            self.processor, tokenizer = self.images.processor, self.images.processor.tokenizer
+        tokenizer = self.chat_tokenizer()
         data.ensure_chat_template(tokenizer)
         train_set, eval_set, stats = data.build_datasets(
             self.cfg.data, tokenizer, self.cfg.seed, accelerator.main_process_first, self.images
         )
         accelerator.print(stats.summary())
         return tokenizer, train_set, eval_set
+
+    def chat_tokenizer(self):
+        """The tokenizer data is encoded with: a vision-language model's processor's (then `images` and
+        `processor` are set: the model's loading and the collators read them), else the model's own."""
+        self.images = vision.image_inputs(self.cfg.model, self.cfg.vision.max_pixels)
+        if self.images is None:
+            return models.load_tokenizer(self.cfg.model)
+        self.processor = self.images.processor
+        return self.processor.tokenizer
 
     def eval_loader(self, eval_set, pad_id: int):
         """This process's share of the held-out rows for the eval loss (None without any); not for
@@ -229,18 +235,15 @@ class Run:
     def optimizer(self, model):
         """(optimizer, scheduler) for `model`, with what a checkpoint restores before `prepare` held."""
         optimizer = optim.build_optimizer(
-            model, self.cfg.train, self.data_parallel, self.features.fused_adamw, self._tower_lr(model)
+            model,
+            self.cfg.train,
+            self.data_parallel,
+            self.features.fused_adamw,
+            vision.tower_rate(model, self.cfg.vision),
         )
         scheduler = optim.build_scheduler(optimizer, self.cfg.train)
         self.resume.before_prepare(model, optimizer, scheduler, self.accelerator)
         return optimizer, scheduler
-
-    def _tower_lr(self, model) -> tuple[set[str], float] | None:
-        """A vision tower's own learning rate (vision.tower_learning_rate), for its trained parameters."""
-        rate = self.cfg.vision.tower_learning_rate
-        if rate is None or self.processor is None:
-            return None
-        return vision.tower_parameter_names(model), rate
 
     def begin(self, model, evaluator) -> int:
         """Collective, after `prepare`: the checkpoint's state restored (returns its step), or a fresh
@@ -406,7 +409,7 @@ class Run:
         evaluator.report(max_steps, "after")
         self.watchdog.beat("the export")
         final_dir = export_final(self.accelerator, model, tokenizer, self.cfg, self.output_dir)
-        image = _first_image(evaluator.dataset) if self.images is not None else None
+        image = first_image(evaluator.dataset) if self.images is not None else None
         for line in closing_lines(evaluator.shown, final_dir, self.cfg.eval.sample_prompt, image):
             self.accelerator.print(line)
         self.accelerator.end_training()
@@ -418,12 +421,6 @@ class Run:
         extra = self.recipe_state() if self.recipe_state is not None else None
         checkpoint.save_checkpoint(self.accelerator, self.output_dir, step, state, self.cfg, extra)
         self.schedule.saved(step)
-
-
-def _first_image(dataset) -> str | None:
-    """The first image among the opening held-out rows (what the closing line's command asks about)."""
-    rows = (dataset[i] for i in range(min(len(dataset), 100))) if dataset is not None else ()
-    return next((row["images"][0] for row in rows if row.get("images")), None)
 
 
 def exit_with(main, prog: str):

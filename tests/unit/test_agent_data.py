@@ -226,7 +226,7 @@ def test_alpaca_system_and_history_become_turns():
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-            "messages[0]: field 'content'[0] is a 'image_url' part; only text parts are read",
+            "messages[0]: field 'content'[0] is an 'image_url' part without its 'image_url'",
         ),
         (
             {"messages": [{"role": "user", "content": "a"}], "tools": "{bad"},

@@ -184,15 +184,6 @@ def _conversation(record: dict, fmt: str, where: str) -> tuple[list[dict], list[
     return messages, _match_images(sources, column or [], where)
 
 
-def turns_to_messages(turns: list, fmt: str, key: str, where: str) -> list[dict]:
-    """The turns of a `messages` or `sharegpt` list (field `key` of the record) as normalised messages. Text
-    only: its callers (preference pairs) do not read images, so an image part is refused, not dropped."""
-    messages, sources = _read_turns(turns, fmt, key, where, placeholders=False)
-    if sources:
-        raise UserError(f"{where}: field '{key}' holds an image part; preference pairs read text only")
-    return messages
-
-
 def _read_turns(
     turns: list, fmt: str, key: str, where: str, placeholders: bool
 ) -> tuple[list[dict], list[str | None]]:

@@ -39,7 +39,9 @@ def resolve_image(ref: str, base_dir: Path | None, where: str) -> str:
     if ref.lower().startswith("file://"):
         url = urlparse(ref)
         if url.netloc not in ("", "localhost"):
-            raise UserError(f"{where}: image {ref}: a file URL names no host; write file:///absolute/path")
+            raise UserError(
+                f"{where}: image {ref}: a file URL must not name a host; write file:///absolute/path"
+            )
         path = Path(unquote(url.path))
     elif REMOTE.match(ref):
         raise UserError(
@@ -62,6 +64,7 @@ def open_image(ref: str, where: str, max_pixels: int | None = None) -> Image.Ima
     source = _data_bytes(ref, where) if ref.startswith("data:") else ref
     try:
         with Image.open(source, formats=FORMATS) as image:
+            # PIL decodes lazily; decode every byte here, where a corrupt file can be named.
             image.load()
             rgb = image.convert("RGB")
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:

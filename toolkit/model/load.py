@@ -163,7 +163,7 @@ def peft_config(lora: LoraConfig, model, parts: VisionConfig | None = None) -> P
     )
 
 
-def _with_adapter(model, lora: LoraConfig, parts: VisionConfig | None):
+def _with_adapter(model, lora: LoraConfig, parts: VisionConfig | None = None):
     try:
         return get_peft_model(model, peft_config(lora, model, parts))
     except ValueError as exc:  # peft's "target modules not found" and its kin

@@ -12,6 +12,7 @@ By default only the language model trains (LoRA or full); `vision.train_projecto
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -20,6 +21,7 @@ from torch import nn
 
 from toolkit.config import LoraConfig, ModelConfig, VisionConfig
 from toolkit.errors import UserError
+from toolkit.model import moe
 
 # Families this toolkit trains (model_type -> what users call it), each checked to build, train and
 # generate through the same code; others with a vision tower are refused by name.
@@ -99,8 +101,6 @@ def load_processor(cfg: ModelConfig, key: str = "model.path"):
     not, so without torchvision the processor is assembled from its image processor and tokenizer."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
-    from toolkit.model.load import with_pad_token
-
     path = _config_folder(cfg.path)
     remote = cfg.trust_remote_code
     try:
@@ -117,7 +117,9 @@ def load_processor(cfg: ModelConfig, key: str = "model.path"):
         raise UserError(f"{key}: cannot load the processor from {cfg.path}: {_first(exc)}") from None
     if getattr(processor, "image_processor", None) is None:
         raise UserError(f"{key}: {cfg.path}: its processor has no image processor")
-    with_pad_token(processor.tokenizer)
+    tokenizer = processor.tokenizer
+    if tokenizer.pad_token is None:  # batches need one; the eos token, as load.with_pad_token gives text
+        tokenizer.pad_token = tokenizer.eos_token
     return processor
 
 
@@ -143,11 +145,10 @@ def image_inputs(cfg: ModelConfig, max_pixels: int | None, key: str = "model.pat
 
 def _config_folder(path: str) -> str:
     """`path`, or for an exported adapter the base model it applies to (which holds config.json)."""
-    from toolkit.model.load import local_path
-
-    adapter = Path(path).expanduser() / "adapter_config.json"
-    if (Path(path).expanduser() / "config.json").is_file() or not adapter.is_file():
-        return local_path(path)
+    folder = Path(path).expanduser()
+    if (folder / "config.json").is_file() or not (folder / "adapter_config.json").is_file():
+        return str(folder.resolve()) if folder.is_dir() else path
+    adapter = folder / "adapter_config.json"
     return json.loads(adapter.read_text())["base_model_name_or_path"]
 
 
@@ -303,12 +304,10 @@ def current_layout_only(model: nn.Module) -> None:
 
 def trained_by_part(model: nn.Module) -> dict[str, tuple[int, int]]:
     """(trained, total) parameter counts per part, counted at full size (ZeRO-3 partitions included)."""
-    from toolkit.model.load import _weights
-
     counts = {"tower": [0, 0], "projector": [0, 0], "language model": [0, 0]}
     for name, param in model.named_parameters():
         entry = counts[part_of(name)]
-        size = _weights(param)
+        size = math.prod(moe.full_shape(param))
         entry[1] += size
         entry[0] += size if param.requires_grad else 0
     return {part: (trained, total) for part, (trained, total) in counts.items()}
@@ -323,6 +322,8 @@ def parts_line(model: nn.Module) -> str:
     return f"vision: {model.config.model_type}; " + ", ".join(described)
 
 
-def tower_parameter_names(model: nn.Module) -> set[str]:
-    """Names of trained tower parameters (what `vision.tower_learning_rate` applies to)."""
-    return {name for name, p in model.named_parameters() if p.requires_grad and part_of(name) == "tower"}
+def tower_rate(model: nn.Module, cfg: VisionConfig) -> tuple[set[str], float] | None:
+    """(names of the trained tower parameters, `cfg.tower_learning_rate`), or None where it is not set or
+    nothing of a tower trains (optim.build_optimizer's `own_lr`)."""
+    names = {name for name, p in model.named_parameters() if p.requires_grad and part_of(name) == "tower"}
+    return (names, cfg.tower_learning_rate) if cfg.tower_learning_rate is not None and names else None

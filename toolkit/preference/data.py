@@ -1,13 +1,18 @@
 """Preference pairs to token rows and batches: the prompt and each completion rendered through the chat
 template and tokenized apart, cut to data.max_length (prompt from the left first), and batched with
-chosen and rejected rows stacked so both go through the model in one forward pass."""
+chosen and rejected rows stacked so both go through the model in one forward pass.
+
+For a vision-language model the prompt is encoded through its processor, each image placeholder expanded
+into its image's tokens (the completions hold no image: they are tokenized as text), and rows keep their
+image references, not pixels: the collator opens a batch's images and gives a pair's chosen and rejected
+rows the same pixels. A prompt with images is never cut (see `EncodedPairs.add`)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import datasets
 import numpy as np
@@ -16,9 +21,12 @@ import torch
 from toolkit.config import DataConfig
 from toolkit.data.cache import cache_key, encode_to_cache, tokenizer_fingerprint
 from toolkit.data.chat import ensure_chat_template, render
+from toolkit.data.collate import Collator
+from toolkit.data.images import resolve_image
 from toolkit.data.mixture import split_sources
 from toolkit.data.packing import row_lengths
 from toolkit.data.sources import read_source, train_sources
+from toolkit.data.vision_rows import ImageInputs, VisionCollator, as_parts, image_fingerprint, source_folder
 from toolkit.errors import UserError
 from toolkit.preference.records import Pair, detect_layout, to_pair
 from toolkit.train.loss import IGNORE
@@ -32,14 +40,36 @@ CHUNK = 1000
 
 @dataclass
 class EncodedPairs:
-    columns: dict[str, list[list[int]]] = field(default_factory=lambda: {name: [] for name in COLUMNS})
+    with_images: bool = False
+    """Rows keep their image references in an `images` column (a vision-language model's rows)."""
+    columns: dict[str, list] = field(init=False)
     truncated: int = 0
     """Pairs longer than the limit, cut to it."""
     dropped: int = 0
-    """Pairs left out: after cutting, the two completions were the same tokens."""
+    """Pairs left out: the two completions the same tokens after cutting, or a pair over the limit whose
+    prompt holds images and is longer than the tokens a prompt keeps."""
 
-    def add(self, prompt: list[int], chosen: list[int], rejected: list[int], max_length: int, keep: int):
+    def __post_init__(self):
+        self.columns = {name: [] for name in (*COLUMNS, *(["images"] if self.with_images else []))}
+
+    def add(
+        self,
+        prompt: list[int],
+        chosen: list[int],
+        rejected: list[int],
+        max_length: int,
+        keep: int,
+        images: list[str] | None = None,
+    ):
+        """Add a pair, cut to `max_length` (the prompt's last `keep` tokens first); `images`: its image
+        references, when rows keep them."""
         if len(prompt) + max(len(chosen), len(rejected)) > max_length:
+            if images and len(prompt) > keep:
+                # A left cut would go through an image or the tokens that frame it (Qwen's vision start
+                # decides the image's positions), and the image tokens must match its pixels: the prompt
+                # is kept whole or the pair left out.
+                self.dropped += 1
+                return
             self.truncated += 1
             prompt = prompt[-keep:] if len(prompt) > keep else prompt
             chosen, rejected = chosen[: max_length - len(prompt)], rejected[: max_length - len(prompt)]
@@ -48,6 +78,8 @@ class EncodedPairs:
             return
         for name, ids in zip(COLUMNS, (prompt, chosen, rejected)):
             self.columns[name].append(ids)
+        if self.with_images:
+            self.columns["images"].append(images or [])
 
 
 def render_pair(tokenizer, pair: Pair, where: str) -> tuple[str, str, str]:
@@ -66,22 +98,44 @@ def render_pair(tokenizer, pair: Pair, where: str) -> tuple[str, str, str]:
 
 @dataclass
 class PairEncoder:
-    """Encodes one chunk of records of a source in `layout` into token pairs (see `encode_to_cache`)."""
+    """Encodes one chunk of records of a source in `layout` into token pairs (see `encode_to_cache`);
+    with `images` (a vision-language model's), rows keep their resolved image references."""
 
     layout: str
     tokenizer: object
     max_length: int
     keep_prompt: int
+    images: ImageInputs | None = None
 
     def __call__(self, chunk) -> tuple[dict[str, list], dict[str, int]]:
-        out = EncodedPairs()
+        out = EncodedPairs(with_images=self.images is not None)
+        folder = source_folder(chunk.name)
         for i, record in enumerate(chunk.records()):
             where = chunk.where(i)
-            texts = render_pair(self.tokenizer, to_pair(record, self.layout, where), where)
-            # Chat templates write any bos/eos themselves; tokenizing apart keeps the prompt/answer boundary.
-            prompt, chosen, rejected = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-            out.add(prompt, chosen, rejected, self.max_length, self.keep_prompt)
+            pair = to_pair(record, self.layout, where)
+            if self.images is None:
+                out.add(*self._text_ids(pair, where), self.max_length, self.keep_prompt)
+                continue
+            refs = [resolve_image(ref, folder, where) for ref in pair.images]
+            out.add(*self._vision_ids(pair, refs, where), self.max_length, self.keep_prompt, refs)
         return out.columns, {"truncated": out.truncated, "dropped": out.dropped}
+
+    def _text_ids(self, pair: Pair, where: str) -> list[list[int]]:
+        if pair.images:
+            raise UserError(
+                f"{where}: this pair has {len(pair.images)} image(s), but model.path is a text-only model; "
+                "use a vision-language model or leave the images out"
+            )
+        texts = render_pair(self.tokenizer, pair, where)
+        # Chat templates write any bos/eos themselves; tokenizing apart keeps the prompt/answer boundary.
+        return self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+
+    def _vision_ids(self, pair: Pair, refs: list[str], where: str) -> list[list[int]]:
+        """The prompt's ids with its images expanded; the completions' as text (they hold no image)."""
+        sides = {key: as_parts(getattr(pair, key)) for key in ("prompt", "chosen", "rejected")}
+        prompt, *completions = render_pair(self.tokenizer, replace(pair, **sides), where)
+        expanded = self.images.expanded_ids(prompt, self.images.open(refs, where))
+        return [expanded, *self.tokenizer(completions, add_special_tokens=False)["input_ids"]]
 
 
 @dataclass
@@ -100,16 +154,22 @@ class PairStats:
 
 
 def build_pairs(
-    cfg: DataConfig, tokenizer, keep_prompt: int, seed: int, main_process_first=contextlib.nullcontext
+    cfg: DataConfig,
+    tokenizer,
+    keep_prompt: int,
+    seed: int,
+    main_process_first=contextlib.nullcontext,
+    images: ImageInputs | None = None,
 ):
-    """(train, eval or None, stats): datasets of token pairs, held out and mixed as SFT data is."""
+    """(train, eval or None, stats): datasets of token pairs, held out and mixed as SFT data is; `images`
+    (a vision-language model's) encodes prompts with their images (rows get an `images` column)."""
     names = train_sources(cfg)
     if not names:
         raise UserError("data.train: no training source given")
     ensure_chat_template(tokenizer)
     with main_process_first():
-        parts = [_prepare(name, cfg, tokenizer, keep_prompt) for name in names]
-        held = _prepare(cfg.eval, cfg, tokenizer, keep_prompt) if cfg.eval else None
+        parts = [_prepare(name, cfg, tokenizer, keep_prompt, images) for name in names]
+        held = _prepare(cfg.eval, cfg, tokenizer, keep_prompt, images) if cfg.eval else None
     held_set = held.dataset if held else None
     rng = np.random.default_rng(seed)
     split = split_sources([p.dataset for p in parts], held_set, cfg.eval_fraction, cfg.weights, rng)
@@ -134,17 +194,19 @@ class _Part:
     dropped: int
 
 
-def _prepare(name: str, cfg: DataConfig, tokenizer, keep_prompt: int) -> _Part:
+def _prepare(name: str, cfg: DataConfig, tokenizer, keep_prompt: int, images: ImageInputs | None) -> _Part:
     source = read_source(name, cfg.split)
     first = source.first()
     if first is None:
         raise UserError(f"{name}: no records")
     layout = detect_layout(*first)
-    key = cache_key("pairs", ENCODING_VERSION, source.identity, cfg.max_length, keep_prompt)
+    # Rows keep their images' resolved paths: the same file elsewhere is other rows.
+    seen = [image_fingerprint(images), str(source_folder(name))] if images is not None else []
+    key = cache_key("pairs", ENCODING_VERSION, source.identity, cfg.max_length, keep_prompt, *seen)
     dataset, counts = encode_to_cache(
         cache_key(key, tokenizer_fingerprint(tokenizer)),
         source.read(CHUNK),
-        PairEncoder(layout, tokenizer, cfg.max_length, keep_prompt),
+        PairEncoder(layout, tokenizer, cfg.max_length, keep_prompt, images),
         1,
         desc=f"encoding {name}",
         empty_error=lambda counts: f"{name}: no pair left after cutting to data.max_length={cfg.max_length}",
@@ -161,25 +223,25 @@ def pair_lengths(dataset) -> np.ndarray:
 
 class PairCollator:
     """Pairs to one batch of 2B right-padded rows, the B chosen then the B rejected: input_ids, labels
-    (IGNORE on prompt and padding), attention_mask, and `pair_index` (each pair's row in its dataset)."""
+    (IGNORE on prompt and padding), attention_mask, and `pair_index` (each pair's row in its dataset).
+    With `images` (a vision-language model's), also the image inputs, each pair's images given to both its
+    rows (data.VisionCollator: a batch without any image gets its masked stand-in)."""
 
-    def __init__(self, pad_id: int, multiple: int = 8):
-        self.pad_id = pad_id
-        self.multiple = multiple
+    def __init__(self, pad_id: int, images: ImageInputs | None = None, multiple: int = 8):
+        self.images = images
+        self.rows = Collator(pad_id, multiple) if images is None else VisionCollator(pad_id, images, multiple)
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        sequences = [(r["prompt_ids"], r[side]) for side in ("chosen_ids", "rejected_ids") for r in rows]
-        longest = max(len(p) + len(c) for p, c in sequences)
-        width = -(-longest // self.multiple) * self.multiple
-        input_ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
-        labels = torch.full_like(input_ids, IGNORE)
-        attention_mask = torch.zeros_like(input_ids)
-        for i, (prompt, completion) in enumerate(sequences):
-            ids = torch.as_tensor(prompt + completion, dtype=torch.long)
-            input_ids[i, : len(ids)] = ids
-            labels[i, len(prompt) : len(ids)] = ids[len(prompt) :]
-            attention_mask[i, : len(ids)] = 1
-        batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+        stacked = [
+            {
+                "input_ids": r["prompt_ids"] + r[side],
+                "labels": [IGNORE] * len(r["prompt_ids"]) + r[side],
+                "images": r.get("images"),
+            }
+            for side in ("chosen_ids", "rejected_ids")
+            for r in rows
+        ]
+        batch = self.rows(stacked)
         if "pair_index" in rows[0]:
             batch["pair_index"] = torch.tensor([r["pair_index"] for r in rows], dtype=torch.long)
         return batch

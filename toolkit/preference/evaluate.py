@@ -87,18 +87,23 @@ class PairEvaluator:
                 self.cfg.eval.exact_match_samples,
                 self.cfg.eval.max_new_tokens,
                 self.accelerator.num_processes > 1,
+                self.collate.images,
             )
         self.shown[label] = results
         self.accelerator.print(f"[{label}] " + "  ".join(f"{k}={v:.4g}" for k, v in results.items()))
         self.log.write(step, **results)
 
 
-def pair_exact_match(model, tokenizer, dataset, samples: int, max_new_tokens: int, synced: bool) -> float:
-    """Share of the first `samples` eval pairs whose greedy answer equals the chosen completion."""
+def pair_exact_match(
+    model, tokenizer, dataset, samples: int, max_new_tokens: int, synced: bool, images=None
+) -> float:
+    """Share of the first `samples` eval pairs whose greedy answer equals the chosen completion; `images`
+    (a vision-language model's data.ImageInputs) gives each prompt's image inputs."""
     rows = [dataset[i] for i in range(min(samples, len(dataset)))]
-    hits = sum(
-        greedy_answer(model, tokenizer, row["prompt_ids"], max_new_tokens, synced)
-        == tokenizer.decode(row["chosen_ids"], skip_special_tokens=True).strip()
-        for row in rows
-    )
+    hits = 0
+    for row in rows:
+        refs = row.get("images")
+        pixels = images.pixels([images.open(refs, "an eval pair")]) if images is not None and refs else None
+        answer = greedy_answer(model, tokenizer, row["prompt_ids"], max_new_tokens, synced, pixels)
+        hits += answer == tokenizer.decode(row["chosen_ids"], skip_special_tokens=True).strip()
     return hits / max(len(rows), 1)

@@ -9,13 +9,18 @@ Two published layouts are read, told apart by their keys:
 - ranking: `conversations` (sharegpt turns) as the prompt, `chosen` and `rejected` each one {from, value}
   turn, with optional `system` and `tools` columns (LLaMA-Factory).
 Turns may carry tool calls, tool results and reasoning, as in SFT data (see toolkit/data/formats.py).
+
+Images belong to the prompt, given as SFT data gives them: image parts with their own source, bare image
+parts (TRL's image pairs) or `<image>` placeholders, the last two filled in order from the record's
+`images` column. Both answers follow the same images, so an image after the prompt is refused.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from toolkit.data.formats import FORMAT_KEYS, tools_of, turns_to_messages
+# formats' turn reader, with its image parts and their matching to the image column, as SFT reads them.
+from toolkit.data.formats import FORMAT_KEYS, _image_column, _match_images, _read_turns, tools_of
 from toolkit.errors import UserError
 
 LAYOUTS = {
@@ -35,6 +40,8 @@ class Pair:
     """Turns of the dispreferred completion."""
     tools: list[dict] | None = None
     """JSON schemas of the tools the conversation may call."""
+    images: list[str] = field(default_factory=list)
+    """The prompt's image references, one per image part in order, as the record gave them."""
 
 
 def detect_layout(record: dict, where: str) -> str:
@@ -59,22 +66,26 @@ def to_pair(record: dict, layout: str, where: str) -> Pair:
     for key in LAYOUTS[layout]:
         if record.get(key) in (None, "", []):
             raise UserError(f"{where}: missing or empty '{key}'")
+    column = _image_column(record, where)
     if layout == "ranking":
-        return _ranking(record, where)
-    chosen = _turns(record["chosen"], "chosen", "assistant", where)
-    rejected = _turns(record["rejected"], "rejected", "assistant", where)
+        return _ranking(record, column, where)
+    placeholders = column is not None
+    chosen, sources = _turns(record["chosen"], "chosen", "assistant", placeholders, where)
+    rejected = _turns(record["rejected"], "rejected", "assistant", placeholders, where)[0]
     if layout == "explicit":
-        prompt = _turns(record["prompt"], "prompt", "user", where)
+        prompt, sources = _turns(record["prompt"], "prompt", "user", placeholders, where)
         chosen, rejected = _after(prompt, chosen), _after(prompt, rejected)
     else:
         shared = _shared_prefix(chosen, rejected)
         if shared == 0:
             raise UserError(f"{where}: 'chosen' and 'rejected' share no opening turn to use as the prompt")
         prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        sources = sources[: _image_parts(prompt)]
     if not chosen or not rejected:
         side = "chosen" if not chosen else "rejected"
         raise UserError(f"{where}: '{side}' has no turn after the prompt")
-    return _checked(Pair(prompt, chosen, rejected, tools_of(record, where)), where)
+    images = _prompt_images(chosen, rejected, sources, column, where)
+    return _checked(Pair(prompt, chosen, rejected, tools_of(record, where), images), where)
 
 
 def _checked(pair: Pair, where: str) -> Pair:
@@ -83,27 +94,51 @@ def _checked(pair: Pair, where: str) -> Pair:
     return pair
 
 
-def _ranking(record: dict, where: str) -> Pair:
+def _ranking(record: dict, column: list[str] | None, where: str) -> Pair:
     system = record.get("system")
     prompt = [{"role": "system", "content": system}] if isinstance(system, str) and system else []
     if not isinstance(record["conversations"], list):
         raise UserError(f"{where}: 'conversations' must be a list of turns")
-    prompt += turns_to_messages(record["conversations"], "sharegpt", "conversations", where)
+    turns, sources = _read_turns(
+        record["conversations"], "sharegpt", "conversations", where, column is not None
+    )
     answers = []
     for key in ("chosen", "rejected"):
         value = record[key]
         if not isinstance(value, dict):
             raise UserError(f"{where}: '{key}' must be one {{from, value}} turn, got {type(value).__name__}")
-        answers.append(turns_to_messages([value], "sharegpt", key, where))
-    return _checked(Pair(prompt, answers[0], answers[1], tools_of(record, where)), where)
+        answers.append(_read_turns([value], "sharegpt", key, where, column is not None)[0])
+    images = _prompt_images(answers[0], answers[1], sources, column, where)
+    return _checked(Pair(prompt + turns, answers[0], answers[1], tools_of(record, where), images), where)
 
 
-def _turns(value, key: str, role: str, where: str) -> list[dict]:
+def _turns(value, key: str, role: str, placeholders: bool, where: str) -> tuple[list[dict], list[str | None]]:
+    """(messages, one source per image part) of a text or a list of turns; `placeholders`: `<image>` in
+    the text is an image (the record has an image column)."""
     if isinstance(value, str):
-        return [{"role": role, "content": value}]
+        value = [{"role": role, "content": value}]
     if not isinstance(value, list):
         raise UserError(f"{where}: '{key}' must be text or a list of turns, got {type(value).__name__}")
-    return turns_to_messages(value, "messages", key, where)
+    return _read_turns(value, "messages", key, where, placeholders)
+
+
+def _prompt_images(
+    chosen: list[dict], rejected: list[dict], sources: list[str | None], column: list[str] | None, where: str
+) -> list[str]:
+    """The prompt's image references; answers that hold an image of their own are refused."""
+    for key, answer in (("chosen", chosen), ("rejected", rejected)):
+        if _image_parts(answer):
+            raise UserError(f"{where}: '{key}' holds an image after the prompt; put the images in the prompt")
+    return _match_images(sources, column or [], where)
+
+
+def _image_parts(messages: list[dict]) -> int:
+    return sum(
+        part.get("type") == "image"
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+    )
 
 
 def _after(prompt: list[dict], answer: list[dict]) -> list[dict]:

@@ -71,3 +71,9 @@ def closing_lines(
     if image:
         command += f" --image {shlex.quote(image)}"
     return [result, f"saved: {final_dir.resolve()}", f"try: {command}"]
+
+
+def first_image(dataset) -> str | None:
+    """The first image among the opening held-out rows (what the closing line's command asks about)."""
+    rows = (dataset[i] for i in range(min(len(dataset), 100))) if dataset is not None else ()
+    return next((row["images"][0] for row in rows if row.get("images")), None)
