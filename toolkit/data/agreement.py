@@ -5,16 +5,19 @@ drop earlier reasoning at inference but keep it in training are the common case)
 from __future__ import annotations
 
 from toolkit.data.chat import render
-from toolkit.data.formats import to_example
+from toolkit.data.formats import text_only, to_example
 
 SAMPLE = 8
 SHOWN = 30
 
 
-def disagreement(tokenizer, record: dict, fmt: str, where: str) -> str | None:
+def disagreement(tokenizer, record: dict, fmt: str, where: str, images: bool = False) -> str | None:
     """None when generating each assistant turn of the record starts from its training text's prefix,
-    else one line with the first differing characters."""
+    else one line with the first differing characters. A row with images is refused unless `images` (the
+    model is a vision-language one)."""
     example = to_example(record, fmt, where)
+    if not images:
+        text_only(example, where)
     messages, tools = example.get("messages") or [], example.get("tools")
     text = None
     for turn, message in enumerate(messages):
@@ -32,13 +35,13 @@ def disagreement(tokenizer, record: dict, fmt: str, where: str) -> str | None:
     return None
 
 
-def first_disagreement(tokenizer, source, fmt: str) -> str | None:
-    """The first disagreement among the opening records of `source`, or None."""
+def first_disagreement(tokenizer, source, fmt: str, images: bool = False) -> str | None:
+    """The first disagreement among the opening records of `source`, or None (`images`: as `disagreement`)."""
     if fmt == "text":
         return None
     for chunk in source.read(SAMPLE):
         for i, record in enumerate(chunk.records()):
-            found = disagreement(tokenizer, record, fmt, chunk.where(i))
+            found = disagreement(tokenizer, record, fmt, chunk.where(i), images)
             if found:
                 return found
         return None

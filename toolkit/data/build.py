@@ -161,9 +161,9 @@ def _streaming(names: list[str], cfg: DataConfig, tokenizer, main_process_first)
     return StreamRows(sources, STREAM_CHUNK, cfg.max_length, key), eval_set, stats
 
 
-def data_format(source, cfg: DataConfig, tokenizer) -> str:
+def data_format(source, cfg: DataConfig, tokenizer, images: bool = False) -> str:
     """The source's record layout (detected from its first record with data.format auto), checked to be
-    encodable with this tokenizer."""
+    encodable with this tokenizer (`images`: by a vision-language model)."""
     first = source.first()
     if first is None:
         raise UserError(f"{source.name}: no records")
@@ -171,7 +171,7 @@ def data_format(source, cfg: DataConfig, tokenizer) -> str:
     if fmt != "text":
         ensure_chat_template(tokenizer)
     check_encoder(tokenizer, fmt, cfg.assistant_only_loss)
-    found = first_disagreement(tokenizer, source, fmt)
+    found = first_disagreement(tokenizer, source, fmt, images)
     if found:
         logger.warning("%s", found)
     return fmt
@@ -205,7 +205,7 @@ def _prepare(name: str, cfg: DataConfig, tokenizer, images: ImageInputs | None =
     """One source read, checked and encoded chunk by chunk, from the cache when this exact work was done
     before."""
     source = read_source(name, cfg.split)
-    fmt = data_format(source, cfg, tokenizer)
+    fmt = data_format(source, cfg, tokenizer, images is not None)
     key = cache_key(
         source.identity,
         fmt,

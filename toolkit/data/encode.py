@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from toolkit.data.chat import assistant_spans, check_prefix_stable, render
-from toolkit.data.formats import to_example
+from toolkit.data.formats import text_only, to_example
 from toolkit.data.sources import Chunk
 from toolkit.errors import UserError
 
@@ -85,14 +85,9 @@ class ChunkEncoder:
 
 def _render(record: dict, fmt: str, tokenizer, masked: bool, train_reasoning: bool, where: str):
     """(text, assistant character spans or None) for one record."""
-    example = to_example(record, fmt, where)
+    example = text_only(to_example(record, fmt, where), where)
     if "text" in example:
         return example["text"], None
-    if example.get("images"):
-        raise UserError(
-            f"{where}: this row has {len(example['images'])} image(s), but model.path is a text-only model; "
-            "use a vision-language model or leave the images out"
-        )
     if not example["messages"]:
         return "", []
     messages, tools = example["messages"], example["tools"]

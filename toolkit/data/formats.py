@@ -366,3 +366,13 @@ def _calls(calls, where: str) -> list[dict]:
             entry["id"] = call["id"]
         out.append(entry)
     return out
+
+
+def text_only(example: dict, where: str) -> dict:
+    """`example`, refused in one line when it holds images (a text-only model is training on it)."""
+    if example.get("images"):
+        raise UserError(
+            f"{where}: this row has {len(example['images'])} image(s), but model.path is a text-only model; "
+            "use a vision-language model or leave the images out"
+        )
+    return example
