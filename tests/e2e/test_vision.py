@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import (
     REPO,
+    assert_same_weights,
     final_weights,
     image_layouts,
     launch,
@@ -95,11 +96,7 @@ def test_backend_matches_one_process(variant, config, singles, qwen, data, tmp_p
     assert "| world 2 |" in result.stdout
     assert step_losses(out) == pytest.approx(step_losses(reference), rel=1e-3)
     assert logged(out, "grad_norm") == pytest.approx(logged(reference, "grad_norm"), rel=1e-4)
-    got, expected = final_weights(out), final_weights(reference)
-    assert got.keys() == expected.keys()
-    for name, tensor in expected.items():
-        scale = tensor.abs().max().clamp_min(1e-12)
-        assert ((got[name].float() - tensor.float()).abs().max() / scale) < 1e-3, name
+    assert_same_weights(final_weights(out), final_weights(reference))
     assert verify_export(out / "final") > 0
 
 
