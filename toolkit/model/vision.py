@@ -52,12 +52,21 @@ PROCESSOR_FILES = (
 
 
 def model_type(path: str) -> str | None:
-    """config.json's model_type of a local model folder (read as plain JSON: no model code runs)."""
-    config_file = Path(path).expanduser() / "config.json"
-    if not config_file.is_file():
+    """The model_type of the model at `path`: a local folder's config.json read as plain JSON (no model code
+    runs), or a hub model's config as transformers finds it (cached or downloaded); None where neither
+    can be read without the model's own code."""
+    folder = Path(path).expanduser()
+    if (folder / "config.json").is_file():
+        try:
+            return json.loads((folder / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError):
+            return None
+    if folder.exists() or not path:
         return None
+    from transformers import AutoConfig
+
     try:
-        return json.loads(config_file.read_text()).get("model_type")
+        return AutoConfig.from_pretrained(path).model_type
     except (OSError, ValueError):
         return None
 
