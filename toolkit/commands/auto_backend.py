@@ -14,7 +14,7 @@ from toolkit.errors import UserError
 from toolkit.grpo.config import GrpoRecipeConfig
 from toolkit.plan.estimate import make_plan
 from toolkit.plan.memory import GIB
-from toolkit.plan.request import PlanRequest
+from toolkit.plan.request import VISION_KEYS, PlanRequest
 from toolkit.preference.config import PreferenceConfig
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -52,7 +52,7 @@ def choose(cfg: RecipeConfig, overrides: list[str], hardware, processes: int) ->
 def plan_request(cfg: RecipeConfig, overrides: list[str], processes: int, mem_gib: float) -> PlanRequest:
     """The recipe config as the estimator sees it; what the user fixed on the command line stays fixed.
     A preference config plans two sequences per pair, and a separate reference model's weights; a GRPO
-    config its generation round too."""
+    config its generation round too; a vision-language model's the parts its vision section trains."""
     fixed = _keys(overrides)
     dpo = cfg.dpo if isinstance(cfg, PreferenceConfig) else None
     ckpt = cfg.model.gradient_checkpointing
@@ -74,6 +74,7 @@ def plan_request(cfg: RecipeConfig, overrides: list[str], processes: int, mem_gi
         reference_model=bool(dpo and dpo.reference_model),
         loss_head=cfg.loss.head,
         chunk_tokens=cfg.loss.chunk_tokens,
+        **{key: getattr(cfg.vision, key) for key in VISION_KEYS},
     )
     return _with_grpo(request, cfg) if isinstance(cfg, GrpoRecipeConfig) else request
 

@@ -102,6 +102,24 @@ def main(argv: list[str] | None = None) -> int:
         help="grpo under zero3/fsdp: gather the whole model on each GPU to generate (default on)",
     )
     plan.add_argument("--beta", type=float, help="grpo: KL weight; above 0 a reference is scored (default 0)")
+    plan.add_argument(
+        "--images-per-row", type=int, help="vision-language models: images in each row (default 1)"
+    )
+    plan.add_argument(
+        "--max-pixels",
+        type=int,
+        help="vision-language models: pixels of an image (vision.max_pixels, 589824)",
+    )
+    for part in ("projector", "tower"):
+        plan.add_argument(
+            f"--train-{part}",
+            action="store_true",
+            default=None,
+            help=f"vision-language models: train the {part} too (vision.train_{part})",
+        )
+    plan.add_argument(
+        "--tower-blocks", type=int, help="with --train-tower: only its last this many blocks (default 0: all)"
+    )
     plan.add_argument("--tokens", type=float, help="tokens to train on, for time and cost")
     plan.add_argument("--tokens-per-s", type=float, help="throughput of the whole machine")
     plan.add_argument("--from-run", help="a run's output_dir on the same hardware: its measured tokens/s")

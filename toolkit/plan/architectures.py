@@ -182,6 +182,63 @@ _TABLE = [
         ),
         46_702_792_704,
     ),
+    # Vision-language models: the language model's config in text_config, the tower's in vision_config (the
+    # projector's shape follows from the two); the published count is the whole model's.
+    (
+        ("Qwen/Qwen2.5-VL-7B-Instruct",),
+        dict(
+            model_type="qwen2_5_vl",
+            tie_word_embeddings=False,
+            text_config={
+                **_QWEN25,
+                "model_type": "qwen2_5_vl_text",
+                "vocab_size": 152064,
+                "max_position_embeddings": 128000,
+                **_layers(3584, 18944, 28, 28, 4, tie_word_embeddings=False),
+            },
+            vision_config=dict(
+                depth=32,
+                hidden_size=1280,
+                intermediate_size=3420,
+                num_heads=16,
+                out_hidden_size=3584,
+                patch_size=14,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                window_size=112,
+                fullatt_block_indexes=[7, 15, 23, 31],
+            ),
+        ),
+        8_292_166_656,
+    ),
+    (
+        ("google/gemma-3-12b-it", "google/gemma-3-12b-pt"),
+        dict(
+            model_type="gemma3",
+            mm_tokens_per_image=256,
+            text_config=dict(
+                model_type="gemma3_text",
+                vocab_size=262208,
+                head_dim=256,
+                sliding_window=1024,
+                max_position_embeddings=131072,
+                query_pre_attn_scalar=256,
+                rope_scaling={"rope_type": "linear", "factor": 8.0},
+                **_layers(3840, 15360, 48, 16, 8, tie_word_embeddings=True),
+            ),
+            vision_config=dict(
+                model_type="siglip_vision_model",
+                hidden_size=1152,
+                intermediate_size=4304,
+                num_hidden_layers=27,
+                num_attention_heads=16,
+                image_size=896,
+                patch_size=14,
+                vision_use_head=False,
+            ),
+        ),
+        12_187_325_040,
+    ),
 ]
 
 ARCHITECTURES: dict[str, dict] = {name.lower(): config for names, config, _ in _TABLE for name in names}

@@ -3,6 +3,7 @@ so no weights are read or downloaded and even a 70B model costs no memory."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from dataclasses import dataclass
@@ -12,9 +13,11 @@ import torch
 
 from toolkit import console
 from toolkit.config import LoraConfig as RecipeLora
+from toolkit.config import VisionConfig
 from toolkit.errors import UserError
-from toolkit.model import lora_targets, moe
+from toolkit.model import lora_targets, moe, vision
 from toolkit.plan import architectures
+from toolkit.plan.images import VisionCounts, count_vision
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,9 @@ class ModelCounts:
     pipeline_parts: tuple[tuple[int, int], ...] = ()
     """(parameters, trainable) of what a pipeline splits, in order: what comes before the decoder layers (the
     input embeddings), each decoder layer (adapters included), what comes after them (final norm, head)."""
+    vision: VisionCounts | None = None
+    """A vision-language model's tower and projector (None: a text model). The totals above include them;
+    the shapes and the per-part counts are the language model's."""
 
 
 def load_model_config(model: str):
@@ -83,23 +89,43 @@ def load_model_config(model: str):
     if path.exists():
         if not file.is_file():
             raise UserError(f"--model {model}: directory has no config.json")
-        return _config_from_dict(_read_json(file), model), str(file)
+        return _trained_family(_config_from_dict(_read_json(file), model), model), str(file)
     built_in = architectures.lookup(model)
     if built_in is not None:
         return AutoConfig.for_model(**built_in), "built-in table"
     try:
-        return AutoConfig.from_pretrained(model, local_files_only=True), "local Hugging Face cache"
+        config = AutoConfig.from_pretrained(model, local_files_only=True)
     except (OSError, ValueError):
         known = ", ".join(architectures.known_ids())
         raise UserError(
             f"--model {model}: no such path, not in the built-in table, not in the local Hugging Face "
             f"cache (built in: {known}; or pass a directory holding config.json)"
         ) from None
+    return _trained_family(config, model), "local Hugging Face cache"
 
 
-def count_parameters(config, method: str, lora_r: int, source: str = "") -> ModelCounts:
-    """Exact counts for `method`; LoRA adapters are the recipe's default ones at rank `lora_r`, on meta."""
+def _trained_family(config, model: str):
+    """`config`, unless it is a vision-language family ftkit does not train (the recipe refuses it too)."""
+    kind = config.model_type
+    if vision.is_vision(kind) and kind not in vision.FAMILIES:
+        raise UserError(
+            f"--model {model}: {kind} is a vision-language family ftkit does not train yet "
+            f"(supported: {', '.join(sorted(vision.FAMILIES))})"
+        )
+    return config
+
+
+def count_parameters(
+    config, method: str, lora_r: int, source: str = "", parts: VisionConfig | None = None
+) -> ModelCounts:
+    """Exact counts for `method`; LoRA adapters are the recipe's default ones at rank `lora_r`, on meta. On a
+    vision-language model `parts` (the recipe's vision section) chooses what of the tower and projector
+    trains, as the recipe does; the language model is counted as a text model's."""
     model = build_meta_model(config)
+    seeing = vision.is_vision(config.model_type)
+    parts = parts or VisionConfig()
+    if seeing:
+        _check_tower_blocks(model, parts)
     if method in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 
@@ -109,11 +135,58 @@ def count_parameters(config, method: str, lora_r: int, source: str = "") -> Mode
             warnings.simplefilter("ignore", FutureWarning)
             warnings.filterwarnings("ignore", "fan_in_fan_out", UserWarning)
             warnings.filterwarnings("ignore", console.PEFT_PATTERNS, RuntimeWarning)  # see there
-            targets = lora_targets.peft_targets(RecipeLora(r=lora_r), model)  # the recipe's defaults
+            lora = RecipeLora(r=lora_r)  # the recipe's defaults
+            targets = (
+                vision.lora_targets(model, lora, parts) if seeing else lora_targets.peft_targets(lora, model)
+            )
             model = get_peft_model(model, LoraConfig(r=lora_r, task_type="CAUSAL_LM", **targets))
     else:
         model.requires_grad_(True)
-    return _counts(model, config.get_text_config(), method, lora_r, source)
+        if seeing:
+            vision.freeze_for_full(model, parts)
+    text = config.get_text_config()
+    if not seeing:
+        return _counts(model, text, method, lora_r, source)
+    language = _counts(_LanguageModel(model), text, method, lora_r, source)
+    return _with_vision(language, count_vision(model, config, 10 * text.hidden_size), config.model_type)
+
+
+def _check_tower_blocks(model, parts: VisionConfig) -> None:
+    blocks = len(vision.tower_blocks(model))
+    if parts.train_tower and parts.tower_blocks > blocks:
+        raise UserError(f"--tower-blocks {parts.tower_blocks}: the tower has {blocks} blocks")
+
+
+class _LanguageModel(torch.nn.Module):
+    """A vision-language model's language model and output head: the causal LM a text plan counts."""
+
+    def __init__(self, model):
+        super().__init__()
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's wrapper
+        self.decoder = base.get_decoder()
+        self.head = base.get_output_embeddings()
+        self._no_split_modules = base._no_split_modules
+
+    def get_input_embeddings(self):
+        return self.decoder.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def _with_vision(language: ModelCounts, v: VisionCounts, model_type: str) -> ModelCounts:
+    """The language model's counts with the tower's and projector's parameters added to the totals."""
+    trainable = v.tower_trainable + v.projector_trainable
+    frozen = v.tower + v.projector - trainable
+    return dataclasses.replace(
+        language,
+        model_type=model_type,
+        total=language.total + trainable + frozen,
+        trainable=language.trainable + trainable,
+        frozen=language.frozen + frozen,
+        zero3_persistent=language.zero3_persistent + v.persistent,
+        vision=v,
+    )
 
 
 SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
@@ -131,12 +204,11 @@ def check_sizes(raw: dict, model: str) -> None:
 
 
 def build_meta_model(config):
-    """The causal LM for `config` with every tensor on the meta device (shapes only, no storage)."""
-    from transformers import AutoModelForCausalLM
-
+    """The causal LM (or image-text-to-text model) for `config` with every tensor on the meta device (shapes
+    only, no storage)."""
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+            return vision.auto_class(config.model_type).from_config(config)
     except (ValueError, KeyError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(

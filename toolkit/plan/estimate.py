@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from toolkit.errors import UserError
 from toolkit.launch.machine import GIB
 from toolkit.model import flops
-from toolkit.plan import comm, generation, longest, memory, parallel, pipeline, sequence
+from toolkit.plan import comm, generation, images, longest, memory, parallel, pipeline, sequence
 from toolkit.plan.cost import Cost, CostRequest, estimate_cost
 from toolkit.plan.counts import ModelCounts, count_parameters, load_model_config
-from toolkit.plan.footprint import MemoryEstimate
+from toolkit.plan.footprint import NO_IMAGES, ImageBytes, MemoryEstimate
+from toolkit.plan.images import ImageRows
 from toolkit.plan.launch_line import launch_line
 from toolkit.plan.memory import Precision
 from toolkit.plan.request import PlanRequest
@@ -44,6 +45,8 @@ class Plan:
     longest: dict[str, int] | None = None
     """With --longest-seq: each backend's and layout's longest --seq-len that fits (`plan.longest`; 0: not
     even the shortest), at the rows' micro-batch; None without."""
+    images: ImageRows | None = None
+    """A vision-language model's images per row (None: a text model)."""
 
     def fits(self, row: MemoryEstimate) -> bool:
         return fits(row, self.request)
@@ -69,7 +72,11 @@ def make_plan(request: PlanRequest, cost: CostRequest | None = None) -> Plan:
     """Count the model, estimate every backend, and pick the fastest setup that fits."""
     request.validate()
     config, source = load_model_config(request.model)
-    counts = count_parameters(config, request.method, request.lora_r, source)
+    counts = count_parameters(config, request.method, request.lora_r, source, request.vision)
+    request.check_model(counts.model_type, counts.vision is not None)
+    rows_of_images = _image_rows(counts, request)
+    if rows_of_images is not None:
+        images.check_row(rows_of_images, request.row_tokens)
     precision = resolve_precision(request)
     micro = request.micro_batch or 1
     rows = [
@@ -84,7 +91,7 @@ def make_plan(request: PlanRequest, cost: CostRequest | None = None) -> Plan:
         precision=precision,
         rows=rows,
         choice=choice,
-        command=launch_line(choice, request, precision) if choice else None,
+        command=launch_line(choice, request, precision, counts.vision is not None) if choice else None,
         flops_per_token=flops.flops_per_token(counts, request.row_tokens),
         cost=estimate_cost(cost, request.gpus) if cost else None,
         full_head=_with_full_head(choice, counts, request, precision),
@@ -93,6 +100,16 @@ def make_plan(request: PlanRequest, cost: CostRequest | None = None) -> Plan:
         longest=longest.longest_fitting(_fitting(config, counts, request, precision, micro))
         if request.longest_seq
         else None,
+        images=rows_of_images,
+    )
+
+
+def _image_rows(counts: ModelCounts, request: PlanRequest) -> ImageRows | None:
+    """The images each row holds (None for a text model)."""
+    if counts.vision is None:
+        return None
+    return images.image_rows(
+        counts.vision, counts.model_type, request.images_per_row, request.max_pixels, request.row_tokens
     )
 
 
@@ -103,12 +120,21 @@ def _backends(request: PlanRequest) -> tuple[str, ...]:
 
 def _layouts(config, counts, request: PlanRequest, precision, micro: int) -> tuple[parallel.Layout, ...]:
     """The layouts beside the data-parallel backends, in the order the report shows them."""
+    if counts.vision is not None:
+        return _vision_refusals(counts, request.gpus)
     ckpt = _ckpt_options(request)
     return (
         parallel.layouts(counts, request, precision, ckpt, micro)
         + pipeline.layouts(config, counts, request, precision, ckpt, micro)
         + sequence.layouts(counts, request, precision, ckpt, micro)
     )
+
+
+def _vision_refusals(counts, gpus: int) -> tuple[parallel.Layout, ...]:
+    """Every model-parallel layout, refused as the launch checks refuse it for a vision-language model."""
+    meshes = parallel.meshes(gpus, counts.experts) + pipeline.meshes(gpus) + sequence.meshes(gpus)
+    why = f"does not train a vision-language model ({counts.model_type}) yet; use ddp, fsdp or zero1/2/3"
+    return tuple(parallel.Layout(mesh, f"{mesh.label} {why}") for mesh in meshes)
 
 
 def _fitting(config, counts, request: PlanRequest, precision, micro: int):
@@ -217,6 +243,7 @@ def _estimate(
         head=request.head,
         offload=request.activation_offload,
         accumulation=grad_accum(request, backend, micro),
+        images=_image_bytes(counts, request, precision, ckpt, micro),
     )
     plan_round = request.generation_round()
     if plan_round is None:
@@ -226,6 +253,20 @@ def _estimate(
         counts, backend, request.gpus, row.states, precision, plan_round, reference, data_parallel
     )
     return dataclasses.replace(row, generation=phase)
+
+
+def _image_bytes(counts, request: PlanRequest, precision, ckpt: bool, micro: int) -> ImageBytes:
+    if counts.vision is None:
+        return NO_IMAGES
+    return images.micro_batch_bytes(
+        counts.vision,
+        _image_rows(counts, request),
+        micro * request.rows_per_example,
+        counts.method,
+        precision,
+        ckpt,
+        request.lora_dropout,
+    )
 
 
 def reference_bytes(counts, request: PlanRequest, precision: Precision, backend: str) -> int:

@@ -76,6 +76,22 @@ class GenerationBytes:
 
 
 @dataclass(frozen=True)
+class ImageBytes:
+    """What one micro-batch's images hold on a GPU (a vision-language model's; `plan.images`)."""
+
+    kept: int
+    """Held from the forward until the backward: the pixel values and what trained tower blocks and a
+    trained projector keep for their backward."""
+    peak: int
+    """The tower's own peak, which meets none of the language model's activations: `kept` and one block's
+    activations over every patch."""
+
+
+NO_IMAGES = ImageBytes(0, 0)
+"""A text model's, or a micro-batch without images."""
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
     """One backend at one micro-batch size, with or without gradient checkpointing."""
 
@@ -93,6 +109,9 @@ class MemoryEstimate:
     """A separate frozen reference model's weights on this GPU (preference tuning; 0 otherwise)."""
     generation: GenerationBytes | None = None
     """GRPO's generation phase on this GPU (`plan.generation`); None for the other objectives."""
+    images: int = 0
+    """Of `activations`, what the images add (`ImageBytes`: their kept bytes, or the tower's peak where it
+    is the larger); 0 for a text model."""
     grads_meet_activations: bool = True
     """Whether the gradients and the activations peak together. Not with one micro-batch a step on a torch
     backend that frees its gradients at each step (single, DDP): backward frees activations as it makes

@@ -6,10 +6,11 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from toolkit.model import vision
 from toolkit.plan import architectures
 from toolkit.plan.footprint import MemoryEstimate
 from toolkit.plan.memory import Precision
-from toolkit.plan.request import PlanRequest
+from toolkit.plan.request import VISION_KEYS, PlanRequest
 from toolkit.recipes import SCRIPTS, load_any_recipe_config, recipe_name
 from toolkit.typed_yaml import dotted, to_dict
 
@@ -17,9 +18,12 @@ from toolkit.typed_yaml import dotted, to_dict
 RECIPE_CONFIGS = Path("recipes") / "configs"
 
 
-def launch_line(row: MemoryEstimate, request: PlanRequest, precision: Precision) -> str | None:
-    """The exact `accelerate launch` line: a shipped recipe config plus the overrides this plan assumed."""
-    template = _template_config(request.model, request.method, request.objective)
+def launch_line(
+    row: MemoryEstimate, request: PlanRequest, precision: Precision, seeing: bool = False
+) -> str | None:
+    """The exact `accelerate launch` line: a shipped recipe config plus the overrides this plan assumed
+    (`seeing`: for a vision-language model, from a vision-language model's config)."""
+    template = _template_config(request.model, request.method, request.objective, seeing)
     if template is None:
         return None
     path, current = template
@@ -43,6 +47,8 @@ def launch_line(row: MemoryEstimate, request: PlanRequest, precision: Precision)
             "lora.dropout": request.lora_dropout,
             "lora.target_modules": "all-linear",
         }
+    if seeing:
+        wanted |= {f"vision.{key}": getattr(request, key) for key in VISION_KEYS}
     if request.objective == "grpo":
         wanted |= {
             "grpo.num_generations": request.generations,
@@ -61,11 +67,16 @@ def launch_line(row: MemoryEstimate, request: PlanRequest, precision: Precision)
     )
 
 
-def _template_config(model: str, method: str, objective: str = "sft") -> tuple[str, dict] | None:
-    """The shipped recipe config closest to this run: same method first, then same model, then same shapes
-    (among the configs of the objective's recipe, as their sections tell)."""
+def _template_config(model: str, method: str, objective: str, seeing: bool) -> tuple[str, dict] | None:
+    """The shipped recipe config closest to this run: among the configs of the objective's recipe (as their
+    sections tell) for a model that sees images when this one does (their data holds images), same method
+    first, then same model, then same shapes."""
     loaded = {path: load_any_recipe_config(path) for path in sorted(RECIPE_CONFIGS.glob("*.yaml"))}
-    configs = {path: cfg for path, cfg in loaded.items() if recipe_name(cfg) == objective}
+    configs = {
+        path: cfg
+        for path, cfg in loaded.items()
+        if recipe_name(cfg) == objective and _sees(cfg.model.path) == seeing
+    }
     if not configs:
         return None
     arch = architectures.lookup(model)
@@ -82,6 +93,13 @@ def _template_config(model: str, method: str, objective: str = "sft") -> tuple[s
 
     best = max(configs, key=closeness)
     return str(best), dotted(to_dict(configs[best]))
+
+
+def _sees(model: str) -> bool:
+    """Whether a recipe config's model (built in, or a local folder) is a vision-language model."""
+    built_in = architectures.lookup(model)
+    kind = built_in["model_type"] if built_in else vision.model_type(model)
+    return vision.is_vision(kind)
 
 
 def _yaml_value(value) -> str:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from toolkit.config import LossConfig
 from toolkit.launch.machine import GIB
-from toolkit.plan.footprint import MemoryEstimate, ModelStateBytes
+from toolkit.plan.footprint import NO_IMAGES, ImageBytes, MemoryEstimate, ModelStateBytes
 
 BACKENDS = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload")
 DEEPSPEED = ("zero1", "zero2", "zero3", "zero3_offload")
@@ -308,13 +308,15 @@ def estimate(
     offload: bool = False,
     accumulation: int | None = None,
     zero3_init: bool = True,
+    images: ImageBytes = NO_IMAGES,
 ) -> MemoryEstimate:
     """Everything one GPU (and the machine's RAM) needs for `backend` on `n_gpus` GPUs; preference tuning
     runs 2 `sequences_per_example` (chosen and rejected) and may hold `reference` bytes of frozen weights.
     With `offload` (train.activation_offload) the activations wait in CPU RAM and the GPU holds one layer's
     (the layer computing, or being recomputed) besides the loss head's. `accumulation` is the micro-batches a
     step (None: assume several); with one, on single or DDP, gradients and activations do not peak together
-    (`MemoryEstimate.grads_meet_activations`). `zero3_init`: see `cpu_ram_bytes`."""
+    (`MemoryEstimate.grads_meet_activations`). `zero3_init`: see `cpu_ram_bytes`. `images`: a
+    vision-language model's micro-batch of images (`plan.images`)."""
     states = model_state_bytes(counts, backend, n_gpus, precision)
     working = working_weight_bytes(counts, backend, precision)
     sequences = micro_batch * sequences_per_example
@@ -326,6 +328,8 @@ def estimate(
         offloaded = max(activations - (layer + norm) * seq_len * sequences, 0)
         activations -= offloaded
     activations += loss_head
+    image_share = max(images.kept, images.peak - activations)  # the tower's peak meets none of the rest
+    activations += image_share
     tensors = (states.persistent if states.in_cpu_ram else states.total) + working + activations + reference
     meet = accumulation is None or accumulation > 1 or backend not in ("single", "ddp")
     if not meet:
@@ -342,5 +346,6 @@ def estimate(
         cpu_ram=cpu_ram_bytes(counts, backend, n_gpus, states, precision, zero3_init)
         + (1 if backend == "single" else n_gpus) * offloaded,
         reference=reference,
+        images=image_share,
         grads_meet_activations=meet,
     )

@@ -50,6 +50,7 @@ def _header(plan: Plan) -> list[str]:
         f"seq {r.seq_len} | global batch {r.global_batch} | {head}"
         + (" | activations offloaded to CPU RAM" if r.activation_offload else ""),
         *_experts(c),
+        *_vision(plan),
         f"compute  {plan.flops_per_token / 1e9:.2f} GFLOP per trained token (see toolkit/model/flops.py)",
         *_grpo_setup(plan),
     ]
@@ -69,6 +70,40 @@ def _experts(c) -> list[str]:
         f"experts  {c.experts} routed experts a layer, {c.experts_per_token} per token: {c.active:,} "
         f"parameters active per token{kept}"
     ]
+
+
+def _vision(plan: Plan) -> list[str]:
+    """A vision-language model's parts and the images each row holds."""
+    c, rows = plan.counts, plan.images
+    v = c.vision
+    if v is None:
+        return []
+    language = (c.total - v.tower - v.projector, c.trainable - v.tower_trainable - v.projector_trainable)
+    named = {"tower": (v.tower, v.tower_trainable), "projector": (v.projector, v.projector_trainable)}
+    parts = [_part(name, *numbers) for name, numbers in {**named, "language model": language}.items()]
+    sixteen = "; QLoRA leaves the tower and projector in 16-bit" if c.method == "qlora" else ""
+    lines = ["parts    " + " | ".join(parts) + sixteen]
+    if not rows.images:
+        return [*lines, "images   none (--images-per-row 0): the tower's weights only"]
+    if v.resolution == "fixed":
+        size = "a fixed count, whatever the image's size"
+    else:
+        size = f"{rows.max_pixels:,} pixels each" if rows.max_pixels else "each as large as the row allows"
+    kept = (
+        f"the last {v.kept_blocks} of its {v.blocks} blocks keep activations for backward"
+        if v.kept_blocks
+        else "frozen: forward only, nothing kept for backward"
+    )
+    return [
+        *lines,
+        f"images   {rows.images} per row x {rows.tokens:,} tokens ({size}) = {rows.images * rows.tokens:,} "
+        f"of the {plan.request.row_tokens} tokens of a row; the tower reads {rows.patches:,} patches of "
+        f"{v.patch}x{v.patch} pixels an image ({kept}; see toolkit/plan/images.py)",
+    ]
+
+
+def _part(name: str, total: int, trained: int) -> str:
+    return f"{name} {total:,} " + (f"({trained:,} trained)" if trained else "frozen")
 
 
 def _grpo_setup(plan: Plan) -> list[str]:
@@ -116,6 +151,10 @@ def _recommendation(plan: Plan) -> list[str]:
         f"  {row.per_gpu()['total'] / GIB:.1f} of {r.gpu_mem:g} GiB per GPU{_phases(row)}, "
         f"{row.cpu_ram / GIB:.1f} GiB CPU RAM",
     ]
+    if plan.images is not None and plan.images.images:
+        lines.append(
+            f"  of which images {row.images / GIB:.2f} GiB (pixels, what the tower and projector keep)"
+        )
     if plan.command:
         lines.append(f"  {plan.command}")
     return lines
@@ -225,6 +264,7 @@ def to_json(plan: Plan) -> dict:
         "comm_bytes": plan.comm,
         "model_parallel": [_layout_json(plan, layout) for layout in plan.layouts],
         "longest_seq": plan.longest,
+        "images": None if plan.images is None else dataclasses.asdict(plan.images),
     }
 
 
@@ -268,6 +308,7 @@ def _row_json(plan: Plan, row: MemoryEstimate) -> dict:
         "model_state_bytes": dataclasses.asdict(row.states),
         "cpu_ram_bytes": row.cpu_ram,
         "fits": plan.fits(row),
+        "image_bytes": row.images,
         **_generation_json(row),
     }
 

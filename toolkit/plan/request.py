@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Annotated
 
-from toolkit.config import LossConfig, LossHead, Method
+from toolkit.config import LossConfig, LossHead, Method, VisionConfig
 from toolkit.errors import UserError
 from toolkit.fields import (
     NonNegativeFloat,
@@ -79,6 +79,18 @@ class PlanRequest:
     """grpo: under ZeRO-3/FSDP the whole model is gathered on each GPU to generate."""
     beta: NonNegativeFloat = GrpoConfig.beta
     """grpo: KL weight (grpo.beta); above 0 a reference is scored (LoRA's adapter off costs nothing)."""
+    images_per_row: NonNegativeInt = 1
+    """Vision-language models: images in each row (under dpo: in each pair's prompt, read by both rows)."""
+    max_pixels: PositiveInt | None = VisionConfig.max_pixels
+    """Vision-language models: pixels each image is scaled down to first (vision.max_pixels; None: as large
+    as the row allows)."""
+    train_projector: bool = VisionConfig.train_projector
+    """Vision-language models: train the projector too (vision.train_projector)."""
+    train_tower: bool = VisionConfig.train_tower
+    """Vision-language models: train the vision tower too (vision.train_tower)."""
+    tower_blocks: NonNegativeInt = VisionConfig.tower_blocks
+    """Vision-language models, with train_tower: train only its last this many blocks (vision.tower_blocks;
+    0: all)."""
 
     def validate(self) -> None:
         errors = field_errors(self)
@@ -87,6 +99,8 @@ class PlanRequest:
             raise UserError(f"--{_flag(name)} {message}")
         if self.reference_model and self.objective == "sft":
             raise UserError("--reference-model is for --objective dpo or grpo")
+        if self.tower_blocks and not self.train_tower:
+            raise UserError("--tower-blocks chooses the blocks --train-tower trains; add --train-tower")
         per_step = (self.micro_batch or 1) * self.gpus
         if self.global_batch % per_step:
             raise UserError(
@@ -128,6 +142,29 @@ class PlanRequest:
         """The loss head; dpo and grpo read per-token log-probs of the labels."""
         return Head(self.loss_head, self.chunk_tokens, log_probs=self.objective != "sft")
 
+    @property
+    def vision(self) -> VisionConfig:
+        """The recipe's vision section this plan assumes."""
+        return VisionConfig(**{key: getattr(self, key) for key in VISION_KEYS})
+
+    def check_model(self, model_type: str, seeing: bool) -> None:
+        """What a text model (`seeing` false) or a vision-language one cannot be planned with."""
+        if seeing:
+            if self.objective == "grpo":
+                raise UserError(
+                    f"--objective grpo: the GRPO recipe does not train a vision-language model "
+                    f"({model_type}) yet; sft and dpo do"
+                )
+            return
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        changed = [name for name in VISION_OPTIONS if getattr(self, name) != defaults[name]]
+        if changed:
+            key = f" (vision.{changed[0]})" if changed[0] in VISION_KEYS else ""
+            raise UserError(
+                f"--{_flag(changed[0])}{key} is for a vision-language model; {self.model} is a text model "
+                f"({model_type})"
+            )
+
     def generation_round(self) -> generation.Round | None:
         """GRPO's round (None for the other objectives)."""
         if self.objective != "grpo":
@@ -150,6 +187,10 @@ GRPO_OPTIONS = (
     "beta",
 )
 """The options only --objective grpo reads."""
+VISION_KEYS = ("train_projector", "train_tower", "tower_blocks", "max_pixels")
+"""The options that are the recipe's vision keys, named alike."""
+VISION_OPTIONS = ("images_per_row", *VISION_KEYS)
+"""The options only a vision-language model reads."""
 
 
 def _flag(name: str) -> str:
