@@ -9,7 +9,7 @@ LOCK := constraints.txt
 TORCH_RELEASE := $(shell sed -n 's/^torch==//p' $(LOCK))
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==$(TORCH_RELEASE)")
 
-.PHONY: install lock demo demo-dpo demo-grpo demo-tools test test-unit test-e2e lint bench gpu-check clean
+.PHONY: install lock demo demo-dpo demo-grpo demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -39,6 +39,11 @@ demo: install
 demo-tools: install
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/finetune_llm.py \
 		--config recipes/configs/demo-tools.yaml train.overwrite=true $(ARGS)
+
+# Teaches the embedded tiny Llava (pretrained on captions of generated shapes) to answer questions about images.
+demo-vision: install
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/finetune_llm.py \
+		--config recipes/configs/demo-vision.yaml train.overwrite=true $(ARGS)
 
 # Preference-tunes the SFT demo's result (running the SFT demo first when it is missing) on the embedded pairs.
 demo-dpo: install

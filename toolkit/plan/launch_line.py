@@ -88,7 +88,7 @@ def _template_config(model: str, method: str, objective: str, seeing: bool) -> t
             cfg.model.method == method,
             cfg.model.path.lower() == model.lower(),
             same_arch,
-            path.name != "demo.yaml",
+            not path.name.startswith("demo"),  # a real model's config over an embedded demo's
         )
 
     best = max(configs, key=closeness)
