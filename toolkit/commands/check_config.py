@@ -14,6 +14,7 @@ from toolkit.launch.backend import with_pipeline
 from toolkit.launch.checks import check_launch, launch_from_yaml
 from toolkit.launch.machine import probe_machine
 from toolkit.launch.request import backend_name, batch_split
+from toolkit.model import vision
 from toolkit.model.facts import read_model_facts
 from toolkit.model.load import load_tokenizer
 from toolkit.preference.data import render_pair
@@ -62,9 +63,11 @@ def check_chat_rows(cfg) -> str:
     """SFT and GRPO data (GRPO's prompts are SFT rows): the chat template's generation prompt must open
     the text each answer is trained after."""
     tokenizer = load_tokenizer(cfg.model)
+    seeing = vision.is_vision(vision.model_type(cfg.model.path))  # rows with images are its to read
     for name in train_sources(cfg.data):
         source = read_source(name, cfg.data.split)
-        found = first_disagreement(tokenizer, source, data_format(source, cfg.data, tokenizer))
+        fmt = data_format(source, cfg.data, tokenizer, seeing)
+        found = first_disagreement(tokenizer, source, fmt, seeing)
         if found:
             return f"warning: {found}"
     return f"chat template: generation prompts agree with the training text ({SAMPLE} records per source)"
