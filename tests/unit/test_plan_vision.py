@@ -279,3 +279,22 @@ def test_the_shipped_vision_configs_fit_as_their_headers_say(model):
     assert f"accelerate launch --config_file accelerate_configs/{plan.choice.backend}.yaml" in header
     assert f"~{plan.choice.per_gpu()['total'] / GIB:.0f} GiB per GPU at micro-batch 1" in header
     assert plan.request.max_pixels == cfg.vision.max_pixels and plan.images.images == 1
+
+
+def test_the_plan_asks_only_the_local_cache_about_a_hub_model_it_does_not_know(monkeypatch):
+    """A planning question never waits on the network: offline, transformers retries a hub request for
+    about 25 s before it gives up. Loading the model to train it may download its config."""
+    from transformers import AutoConfig
+
+    asked = []
+
+    def from_pretrained(path, **kwargs):
+        asked.append(kwargs.get("local_files_only", False))
+        raise OSError("not cached")
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", from_pretrained)
+    from toolkit.plan import launch_line
+
+    assert launch_line._sees("someone/unknown-model") is False
+    assert vision.model_type("someone/unknown-model") is None
+    assert asked == [True, False]

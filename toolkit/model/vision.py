@@ -51,10 +51,11 @@ PROCESSOR_FILES = (
 """A processor's files besides the tokenizer's: an export carries them so it loads with AutoProcessor."""
 
 
-def model_type(path: str) -> str | None:
+def model_type(path: str, download: bool = True) -> str | None:
     """The model_type of the model at `path`: a local folder's config.json read as plain JSON (no model code
-    runs), or a hub model's config as transformers finds it (cached or downloaded); None where neither
-    can be read without the model's own code."""
+    runs), or a hub model's config as transformers finds it (cached, or downloaded when `download`: a
+    question asked before any model loads, as the plan's, must not wait on the network's retries); None
+    where neither can be read without the model's own code."""
     folder = Path(path).expanduser()
     if (folder / "config.json").is_file():
         try:
@@ -66,7 +67,7 @@ def model_type(path: str) -> str | None:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(path).model_type
+        return AutoConfig.from_pretrained(path, local_files_only=not download).model_type
     except (OSError, ValueError):
         return None
 

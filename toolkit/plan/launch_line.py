@@ -98,7 +98,7 @@ def _template_config(model: str, method: str, objective: str, seeing: bool) -> t
 def _sees(model: str) -> bool:
     """Whether a recipe config's model (built in, or a local folder) is a vision-language model."""
     built_in = architectures.lookup(model)
-    kind = built_in["model_type"] if built_in else vision.model_type(model)
+    kind = built_in["model_type"] if built_in else vision.model_type(model, download=False)
     return vision.is_vision(kind)
 
 
