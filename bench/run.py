@@ -10,10 +10,13 @@ balancing loss on in both ftkit and TRL (each at the model's coefficient, 0.001)
 section (bench/long_context.py: one process against Ulysses sequence parallelism sp=2 on the SFT recipe at
 4,096 tokens a row, launched runs: tokens/s, peak memory per rank, losses, the all-to-all share), and the
 memory of reading a ZeRO-3 checkpoint's optimizer moments one parameter at a time (bench/moments_memory.py,
-its checkpoint built once and cached under runs/bench-moments/).
+its checkpoint built once and cached under runs/bench-moments/), and the vision-language section
+(bench/vision.py: ftkit's vision demo config against TRL's SFTTrainer on the embedded tiny Llava, LoRA,
+and what each does when asked to pack image rows).
 
     python bench/run.py [--repeats 5] [--loss-head-repeats 3] [--pipeline-repeats 2] [--grpo-repeats 2]
-        [--moe-repeats 3] [--long-context-repeats 2] [--moments-repeats 3] [--only SECTION ...]
+        [--moe-repeats 3] [--long-context-repeats 2] [--moments-repeats 3] [--vision-repeats 3]
+        [--only SECTION ...]
 """
 
 import argparse
@@ -30,6 +33,7 @@ import long_context
 import loss_head
 import moments_memory
 import pipeline
+import vision
 from common import (
     BATCH,
     LEARNING_RATE,
@@ -158,7 +162,8 @@ def sft_section(repeats: int, moe: bool = False) -> str:
     return block
 
 
-SECTIONS = ("sft", "dpo", "data-prep", "loss-head", "pipeline", "grpo", "moe", "long-context", "moments")
+SECTIONS = ("sft", "dpo", "data-prep", "loss-head", "pipeline", "grpo", "moe", "long-context", "moments",
+            "vision")  # fmt: skip
 
 
 def main() -> None:
@@ -170,6 +175,7 @@ def main() -> None:
     parser.add_argument("--moe-repeats", type=int, default=3)
     parser.add_argument("--long-context-repeats", type=int, default=2)
     parser.add_argument("--moments-repeats", type=int, default=3)
+    parser.add_argument("--vision-repeats", type=int, default=3)
     parser.add_argument(
         "--only", action="append", choices=SECTIONS, help="run this section only (repeatable; default: all)"
     )
@@ -193,6 +199,8 @@ def main() -> None:
         print(long_context.run_section(args.long_context_repeats, machine))
     if "moments" in only:
         print(moments_memory.run_section(args.moments_repeats, [3], machine))
+    if "vision" in only:
+        print(vision.run_section(args.vision_repeats, machine))
 
 
 if __name__ == "__main__":
