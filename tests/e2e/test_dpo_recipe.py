@@ -142,8 +142,8 @@ def test_start_from_an_sft_adapter_makes_it_the_reference(single, pair_files, tm
 # where the policy's parameters are sharded or gathered unlike DDP. ZeRO-1 (ZeRO-2 without gradient
 # partitioning) and offload under LoRA are SFT's matrix's cases: DPO adds nothing there.
 # Sequence parallelism splits both rows of each pair: LoRA under sp_zero3 (ZeRO-3, the launch of accelerate's
-# guide YAML) with the reference precomputed, as SP requires (for LoRA the same reference as the adapter
-# switched off); full fine-tuning under sp_dp is tests/e2e/test_sequence_parallel.py's (a Qwen2 shape).
+# guide YAML), whose reference (the adapter switched off) ftkit precomputes itself, as SP requires; full
+# fine-tuning under sp_dp is tests/e2e/test_sequence_parallel.py's (a Qwen2 shape).
 LORA_MATRIX = ["ddp", "fsdp", "zero2", "zero3", "sp_zero3"]
 FULL_MATRIX = ["ddp", "fsdp", "zero3", "zero3_offload"]
 MATRIX = ["ddp", "fsdp", "zero2", "zero3", "zero3_offload", "sp_zero3"]
@@ -167,8 +167,10 @@ def test_backend_gives_one_process_loss(config, single, pair_files, tmp_path):
             "LoRA under ZeRO-3 with offload: SFT's matrix's case; LoRA with sequence parallelism: sp_zero3"
         )
     run = tmp_path / "run"
-    precomputed = ["dpo.precompute_reference=true"] if config.startswith("sp") else []
-    run_dpo(run, pair_files, method, *precomputed, processes=2, config=config)
+    result = run_dpo(run, pair_files, method, processes=2, config=config)
+    if config.startswith("sp"):  # the adapter-off reference, precomputed by ftkit itself under SP
+        assert "dpo.precompute_reference: on (sp 2 splits each row" in result.stdout
+        assert (run / REFERENCE_FILE).is_file()
     expected, got = train_lines(out), train_lines(run)
     assert len(got) == STEPS
     for a, b in zip(expected, got):

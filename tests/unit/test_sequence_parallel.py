@@ -132,6 +132,18 @@ def test_preference_tuning_runs_with_a_precomputed_or_no_reference(monkeypatch):
     assert check(SP_DP, preference(loss="simpo")) == []
 
 
+@pytest.mark.parametrize("reference", ["", "some/reference"], ids=["adapter-off", "separate"])
+def test_a_live_reference_is_precomputed_with_one_note(reference, monkeypatch):
+    """The reference never trains, so its log-probs on whole rows before training are the live ones:
+    ftkit sets the key itself rather than refusing."""
+    monkeypatch.chdir(REPO)
+    cfg = preference(reference_model=reference)
+    notes = check(SP_DP, cfg)
+    assert cfg.dpo.precompute_reference
+    assert len(notes) == 1 and notes[0].startswith("dpo.precompute_reference: on (sp 2 splits each row")
+    assert ("dpo.reference_model" if reference else "the adapter switched off") in notes[0]
+
+
 def sft(*keys: str) -> RecipeConfig:
     return load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=2", *keys])
 
@@ -139,11 +151,6 @@ def sft(*keys: str) -> RecipeConfig:
 @pytest.mark.parametrize(
     "cfg, env, message",
     [
-        (
-            preference,
-            {},
-            "refuses a reference computed during training .* set dpo.precompute_reference: true",
-        ),
         (grpo, {}, "runs the SFT and preference recipes; the grpo recipe is refused"),
         (lambda: sft("data.packing=true"), {}, "refuses data.packing"),
         (lambda: sft("data.streaming=true"), {}, "refuses data.streaming"),

@@ -109,7 +109,8 @@ def check_launch(
     env: MutableMapping[str, str],
 ) -> list[str]:
     """Raise UserError where the launch, the recipe config and the model (`facts`, its config read once)
-    disagree; return notes worth logging once.
+    disagree; set in `cfg` what the launch needs and ftkit can choose without changing the math; return
+    notes worth logging once.
 
     On RTX 40xx GPUs without peer-to-peer access this sets NCCL_P2P_DISABLE and NCCL_IB_DISABLE in `env`,
     which must happen before the Accelerator starts NCCL (accelerate only does so for drivers before 550).
@@ -124,8 +125,7 @@ def check_launch(
         _check_tensor_parallel(launch.mesh.tp, cfg, facts, recipe_source)
     if launch.mesh.pp > 1:
         _check_pipeline(cfg, facts, ga, recipe_source)
-    if launch.mesh.sp > 1:
-        _check_sequence_parallel(launch, cfg, facts, recipe_source, env)
+    sp_notes = _check_sequence_parallel(launch, cfg, facts, recipe_source, env) if launch.mesh.sp > 1 else []
     _check_precision(launch, cfg.train, recipe_source, machine)
     if launch.backend == "fsdp":
         refuse_fsdp_settings(launch.fsdp_settings, launch.on_cpu, launch.source)
@@ -153,7 +153,7 @@ def check_launch(
         )
     if cfg.moe.expert_parallel > 1:
         _check_expert_parallel(launch, cfg, facts, recipe_source)
-    notes = _disable_nccl_p2p(machine, env)
+    notes = [*sp_notes, *_disable_nccl_p2p(machine, env)]
     if cfg.train.activation_offload and launch.on_cpu:
         notes.append("train.activation_offload: the model computes in CPU memory already; nothing is moved")
     return notes
@@ -218,17 +218,22 @@ def _check_tensor_parallel(tp: int, cfg: RecipeConfig, facts: ModelFacts, recipe
 
 def _check_sequence_parallel(
     launch: Launch, cfg: RecipeConfig, facts: ModelFacts, recipe_source: str, env: Mapping[str, str]
-) -> None:
-    """What Ulysses sequence parallelism cannot run, refused before any data is prepared, naming the key."""
+) -> list[str]:
+    """What Ulysses sequence parallelism cannot run, refused before any data is prepared, naming the key;
+    what it needs and ftkit can set without changing the math (a precomputed DPO reference) is set in
+    `cfg`, with a note returned."""
     sp, where = launch.mesh.sp, f"{launch.source}: parallelism_config_sp_size {launch.mesh.sp}"
     if hasattr(cfg, "grpo"):
         raise UserError(f"{where} runs the SFT and preference recipes; the grpo recipe is refused")
+    notes = []
     if hasattr(cfg, "dpo") and _live_reference(cfg):
-        raise UserError(
-            f"{where} refuses a reference computed during training (dpo.loss {cfg.dpo.loss} with "
-            f"{'dpo.reference_model' if cfg.dpo.reference_model else 'the adapter switched off'}) in "
-            f"{recipe_source}: set dpo.precompute_reference: true (computed once, on whole rows, before "
-            "training)"
+        # ftkit's reference never trains (the adapter switched off, or a frozen model), so log-probs computed
+        # once before training on whole rows are the ones a live reference would give at every step.
+        cfg.dpo.precompute_reference = True
+        reference = "dpo.reference_model" if cfg.dpo.reference_model else "the adapter switched off"
+        notes.append(
+            f"dpo.precompute_reference: on (sp {sp} splits each row over its group, so the reference, "
+            f"{reference}, scores whole rows once before training: the same log-probs)"
         )
     attention = sequence_parallel_attention(env)
     refusals = {
@@ -268,6 +273,7 @@ def _check_sequence_parallel(
             f"train.micro_batch_size ({cfg.train.micro_batch_size}) x {launch.world_size} processes: under "
             "sequence parallelism every process reads batches of its own, which its group then shares"
         )
+    return notes
 
 
 def _live_reference(cfg) -> bool:
