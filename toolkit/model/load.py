@@ -126,9 +126,24 @@ def merge_start_adapter(model, adapter: str):
 
     if not (Path(adapter) / "adapter_config.json").is_file():
         raise UserError(f"model.adapter: {adapter} is not an adapter directory (no adapter_config.json)")
-    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    wrapped = PeftModel.from_pretrained(model, adapter)
+    merged = _merge_gathered(wrapped) if is_deepspeed_zero3_enabled() else wrapped.merge_and_unload()
     # Loading the adapter froze the base; a full fine-tune trains all of it (LoRA freezes it again).
     return merged.requires_grad_(True)
+
+
+def _merge_gathered(wrapped):
+    """peft's merge under ZeRO-3, whose base weights are already partitioned when the model is built: each
+    adapted layer's weights are gathered whole, the adapter added in, and the sum partitioned again."""
+    import deepspeed
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in wrapped.modules():
+        if isinstance(module, BaseTunerLayer):
+            whole = list(module.get_base_layer().parameters(recurse=False))
+            with deepspeed.zero.GatheredParameters(whole, modifier_rank=0), torch.no_grad():
+                module.merge()
+    return wrapped.unload()
 
 
 def wants_checkpointing(cfg: ModelConfig, model) -> bool:
