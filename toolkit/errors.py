@@ -22,3 +22,18 @@ def run_main(main, argv: list[str], prog: str) -> int:
         code, message = PREEMPTED_EXIT_CODE, ""
         console.say_once(str(exc))
     return console.finish(prog, code, message)
+
+
+def leave_at_once(code: int) -> None:
+    """End a process whose work is done and whose files are closed (the trackers ended with the run, the
+    metrics appended line by line): the log handlers and the console flushed, then out, without Python's
+    teardown of the thousands of modules a run imported (2 to 4 seconds a process on a CPU box, spent
+    before the launcher can see the run ended). Any other ending goes through the full teardown."""
+    import logging
+    import os
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

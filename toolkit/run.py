@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from toolkit import checkpoint, console, data, distributed
 from toolkit.checkpoint import rundir
 from toolkit.checkpoint.resume import Resume
-from toolkit.errors import UserError, run_main
+from toolkit.errors import UserError, leave_at_once, run_main
 from toolkit.launch import backend, checks, machine
 from toolkit.launch.deepspeed import fill_width_settings
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE, StopRequest
@@ -431,6 +431,8 @@ def exit_with(main, prog: str):
         code = run_main(main, sys.argv[1:], prog)
     finally:
         distributed.close()
+    if code == 0:
+        leave_at_once(code)
     sys.exit(code)
 
 

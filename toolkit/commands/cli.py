@@ -266,4 +266,9 @@ def _run(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == 0:
+        from toolkit.errors import leave_at_once
+
+        leave_at_once(code)
+    sys.exit(code)
