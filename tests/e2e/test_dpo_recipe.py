@@ -110,6 +110,7 @@ def test_resume_continues_exactly_and_reuses_the_reference(single, pair_files, t
         assert "reference log-probs: read from" in result.stdout
 
 
+@pytest.mark.multiproc
 def test_start_from_an_sft_adapter_makes_it_the_reference(single, pair_files, tmp_path):
     method, out, _ = single
     if method != "lora":
@@ -136,6 +137,14 @@ def test_start_from_an_sft_adapter_makes_it_the_reference(single, pair_files, tm
         assert set(loaded) == set(trained)
         for name, tensor in trained.items():
             torch.testing.assert_close(loaded[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    # Under ZeRO-3 the base is partitioned as it loads: the start adapter is merged into gathered weights
+    # (peft's plain merge met empty partitions), and the run is the one process's.
+    sharded = tmp_path / "zero3"
+    run_dpo(sharded, pair_files, "lora", f"model.adapter={tmp_path / 'sft'}", "train.max_steps=1",
+            processes=2, config="zero3")  # fmt: skip
+    start = [r for r in read_metrics(sharded / "metrics.jsonl") if r["step"] == 0][0]
+    assert start["eval_logps_chosen"] == pytest.approx(before["eval_logps_chosen"], rel=1e-5)
+    assert train_lines(sharded)[0]["loss"] == pytest.approx(train_lines(run)[0]["loss"], rel=1e-3)
 
 
 # LoRA where DPO's reference (the policy with its adapter off) meets another sharding; full fine-tuning
@@ -144,28 +153,24 @@ def test_start_from_an_sft_adapter_makes_it_the_reference(single, pair_files, tm
 # Sequence parallelism splits both rows of each pair: LoRA under sp_zero3 (ZeRO-3, the launch of accelerate's
 # guide YAML), whose reference (the adapter switched off) ftkit precomputes itself, as SP requires; full
 # fine-tuning under sp_dp is tests/e2e/test_sequence_parallel.py's (a Qwen2 shape).
-LORA_MATRIX = ["ddp", "fsdp", "zero2", "zero3", "sp_zero3"]
-FULL_MATRIX = ["ddp", "fsdp", "zero3", "zero3_offload"]
-MATRIX = ["ddp", "fsdp", "zero2", "zero3", "zero3_offload", "sp_zero3"]
-# A separate reference is prepared three ways: by accelerate (DDP, FSDP), as a ZeRO-0 engine (ZeRO-1/2) and
-# as a ZeRO-3 engine (toolkit/preference/reference.py).
-REFERENCE_MATRIX = ["ddp", "fsdp", "zero2", "zero3"]
+# DDP and ZeRO-2 under LoRA, and DDP under full fine-tuning, were folded: they keep every weight whole on
+# every rank, as one process does, so the pair arithmetic they check is the one-process run's.
+LORA_MATRIX = ["fsdp", "zero3", "sp_zero3"]
+FULL_MATRIX = ["fsdp", "zero3", "zero3_offload"]
+MATRIX = ["fsdp", "zero3", "zero3_offload", "sp_zero3"]
+# A separate reference is prepared three ways: by accelerate (FSDP; DDP's case folded), as a ZeRO-0 engine
+# (ZeRO-1/2) and as a ZeRO-3 engine (toolkit/preference/reference.py).
+REFERENCE_MATRIX = ["fsdp", "zero2", "zero3"]
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("config", MATRIX)
 def test_backend_gives_one_process_loss(config, single, pair_files, tmp_path):
     method, out, _ = single
-    if method == "full" and config == "sp_zero3":
-        pytest.skip("full fine-tuning with sequence parallelism: tests/e2e/test_sequence_parallel.py (sp_dp)")
     if method == "full" and config not in FULL_MATRIX:
-        pytest.skip(
-            "ZeRO-1/2 shard only optimizer states: full fine-tuning there is DDP's case for the policy"
-        )
+        pytest.skip("full fine-tuning with sequence parallelism: tests/e2e/test_sequence_parallel.py (sp_dp)")
     if method == "lora" and config not in LORA_MATRIX:
-        pytest.skip(
-            "LoRA under ZeRO-3 with offload: SFT's matrix's case; LoRA with sequence parallelism: sp_zero3"
-        )
+        pytest.skip("LoRA under ZeRO-3 with offload: SFT's matrix's case")
     run = tmp_path / "run"
     result = run_dpo(run, pair_files, method, processes=2, config=config)
     if config.startswith("sp"):  # the adapter-off reference, precomputed by ftkit itself under SP
