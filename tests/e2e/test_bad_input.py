@@ -7,6 +7,9 @@ import os
 import pytest
 from helpers import launch, recipe_command, run_launched, run_recipe
 
+# Timing-sensitive: make test-e2e runs it with nothing beside it.
+pytestmark = pytest.mark.alone
+
 
 def bad_jsonl(tmp_path):
     path = tmp_path / "broken.jsonl"

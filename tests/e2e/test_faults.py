@@ -13,6 +13,10 @@ from toolkit.launch.preemption import PREEMPTED_EXIT_CODE
 from toolkit.train.metrics import read_metrics
 
 # A constant schedule, so a run told max_steps=400 and one told max_steps=N take the same steps.
+# Timing-sensitive: make test-e2e runs it with nothing beside it.
+pytestmark = pytest.mark.alone
+
+
 LONG = ["train.max_steps=400", "train.learning_rate=1e-4", "train.lr_scheduler=constant"]
 
 

@@ -16,6 +16,10 @@ from toolkit import checkpoint, console
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE
 from toolkit.train.watchdog import STALL_EXIT_CODE
 
+# Timing-sensitive: make test-e2e runs it with nothing beside it.
+pytestmark = pytest.mark.alone
+
+
 CHATS = 20_000  # a few seconds of encoding on two workers here
 
 

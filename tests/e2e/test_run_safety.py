@@ -16,6 +16,9 @@ from toolkit.checkpoint import rundir
 from toolkit.commands import cli
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE
 
+# Timing-sensitive: make test-e2e runs it with nothing beside it.
+pytestmark = pytest.mark.alone
+
 
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("finetune_llm: error:")]

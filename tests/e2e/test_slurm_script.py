@@ -11,7 +11,8 @@ import time
 import pytest
 from helpers import REPO, free_port, step_losses
 
-pytestmark = pytest.mark.multiproc
+# Timing-sensitive (its SIGTERM lands at a chosen moment): make test-e2e runs it with nothing beside it.
+pytestmark = [pytest.mark.multiproc, pytest.mark.alone]
 
 SCRIPT = REPO / "examples" / "slurm" / "train.sbatch"
 # srun's part: one task per node with SLURM_NODEID set, SIGTERM passed on, the highest exit code returned.
