@@ -376,6 +376,156 @@ def tiny_qwen_vl(path: Path) -> Path:
     return path
 
 
+GEMMA3_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
+GEMMA3_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{- '<start_of_turn>' + role + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] | trim }}{%- else %}"
+    "{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' %}{{- '<start_of_image>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] | trim }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{{- '<end_of_turn>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+)
+"""Gemma-3's own template in short (no bos, no system folding): an image part is `<start_of_image>`, which
+the processor expands into the image's soft tokens."""
+
+
+def tiny_gemma3(path: Path) -> Path:
+    """A random two-layer Gemma-3 (SigLIP tower: 2 layers on 56-pixel images, 14-pixel patches pooled to 4
+    soft tokens per image; one sliding and one full attention layer) with its processor at `path`."""
+    from transformers import (
+        AutoTokenizer,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessorPil,
+        Gemma3Processor,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        REPO / "toolkit" / "assets" / "tiny-llama", extra_special_tokens=GEMMA3_TOKENS
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"],
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    tower = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=56,
+        patch_size=14,
+        vision_use_head=False,
+    )
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=tower,
+        mm_tokens_per_image=4,
+        boi_token_index=tokenizer.boi_token_id,
+        eoi_token_index=tokenizer.eoi_token_id,
+        image_token_index=tokenizer.image_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config)
+    # transformers starts the projector at zero, which would hide every image from the language model.
+    torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.02)
+    model.save_pretrained(path)
+    images = Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+    processor = Gemma3Processor(images, tokenizer, chat_template=GEMMA3_TEMPLATE, image_seq_length=4)
+    processor.save_pretrained(path)
+    return path
+
+
+IDEFICS3_TOKENS = [
+    "<fake_token_around_image>",
+    "<image>",
+    "<end_of_utterance>",
+    "<global-img>",
+    *(f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)),
+]
+IDEFICS3_TEMPLATE = (
+    "<|im_start|>{%- for message in messages %}{{- message['role'] | capitalize }}"
+    "{{- ':' if message['content'][0]['type'] == 'image' else ': ' }}"
+    "{%- for part in message['content'] %}{%- if part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- elif part['type'] == 'image' %}{{- '<image>' }}{%- endif %}{%- endfor %}"
+    "{{- '<end_of_utterance>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- 'Assistant:' }}{%- endif %}"
+)
+"""SmolVLM's template: content as parts only, an image part is `<image>`, expanded by the processor into
+each crop's tokens."""
+
+
+def tiny_idefics3(path: Path) -> Path:
+    """A random two-layer Idefics3 (the SmolVLM architecture: a 2-layer tower on 56-pixel crops of
+    14-pixel patches, pixel-shuffled 2 x 2 into 4 tokens per crop; an image up to 112 pixels is split
+    into 56-pixel crops plus a global one) with its processor at `path`."""
+    from transformers import (
+        AutoTokenizer,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "toolkit" / "assets" / "tiny-llama")
+    tokenizer.add_special_tokens({"additional_special_tokens": IDEFICS3_TOKENS})
+    text = dict(
+        model_type="llama",
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    tower = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=56,
+        patch_size=14,
+    )
+    config = Idefics3Config(
+        text_config=text,
+        vision_config=tower,
+        scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    Idefics3ForConditionalGeneration(config).save_pretrained(path)
+    images = Idefics3ImageProcessorPil(
+        size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True
+    )
+    processor = Idefics3Processor(images, tokenizer, image_seq_len=4, chat_template=IDEFICS3_TEMPLATE)
+    processor.save_pretrained(path)
+    return path
+
+
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 30), "blue": (30, 30, 220), "yellow": (230, 210, 20)}
 
 
