@@ -396,6 +396,17 @@ GEMMA3_TEMPLATE = (
 the processor expands into the image's soft tokens."""
 
 
+SIGLIP_TOWER = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=56,
+    patch_size=14,
+)
+"""The two-layer SigLIP tower of the tiny Gemma-3 and Idefics3: 56-pixel images in 14-pixel patches."""
+
+
 def tiny_gemma3(path: Path) -> Path:
     """A random two-layer Gemma-3 (SigLIP tower: 2 layers on 56-pixel images, 14-pixel patches pooled to 4
     soft tokens per image; one sliding and one full attention layer) with its processor at `path`."""
@@ -426,15 +437,7 @@ def tiny_gemma3(path: Path) -> Path:
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
-    tower = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=56,
-        patch_size=14,
-        vision_use_head=False,
-    )
+    tower = {**SIGLIP_TOWER, "vision_use_head": False}
     config = Gemma3Config(
         text_config=text,
         vision_config=tower,
@@ -501,14 +504,7 @@ def tiny_idefics3(path: Path) -> Path:
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
-    tower = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=56,
-        patch_size=14,
-    )
+    tower = SIGLIP_TOWER
     config = Idefics3Config(
         text_config=text,
         vision_config=tower,
