@@ -29,6 +29,17 @@ def run_process(name: str, cmd: list[str], work: Path) -> tuple[float, float, fl
     return launched, wall, usage.ru_maxrss / 1024
 
 
+def round_robin(section: str, cmds: dict, repeats: int, run_once) -> dict[str, list[dict]]:
+    """Every contender `repeats` times, one after another each round, so drift in the machine's speed hits
+    every contender alike; `run_once(name, cmd)` gives a run's figures."""
+    results: dict[str, list[dict]] = {name: [] for name in cmds}
+    for repeat in range(repeats):
+        for name, cmd in cmds.items():
+            results[name].append(run_once(name, cmd))
+            print(f"[{section} {repeat + 1}/{repeats}] {name}: {results[name][-1]}", flush=True)
+    return results
+
+
 COLUMNS = [
     ("tokens_per_s", "real tokens/s", "{:.0f}"),
     ("step_s", "step time median (s)", "{:.2f}"),

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from common import ROOT, SEED, step_figures, write_results
-from harness import BENCH, machine, run_process, table
+from harness import BENCH, machine, round_robin, run_process, table
 
 from toolkit.config import load_config
 from toolkit.train.metrics import read_metrics
@@ -120,11 +120,7 @@ def run_section(repeats: int, machine, steps: int = STEPS) -> str:
         work = Path(tmp)
         answers = packing_answers(work)
         cmds = commands(work, steps)
-        results: dict[str, list[dict]] = {name: [] for name in cmds}
-        for repeat in range(repeats):  # round-robin, so drift in machine speed hits every contender
-            for name, cmd in cmds.items():
-                results[name].append(run_once(name, cmd, work))
-                print(f"[vision {repeat + 1}/{repeats}] {name}: {results[name][-1]}", flush=True)
+        results = round_robin("vision", cmds, repeats, lambda name, cmd: run_once(name, cmd, work))
     head = f"Machine: {machine()}. {repeats} runs of each contender; cells are min / median / max."
     block = "\n\n".join([head, table(results), notes(answers, steps)])
     write_results(BENCH / "RESULTS.md", block, (BEGIN, END))
