@@ -1,12 +1,15 @@
 """`make gpu-check`: ftkit on a real GPU, in parts that each run in a few minutes on one H100.
 
-    python bench/gpu_check.py [plan] [speed] [paths] [multi] [--smoke] [--work DIR] [--report FILE]
+    python bench/gpu_check.py [plan] [speed] [compile] [paths] [multi] [--smoke] [--work DIR] [--report FILE]
 
 - plan:  `ftkit plan`'s per-GPU prediction against the memory a run really used (single GPU; LoRA, QLoRA
          and full fine-tuning of a Llama-3.2-1B-shaped model at two sequence lengths and two micro-batches;
          LoRA and QLoRA of a Llama-3.1-8B-shaped one). Target: within 10%, never 5% under.
 - speed: ftkit's SFT recipe against TRL's SFTTrainer, the same model, data, length, LoRA rank, bf16 and
          packing: real tokens/s, MFU and peak memory.
+- compile: the defaults (compiled decoder blocks, flex_attention for the packed rows) against the eager
+         forward on SDPA, and each switch alone: first-step seconds, recompilations and graph breaks
+         (counted from dynamo's own log), steady tokens/s and MFU.
 - paths: the CUDA paths ftkit has only reasoned about: bitsandbytes' 4-bit (QLoRA's loss beside LoRA's),
          the chunked loss head against the full one, torch.compile, SDPA (its flash kernel) against eager
          attention, gradient checkpointing, fused AdamW, and a Qwen3-MoE-shaped model's expert kernels.
@@ -92,9 +95,12 @@ class Kit:
         print(f"[{part}] {case}: {shown}", flush=True)
         return row
 
-    def ftkit(self, case: str, model: Path, *overrides: str, launch: list[str] | None = None) -> dict:
+    def ftkit(
+        self, case: str, model: Path, *overrides: str, launch: list[str] | None = None, logs: str = ""
+    ) -> dict:
         """One run of the SFT recipe; its steps after the first, summarised from its own metrics.jsonl
-        ({"error": last line of stderr} when it fails)."""
+        ({"error": last line of stderr} when it fails). `logs`: torch's log switches (TORCH_LOGS) for the
+        run, whose recompilation and graph-break entries are then counted."""
         out = self.work / "runs" / case.replace(" ", "_").replace("/", "-")
         smoke = ["model.dtype=float32", "train.mixed_precision=no", "train.max_steps=3"] if self.smoke else []
         command = [*(launch or [PY]), str(RECIPE), "--config", str(BENCH / "gpu-check.yaml")]
@@ -107,8 +113,9 @@ class Kit:
         ]
         started = time.monotonic()
         try:
+            env = _quiet_env() | ({"TORCH_LOGS": logs} if logs else {})
             done = subprocess.run(
-                command, cwd=ROOT, capture_output=True, text=True, env=_quiet_env(), timeout=self.run_limit_s
+                command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=self.run_limit_s
             )
         except subprocess.TimeoutExpired as stopped:
             _keep_stderr(out, stopped.stderr or "")
@@ -117,7 +124,12 @@ class Kit:
             _keep_stderr(out, done.stderr)
             lines = [line for line in done.stderr.splitlines() if line.strip()] or [f"exit {done.returncode}"]
             return {"error": lines[-1][-300:]}
-        return summarise(out / "metrics.jsonl", time.monotonic() - started)
+        summary = summarise(out / "metrics.jsonl", time.monotonic() - started)
+        if logs:
+            summary["recompiles"] = done.stderr.count("Recompiling function")
+            summary["graph_breaks"] = done.stderr.count("Graph break")
+            _keep_stderr(out, done.stderr)
+        return summary
 
 
 def _keep_stderr(out: Path, text: str | bytes) -> None:
@@ -139,6 +151,7 @@ def summarise(metrics: Path, wall_s: float) -> dict:
         "peak_mem_mb": max(s["peak_mem_mb"] for s in steps),
         "loss": steps[-1]["loss"],
         "losses": [s["loss"] for s in steps],
+        "first_step_s": steps[0].get("step_time_s"),
         "wall_s": round(wall_s, 1),
     }
     if any("mfu" in s for s in timed):
@@ -274,15 +287,41 @@ def _speed(run: dict) -> dict:
     return {k: run[k] for k in keys if k in run}
 
 
+# ---- compile: the defaults against the eager forward ----
+
+COMPILE_CASES = {  # case: keys against gpu-check.yaml, whose compile and attention are auto (the defaults)
+    "defaults: compiled blocks, flex attention": [],
+    "eager forward, sdpa (the defaults before)": ["model.compile=false", "model.attn_implementation=sdpa"],
+    "compiled blocks, sdpa": ["model.attn_implementation=sdpa"],
+    "eager forward, flex attention": ["model.compile=false"],
+}
+
+
+def part_compile(kit: Kit) -> None:
+    seq, steps = kit.seq(2048), (4 if kit.smoke else 20)
+    keys = [f"data.max_length={seq}", "train.micro_batch_size=4", "train.global_batch_size=4"]
+    model = kit.model("llama-1b")
+    base = None
+    for case, switch in COMPILE_CASES.items():
+        if kit.done("compile", case):
+            continue
+        keys_of_case = [*keys, f"train.max_steps={steps}", *switch]
+        run = kit.ftkit(f"compile {case}", model, *keys_of_case, logs="recompiles,graph_breaks")
+        extra = {k: run[k] for k in ("first_step_s", "recompiles", "graph_breaks") if k in run}
+        values = _against(run, base) if base else _speed(run)
+        kit.record("compile", case, **values, **extra)
+        base = base or (run if "error" not in run else None)
+
+
 # ---- paths: the CUDA paths, each against a baseline run ----
 
-PATHS = {  # case: the keys that switch it on, against the LoRA baseline (SDPA, chunked head, fused AdamW)
+PATHS = {  # case: the keys that switch it on, against the LoRA baseline (defaults, chunked head, fused AdamW)
     "QLoRA (bitsandbytes 4-bit)": ["model.method=qlora"],
     "full loss head": ["loss.head=full"],
     "eager attention (SDPA off)": ["model.attn_implementation=eager"],
     "gradient checkpointing": ["model.gradient_checkpointing=true"],
     "AdamW not fused": ["train.fused_adamw=false"],
-    "torch.compile": ["model.compile=true"],  # last: its compilation is the slowest run
+    "eager forward (compile off)": ["model.compile=false"],
 }
 
 
@@ -302,7 +341,8 @@ def part_paths(kit: Kit) -> None:
     model = kit.model("llama-1b")
     base = kit.ftkit("paths baseline", model, *keys)
     flash = torch.cuda.is_available() and torch.backends.cuda.flash_sdp_enabled()
-    kit.record("paths", "baseline: LoRA, SDPA, chunked head, fused AdamW", **_speed(base), flash_sdp=flash)
+    case = "baseline: LoRA, defaults, chunked head, fused AdamW"
+    kit.record("paths", case, **_speed(base), flash_sdp=flash)
     for case, switch in PATHS.items():
         run = kit.ftkit(f"paths {case}", model, *keys, *switch)
         kit.record("paths", case, **_against(run, base))
@@ -357,7 +397,13 @@ def part_multi(kit: Kit) -> None:
         kit.record("multi", f"{config} x2 against one GPU", max_loss_rel_diff=worst, **_speed(run))
 
 
-PARTS = {"plan": part_plan, "speed": part_speed, "paths": part_paths, "multi": part_multi}
+PARTS = {
+    "plan": part_plan,
+    "speed": part_speed,
+    "compile": part_compile,
+    "paths": part_paths,
+    "multi": part_multi,
+}
 
 
 def device_info(smoke: bool) -> dict:

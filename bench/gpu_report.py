@@ -7,6 +7,7 @@ SKIPPED = set(HEAD_KEYS) | {"part", "case", "losses"}
 TITLES = {
     "plan": "The plan against the run (predicted / measured per-GPU memory; target 0.95-1.10)",
     "speed": "ftkit against TRL's SFTTrainer (LoRA r16, packing; bf16 on a GPU, fp32 in smoke mode)",
+    "compile": "Compiled blocks and flex attention (the defaults) against the eager forward on SDPA",
     "paths": "CUDA paths, each against the baseline run",
     "multi": "Several GPUs",
 }

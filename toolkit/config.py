@@ -31,7 +31,7 @@ Method = Literal["full", "lora", "qlora"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]
 QuantStorage = Literal["auto", "float32", "bfloat16", "float16"]
-Attention = Literal["sdpa", "eager", "flash_attention_2"]
+Attention = Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention"]
 ExpertsKernel = Literal["auto", "grouped_mm", "batched_mm", "eager"]
 Switch = bool | Literal["auto"]
 DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "text", "prompt_completion"]
@@ -52,15 +52,17 @@ class ModelConfig:
     """How to fine-tune (qlora: LoRA over a 4-bit NF4 base via bitsandbytes, on GPU or CPU)."""
     dtype: Dtype = "float32"
     """Dtype the weights are loaded in (auto: as the model's config says)."""
-    attn_implementation: Attention = "sdpa"
-    """Attention kernel (flash_attention_2 needs CUDA + flash-attn, else sdpa with a note)."""
+    attn_implementation: Attention = "auto"
+    """Attention kernel (auto: flex_attention for packed rows on CUDA, else sdpa; flash_attention_2 needs
+    CUDA + flash-attn, flex_attention CUDA, else sdpa with a note)."""
     gradient_checkpointing: Switch = "auto"
     """Recompute activations in the backward pass to save memory (auto: on for LoRA/QLoRA of models with
     1B+ parameters)."""
     liger_kernels: bool = False
     """Liger's Triton kernels for norms, rotary embedding and MLP (CUDA + liger-kernel, else a note)."""
-    compile: bool = False
-    """torch.compile the model's forward pass (in place: checkpoint and export names are unchanged)."""
+    compile: Switch = "auto"
+    """torch.compile each decoder block, in place (checkpoint and export names are unchanged); auto: on
+    CUDA for one process, DDP and FSDP with LoRA or full fine-tuning, off on CPU where it does not pay."""
     trust_remote_code: bool = False
     """Allow modelling code shipped with the checkpoint to run."""
     quant_storage: QuantStorage = "auto"

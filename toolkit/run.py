@@ -80,7 +80,14 @@ class Run:
             project_dir=cfg.output_dir,
             step_scheduler_with_optimizer=False,  # one scheduler step per optimizer step, any world size
         )
-        features = speed.resolve(cfg.model, cfg.train, accelerator.device, kernels=facts.attention_kernels)
+        features = speed.resolve(
+            cfg.model,
+            cfg.train,
+            accelerator.device,
+            kernels=facts.attention_kernels,
+            packing=cfg.data.packing or cfg.data.streaming,
+            compile_layout=speed.compile_layout_blocker(launch.backend, launch.uses_mesh),
+        )
         summary = backend.setup_summary(accelerator, launch, cfg.train, grad_accum)
         for line in [summary, *notes, *features.notes]:
             accelerator.print(line)

@@ -68,16 +68,20 @@ def target_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def worst_gaps(model, inputs: dict, batch: dict, examples: list[dict]) -> tuple[float, float, int]:
+def worst_gaps(
+    model, inputs: dict, batch: dict, examples: list[dict], alone_model=None
+) -> tuple[float, float, int]:
     """Largest logit and per-example loss differences, and target-count difference, between the packed
-    forward `inputs` and every example run alone the unpacked way (padded, with an attention mask)."""
+    forward `inputs` and every example run alone the unpacked way (padded, with an attention mask), by
+    `alone_model` where given (the same weights)."""
     logits = model(**inputs).logits
+    alone_model = alone_model or model
     losses = target_losses(logits, batch["labels"])
     logit_gap = loss_gap = count_gap = 0
     for row, start, end in segments(batch):
         example = examples[int(batch["input_ids"][row, start])]
         alone = data.Collator(pad_id=0)([example])
-        alone_logits = model(**model_inputs(alone)).logits[0, : end - start]
+        alone_logits = alone_model(**model_inputs(alone)).logits[0, : end - start]
         logit_gap = max(logit_gap, float((logits[row, start:end] - alone_logits).abs().max()))
         alone_loss = summed_token_loss(alone_logits[None], alone["labels"][:, : end - start])
         loss_gap = max(loss_gap, abs(float(losses[row, start:end].sum() - alone_loss)))
@@ -117,6 +121,22 @@ def test_the_check_catches_attention_across_examples(attn, leak):
         inputs["attention_mask"] = batch["token_mask"]
     logit_gap, loss_gap, _ = worst_gaps(model, inputs, batch, examples)
     assert logit_gap > 1e-3 and loss_gap > 1e-3
+
+
+def test_flex_attention_keeps_packed_examples_apart():
+    """The block mask transformers builds from the packed positions for flex_attention (what auto picks
+    for packed rows on CUDA) gives every example the logits it gets alone. Forward only: torch has no CPU
+    backward for flex_attention; and its CPU kernel gives NaN for rows shorter than its 128-token block,
+    so the rows are padded to 128 here (on CUDA any width runs)."""
+    flex, examples = tiny_llama("flex_attention"), make_examples()
+    batch = packed_batch(examples, multiple=128)
+    logit_gap, loss_gap, count_gap = worst_gaps(
+        flex, model_inputs(batch), batch, examples, tiny_llama("sdpa")
+    )
+    assert logit_gap < 1e-5 and loss_gap < 1e-5 and count_gap == 0
+    leaked = model_inputs(batch)
+    del leaked["position_ids"]
+    assert worst_gaps(flex, leaked, batch, examples, tiny_llama("sdpa"))[0] > 1e-3
 
 
 def test_packed_collator_pads_into_a_segment_of_its_own():

@@ -18,19 +18,46 @@ from toolkit.train.metrics import read_metrics
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-def features(device, installed=(), compiler=True, **settings):
+def features(device, installed=(), compiler=True, packing=False, layout=None, kernels=None, **settings):
     model = ModelConfig(**{k: v for k, v in settings.items() if k != "fused_adamw"})
     train = TrainConfig(**({"fused_adamw": settings["fused_adamw"]} if "fused_adamw" in settings else {}))
     return resolve(
-        model, train, device, installed=lambda name: name in installed, has_compiler=lambda: compiler
+        model,
+        train,
+        device,
+        installed=lambda name: name in installed,
+        has_compiler=lambda: compiler,
+        kernels=kernels,
+        packing=packing,
+        compile_layout=layout,
     )
 
 
-def test_defaults_ask_for_nothing_unavailable():
-    for device in (CPU, CUDA):
-        got = features(device)
-        assert (got.attention, got.liger, got.compile, got.notes) == ("sdpa", False, False, [])
-    assert features(CUDA).fused_adamw and not features(CPU).fused_adamw  # auto: where the kernel exists
+def test_defaults_compile_on_cuda_only_and_ask_for_nothing_unavailable():
+    cpu, cuda = features(CPU), features(CUDA)
+    assert (cpu.attention, cpu.liger, cpu.compile, cpu.notes) == ("sdpa", False, False, [])
+    assert (cuda.attention, cuda.liger, cuda.compile, cuda.notes) == ("sdpa", False, True, [])
+    assert cuda.fused_adamw and not cpu.fused_adamw  # auto: where the kernel exists
+
+
+def test_auto_compile_stays_off_where_it_is_not_proven():
+    assert not features(CUDA, layout="the zero3 layout").compile
+    assert not features(CUDA, method="qlora").compile
+    assert not features(CUDA, compiler=False).compile
+    assert features(CUDA, layout="the zero3 layout", compile=True).compile  # asked for: it stands
+    assert not features(CUDA, compile=False).compile
+
+
+def test_auto_attention_is_flex_for_packed_rows_on_cuda():
+    assert features(CUDA, packing=True).attention == "flex_attention"
+    assert features(CPU, packing=True).attention == "sdpa"  # torch has no CPU backward for flex_attention
+    no_flex = frozenset({"eager", "sdpa"})
+    assert features(CUDA, packing=True, kernels=no_flex).attention == "sdpa"
+    asked = features(CPU, attn_implementation="flex_attention")
+    assert asked.attention == "sdpa" and asked.notes == [
+        "model.attn_implementation: flex_attention trains on a CUDA GPU only; using sdpa"
+    ]
+    assert features(CUDA, attn_implementation="flex_attention").attention == "flex_attention"
 
 
 def test_flash_attention_needs_cuda_and_the_package():
@@ -60,7 +87,7 @@ def test_liger_compile_and_fused_adamw_fall_back_with_a_note():
     assert not features(CUDA, fused_adamw=False).fused_adamw
 
 
-@pytest.mark.parametrize("key", ["model.gradient_checkpointing", "train.fused_adamw"])
+@pytest.mark.parametrize("key", ["model.gradient_checkpointing", "train.fused_adamw", "model.compile"])
 def test_switches_take_true_false_or_auto(key):
     section, name = key.split(".")
     for text, value in (("true", True), ("false", False), ("auto", "auto")):

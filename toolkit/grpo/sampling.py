@@ -18,6 +18,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from toolkit.distributed import root_params_gathered
+from toolkit.model.speed import eager_blocks
 
 
 def completion_seed(seed: int, round_index: int, slot: int, prompt: int, sample: int) -> int:
@@ -85,13 +86,14 @@ def sample(model, prompts: list[list[int]], seeds: list[int], cfg, pad_id: int, 
     generation = GenerationConfig(
         max_new_tokens=cfg.max_new_tokens, do_sample=False, pad_token_id=pad_id, eos_token_id=eos_id
     )
-    out = model.generate(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        generation_config=generation,
-        logits_processor=LogitsProcessorList([processor]),
-        synced_gpus=synced,
-    )
+    with eager_blocks():
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            generation_config=generation,
+            logits_processor=LogitsProcessorList([processor]),
+            synced_gpus=synced,
+        )
     return [_until_end(row.tolist(), eos_id) for row in out[:, width:].cpu()]
 
 

@@ -246,7 +246,8 @@ def _check_sequence_parallel(
             cfg.model.attn_implementation == "eager"
         ),
         f"model.attn_implementation {cfg.model.attn_implementation} with the launch's sp attention "
-        f"{attention} (set both alike)": cfg.model.attn_implementation not in ("eager", attention),
+        f"{attention} (set both alike)": cfg.model.attn_implementation not in ("eager", attention)
+        and not (cfg.model.attn_implementation == "auto" and attention == "sdpa"),
     }
     for what, refused in refusals.items():
         if refused:

@@ -86,7 +86,11 @@ def _causal_lm_class(model_type: str):
 
 
 def _attention_kernels(causal_lm) -> frozenset[str]:
-    flags = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}
+    flags = {
+        "sdpa": "_supports_sdpa",
+        "flash_attention_2": "_supports_flash_attn",
+        "flex_attention": "_supports_flex_attn",
+    }
     return frozenset(["eager", *(name for name, flag in flags.items() if getattr(causal_lm, flag, False))])
 
 

@@ -73,7 +73,8 @@ def load_model(
     trains besides its language model.
     """
     check_local_path(cfg.path, key)
-    attention = features.attention if features else cfg.attn_implementation
+    # Without resolved features (no device to decide for), auto is the kernel every device has.
+    attention = features.attention if features else cfg.attn_implementation.replace("auto", "sdpa")
     kwargs = {"dtype": DTYPES[cfg.dtype], "attn_implementation": attention}
     if experts and experts.experts_implementation != "auto":
         kwargs["experts_implementation"] = experts.experts_implementation
@@ -115,7 +116,7 @@ def load_model(
     if loss is not None and loss.head == "chunked":
         head.install(model, loss.chunk_tokens)
     if features and features.compile:
-        model.compile()
+        speed.compile_blocks(model)
     return model
 
 

@@ -1,11 +1,16 @@
 """Optional speed features: each is asked for in the config and used where this machine has it; where it does
 not, the run goes on without it and says so in one line.
 
+    model.attn_implementation: auto                 flex_attention for packed rows on CUDA (each example
+                                                    attends to itself through a block mask, at fused-kernel
+                                                    speed, without flash-attn); sdpa otherwise
     model.attn_implementation: flash_attention_2   CUDA and the flash-attn package, else sdpa
+    model.attn_implementation: flex_attention      CUDA (torch has no CPU backward for it), else sdpa
     model.attn_implementation: sdpa                 eager for a model whose attention torch's SDPA cannot run
                                                     (gpt-oss's sinks, Gemma-2's soft-capping)
     model.liger_kernels: true                      Liger's RMSNorm, RoPE, SwiGLU kernels: CUDA + liger-kernel
-    model.compile: true                            torch.compile of the model's forward (in place)
+    model.compile: auto | true | false             torch.compile of each decoder block (see compile_blocks);
+                                                    auto: on CUDA, in the layouts it is proven in
     train.fused_adamw: auto | true | false         torch's fused AdamW kernel, CUDA only; auto: where it can
 """
 
@@ -39,15 +44,25 @@ def resolve(
     installed: Callable[[str], bool] | None = None,
     has_compiler: Callable[[], bool] | None = None,
     kernels: frozenset[str] | None = None,
+    packing: bool = False,
+    compile_layout: str | None = None,
 ) -> SpeedFeatures:
     """Match the config's speed requests against the device, the installed packages and the attention
-    `kernels` the model takes (`ModelFacts.attention_kernels`; None: not known, the request stands)."""
+    `kernels` the model takes (`ModelFacts.attention_kernels`; None: not known, the request stands).
+    `packing`: the rows are packed (auto attention keeps their examples apart with flex_attention on CUDA);
+    `compile_layout`: why this launch keeps auto compile off (a layout it is not proven in), or None."""
     installed = installed or _installed
     has_compiler = has_compiler or can_compile
     cuda = device.type == "cuda"
     notes = []
 
     attention = model.attn_implementation
+    if attention == "auto":
+        flex = cuda and packing and (kernels is None or "flex_attention" in kernels)
+        attention = "flex_attention" if flex else "sdpa"
+    if attention == "flex_attention" and not cuda:
+        notes.append("model.attn_implementation: flex_attention trains on a CUDA GPU only; using sdpa")
+        attention = "sdpa"
     if attention == "flash_attention_2" and not (cuda and installed("flash_attn")):
         need = "a CUDA GPU" if not cuda else "the flash-attn package (pip install flash-attn)"
         notes.append(f"model.attn_implementation: flash_attention_2 needs {need}; using sdpa")
@@ -63,6 +78,8 @@ def resolve(
         liger = False
 
     compile_model = model.compile
+    if compile_model == "auto":
+        compile_model = cuda and compile_layout is None and model.method != "qlora"
     if compile_model and not has_compiler():
         notes.append("model.compile: torch.compile needs a C++ compiler on this machine; running uncompiled")
         compile_model = False
@@ -88,6 +105,43 @@ def apply_liger(model) -> None:
         cross_entropy=False,
         fused_linear_cross_entropy=False,
     )
+
+
+def compile_layout_blocker(backend: str, uses_mesh: bool) -> str | None:
+    """Why `model.compile: auto` stays off for a launch, or None: auto compiles where it is proven (one
+    process, DDP, FSDP); DeepSpeed's hooks, pipeline stages and tensor-parallel meshes keep the eager
+    forward unless the config asks for compile itself."""
+    if backend in ("single", "ddp", "fsdp") and not uses_mesh:
+        return None
+    return f"the {backend} layout"
+
+
+def compile_blocks(model) -> int:
+    """Compile, in place, every repeated block of the model (its decoder layers, and a vision tower's), the
+    number compiled. Every block of a class runs the same compiled code (dynamo reuses one graph for them),
+    so the first step compiles one block, not the whole model: seconds, not minutes. The shapes are dynamic
+    from the start, so packed rows of a new width or a last short batch reuse the graph. Outside the blocks
+    (embeddings, the loss head with its data-dependent token selection) the model runs eagerly.
+
+    The model's own KV cache is switched off for training: a cache object that fills layer by layer
+    changes what each compiled block sees, which recompiles it per layer. Under an adapter the embeddings
+    are frozen, so the first block's input would not require grad and the first block would need a graph
+    of its own; its input is made to require one (one extra product in that block's backward)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    for block in blocks:
+        block.compile(dynamic=True)
+    base.config.use_cache = False
+    if blocks and not base.get_input_embeddings().weight.requires_grad:
+        model.enable_input_require_grads()
+    return len(blocks)
+
+
+def eager_blocks():
+    """Around generation: compiled blocks run their eager code, since decoding one token at a time against
+    a growing cache would recompile them (and the training graphs stay as they are)."""
+    return torch.compiler.set_stance("force_eager")
 
 
 def _installed(package: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from toolkit.data.encode import IGNORE
+from toolkit.model.speed import eager_blocks
 
 
 def chat_prompt_ids(tokenizer, text: str) -> list[int]:
@@ -34,16 +35,17 @@ def greedy_answer(
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids], device=device)
     pixels = {key: value.to(device) for key, value in (images or {}).items()}
-    out = model.generate(
-        **pixels,
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        synced_gpus=synced,
-    )
+    with eager_blocks():
+        out = model.generate(
+            **pixels,
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            synced_gpus=synced,
+        )
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from toolkit.data.collate import model_inputs
 from toolkit.data.encode import IGNORE
 from toolkit.errors import UserError
+from toolkit.model.speed import eager_blocks
 
 # Config keys of models whose forward changes the logits after the head in a way the chunked head cannot
 # reproduce; each is refused by name rather than scored wrongly.
@@ -182,9 +183,10 @@ def verify(model, layer: TargetHead, batch: dict) -> None:
     was_training = getattr(model, "module", model).training
     model.eval()
     try:
-        logits = model(**model_inputs(probe)).logits[:, :-1].float()
-        expected = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        got = _scored(model, layer, probe, uniform=False).float()
+        with eager_blocks():  # a 16-token probe is not worth compiling an inference graph for
+            logits = model(**model_inputs(probe)).logits[:, :-1].float()
+            expected = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            got = _scored(model, layer, probe, uniform=False).float()
     finally:
         model.train(was_training)
     if not expected.numel():
