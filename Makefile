@@ -8,6 +8,8 @@ LOCK := constraints.txt
 # Either way it is the lock's release (`make lock TORCH_SPEC=torch==X` moves it).
 TORCH_RELEASE := $(shell sed -n 's/^torch==//p' $(LOCK))
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==$(TORCH_RELEASE)")
+# With a GPU, the `gpu` extra too (Liger's Triton kernels, which need the CUDA torch chosen above).
+GPU_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ",gpu")
 
 .PHONY: install lock demo demo-dpo demo-grpo demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean
 
@@ -17,7 +19,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml $(LOCK)
 	test -d $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install -q -c $(LOCK) "$(TORCH_SPEC)" || $(PIP) install -q -c $(LOCK) torch
-	$(PIP) install -q -c $(LOCK) -e ".[dev]"
+	$(PIP) install -q -c $(LOCK) -e ".[dev$(GPU_EXTRA)]"
 	touch $(STAMP)
 
 # Resolve the newest versions pyproject.toml allows in a scratch venv (a new temp dir) and write them to the lock

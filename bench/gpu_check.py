@@ -5,8 +5,8 @@
 - plan:  `ftkit plan`'s per-GPU prediction against the memory a run really used (single GPU; LoRA, QLoRA
          and full fine-tuning of a Llama-3.2-1B-shaped model at two sequence lengths and two micro-batches;
          LoRA and QLoRA of a Llama-3.1-8B-shaped one). Target: within 10%, never 5% under.
-- speed: ftkit's SFT recipe against TRL's SFTTrainer, the same model, data, length, LoRA rank, bf16 and
-         packing: real tokens/s, MFU and peak memory.
+- speed: ftkit's SFT recipe at its defaults against TRL's SFTTrainer, at its defaults and with Liger's
+         kernels: the same model, data, length, LoRA rank, bf16 and packing; real tokens/s, MFU, peak memory.
 - compile: the defaults (compiled decoder blocks, flex_attention for the packed rows) against the eager
          forward on SDPA, and each switch alone: first-step seconds, recompilations and graph breaks
          (counted from dynamo's own log), steady tokens/s and MFU.
@@ -29,6 +29,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -66,6 +67,11 @@ class Kit:
 
     def model(self, name: str) -> Path:
         return build(name, self.work / "models" / name, self.smoke)
+
+    def drop_model(self, name: str) -> None:
+        """Remove a model the kit built once no later part needs it: an 8B and a 30B-A3B shape together
+        fill a 64 GB disk."""
+        shutil.rmtree(self.work / "models" / name, ignore_errors=True)
 
     def data(self) -> Path:
         path = self.work / "chats.jsonl"
@@ -226,6 +232,7 @@ def part_plan(kit: Kit) -> None:
             kit.record("plan", case, error=run.get("error", "ftkit plan failed"))
             continue
         kit.record("plan", case, **plan_comparison(plan, run, kit.smoke))
+    kit.drop_model("llama-8b")  # only the plan's cases use it
 
 
 def plan_comparison(plan: dict, run: dict, smoke: bool) -> dict:
@@ -252,34 +259,35 @@ def plan_comparison(plan: dict, run: dict, smoke: bool) -> dict:
 
 
 def part_speed(kit: Kit) -> None:
-    if kit.done("speed", "TRL SFTTrainer"):
+    """ftkit at its defaults against TRL's SFTTrainer at its defaults and with Liger's kernels."""
+    if kit.done("speed", "ftkit / TRL + Liger"):
         return
     seq, micro, steps = kit.seq(2048), 4, (4 if kit.smoke else 20)
     model = kit.model("llama-1b")
     keys = [f"data.max_length={seq}", f"train.micro_batch_size={micro}", f"train.global_batch_size={micro}"]
     ours = kit.ftkit("speed ftkit", model, *keys, f"train.max_steps={steps}")
     kit.record("speed", "ftkit", **_speed(ours))
-    out = kit.work / "runs" / "speed_trl.json"
-    command = [
-        PY,
-        str(BENCH / "gpu_trl.py"),
-        str(model),
-        str(kit.data()),
-        str(out),
-        str(seq),
-        str(micro),
-        str(steps),
-    ]
+    liger = kit.smoke or importlib.util.find_spec("liger_kernel") is not None
+    for case, extra in (("TRL SFTTrainer", []), ("TRL SFTTrainer + Liger", ["liger"])):
+        if extra and not liger:
+            kit.record("speed", case, skipped="liger-kernel is not installed (pip install liger-kernel)")
+            continue
+        theirs = trl_run(kit, model, seq, micro, steps, *extra)
+        kit.record("speed", case, **_speed(theirs))
+        if "error" not in ours and "error" not in theirs:
+            ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+            kit.record("speed", f"ftkit / {case.replace(' SFTTrainer', '')}", tokens_per_s=ratio)
+
+
+def trl_run(kit: Kit, model: Path, seq: int, micro: int, steps: int, *extra: str) -> dict:
+    """bench/gpu_trl.py's result ({"error": ...} when it fails); `extra`: "liger" for Liger's kernels."""
+    out = kit.work / "runs" / f"speed_trl{'_'.join(['', *extra])}.json"
+    command = [PY, str(BENCH / "gpu_trl.py"), str(model), str(kit.data()), str(out), str(seq), str(micro)]
+    command += [str(steps), *extra]
     done = subprocess.run(command, cwd=BENCH, capture_output=True, text=True, env=_quiet_env())
     if done.returncode != 0:
-        kit.record(
-            "speed", "TRL SFTTrainer", error=(done.stderr.strip().splitlines() or ["failed"])[-1][-300:]
-        )
-        return
-    theirs = json.loads(out.read_text())
-    kit.record("speed", "TRL SFTTrainer", **_speed(theirs))
-    if "error" not in ours:
-        kit.record("speed", "ftkit / TRL", tokens_per_s=ours["tokens_per_s"] / theirs["tokens_per_s"])
+        return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1][-300:]}
+    return json.loads(out.read_text())
 
 
 def _speed(run: dict) -> dict:
@@ -334,7 +342,7 @@ OPTIONAL = {
 
 
 def part_paths(kit: Kit) -> None:
-    if kit.done("paths", "Qwen3-MoE-shaped, eager experts"):
+    if kit.done("paths", "Qwen3-MoE-shaped, QLoRA (4-bit experts)"):
         return
     seq = kit.seq(2048)
     keys = [f"data.max_length={seq}", "train.micro_batch_size=4", "train.global_batch_size=4"]
@@ -359,6 +367,9 @@ def part_paths(kit: Kit) -> None:
     kit.record("paths", "Qwen3-MoE-shaped, grouped_mm experts", **_speed(grouped))
     eager = kit.ftkit("paths moe eager", moe, *keys, "moe.experts_implementation=eager")
     kit.record("paths", "Qwen3-MoE-shaped, eager experts", **_against(eager, grouped))
+    quantized = kit.ftkit("paths moe qlora", moe, *keys, "model.method=qlora")
+    kit.record("paths", "Qwen3-MoE-shaped, QLoRA (4-bit experts)", **_against(quantized, grouped))
+    kit.drop_model("qwen3-moe")
 
 
 def _against(run: dict, base: dict) -> dict:

@@ -36,7 +36,9 @@ SMOKE = dict(
 
 
 def build(name: str, out: Path, smoke: bool) -> Path:
-    """Model `name` saved at `out` (once: an existing folder is reused), in bfloat16 on a GPU."""
+    """Model `name` saved at `out`, in bfloat16 on a GPU. It is written to `out`.partial and renamed when
+    whole, so a folder at `out` is always complete and is reused; a partial one left by a stopped run is
+    the kit's own and is removed. Refused, in one line, where the disk cannot hold it."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if (out / "config.json").is_file():
@@ -50,16 +52,40 @@ def build(name: str, out: Path, smoke: bool) -> Path:
     config = AutoConfig.for_model(model_type, **shape, **ids, pad_token_id=tokenizer.pad_token_id)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    check_disk(name, out.parent, config, dtype)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(out)
+    model.save_pretrained(partial)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER_DIR / name, out / name)
+        shutil.copy(TOKENIZER_DIR / name, partial / name)
+    partial.rename(out)
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+# Beyond the weights: the runs' checkpoints, adapters and logs, and the other parts' data.
+DISK_SPARE_BYTES = 4 * 2**30
+
+
+def check_disk(name: str, folder: Path, config, dtype: torch.dtype) -> None:
+    """Stop, in one line, where `folder`'s disk cannot hold model `name` plus DISK_SPARE_BYTES."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    need = params * torch.empty((), dtype=dtype).element_size() + DISK_SPARE_BYTES
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise SystemExit(
+            f"gpu-check: {folder} has {free / 2**30:.1f} GiB free, {name} needs {need / 2**30:.1f} GiB "
+            "(its weights and room for the runs): free some disk or pass --work on a larger one"
+        )
 
 
 def write_chats(path: Path, tokens: int) -> Path:

@@ -1,7 +1,9 @@
 """The GPU check's TRL side: SFTTrainer with LoRA r16 on every linear layer, bf16 (fp32 in smoke mode on the
 CPU), packing, the same model, data, length, micro-batch and steps as ftkit's run.
 
-    python bench/gpu_trl.py MODEL_DIR DATA OUT_JSON MAX_LENGTH MICRO_BATCH STEPS
+    python bench/gpu_trl.py MODEL_DIR DATA OUT_JSON MAX_LENGTH MICRO_BATCH STEPS [liger]
+
+`liger`: SFTTrainer's `use_liger_kernel` (Liger's norms, rotary, SwiGLU and fused loss).
 
 Writes {tokens_per_s, mfu, peak_mem_mb, loss}: real tokens/s over the steps after the first (the benchmark's
 Recorder counts them) and MFU with ftkit's FLOPs count, so the two sides are counted alike.
@@ -21,7 +23,7 @@ from toolkit.model import flops
 from toolkit.train.metrics import peak_memory_mb
 
 
-def main(model_dir: str, data: str, out: str, length: str, micro: str, steps: str) -> None:
+def main(model_dir: str, data: str, out: str, length: str, micro: str, steps: str, *extra: str) -> None:
     from trl import SFTConfig, SFTTrainer
 
     gpu = torch.cuda.is_available()
@@ -34,6 +36,7 @@ def main(model_dir: str, data: str, out: str, length: str, micro: str, steps: st
         per_device_train_batch_size=int(micro), max_steps=int(steps), learning_rate=1e-4,
         lr_scheduler_type="constant", bf16=gpu, use_cpu=not gpu, gradient_checkpointing=False,
         logging_steps=1, save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
+        use_liger_kernel="liger" in extra,
     )  # fmt: skip
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
     dataset = load_dataset("json", data_files=data, split="train")
@@ -59,4 +62,4 @@ def main(model_dir: str, data: str, out: str, length: str, micro: str, steps: st
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:7])
+    main(*sys.argv[1:])

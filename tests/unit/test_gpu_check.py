@@ -91,7 +91,7 @@ def test_an_unknown_part_is_one_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
         gpu_check.main(["plans"])
     assert exit_info.value.code == 2
-    assert "no part 'plans': the parts are plan, speed, paths, multi" in capsys.readouterr().err
+    assert "no part 'plans': the parts are plan, speed, compile, paths, multi" in capsys.readouterr().err
 
 
 def test_a_work_folder_that_is_a_file_is_one_line(tmp_path, capsys):
@@ -111,3 +111,21 @@ def test_a_rerun_in_the_same_work_folder_skips_what_it_recorded_and_the_report_e
     assert not again.done("plan", "llama-1b qlora seq 128 micro 4")
     report = render(kit.rows, "## Findings\n\n- one")
     assert report.endswith("## Findings\n\n- one\n") and "llama-1b lora seq 128 micro 4" in report
+
+
+def test_a_model_folder_is_whole_or_rebuilt_and_a_full_disk_is_one_line(tmp_path, monkeypatch):
+    import gpu_models
+
+    out = tmp_path / "models" / "llama-1b"
+    stale = out.with_name("llama-1b.partial")
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_text("cut short")
+    assert gpu_models.build("llama-1b", out, smoke=True) == out
+    assert (out / "config.json").is_file() and not stale.exists()
+
+    usage = gpu_models.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(gpu_models.shutil, "disk_usage", lambda _: usage._replace(free=2**30))
+    with pytest.raises(SystemExit, match=r"has 1.0 GiB free, llama-8b needs .* GiB"):
+        gpu_models.build("llama-8b", tmp_path / "models" / "llama-8b", smoke=False)
+    assert not (tmp_path / "models" / "llama-8b").exists()
+    assert not (tmp_path / "models" / "llama-8b.partial").exists()

@@ -8,7 +8,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-UNTESTED_EXTRAS = {"trackers"}  # optional integrations the suite does not install
+# Optional integrations the suite does not install; gpu's kernels need CUDA (the GPU check runs them).
+UNTESTED_EXTRAS = {"trackers", "gpu"}
 
 
 def locked() -> dict[str, Version]:

@@ -38,6 +38,24 @@ def main(argv: list[str] | None = None) -> int:
         "--trust-remote-code", action="store_true", help="run modelling code shipped with the model"
     )
 
+    evaluate = commands.add_parser(
+        "eval", help="score a fine-tuned model and its base on benchmarks (lm-evaluation-harness)"
+    )
+    evaluate.add_argument(
+        "--model", required=True, help="final/ or merged model directory, or a PEFT adapter"
+    )
+    evaluate.add_argument(
+        "--tasks", required=True, help="comma-separated lm-eval task names (ftkit_sums: local)"
+    )
+    evaluate.add_argument("--base", help="the model to compare with (default: the run's base; none: no base)")
+    evaluate.add_argument("--include", help="a folder of lm-eval task YAMLs (local tasks)")
+    evaluate.add_argument("--limit", type=int, help="examples per task (default: all)")
+    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--json", action="store_true", help="print the table as JSON")
+    evaluate.add_argument(
+        "--trust-remote-code", action="store_true", help="run modelling code shipped with the model"
+    )
+
     # plan: options left out take the defaults of toolkit.plan.request.PlanRequest (the one place they live).
     plan = commands.add_parser(
         "plan",
@@ -197,6 +215,22 @@ def _run(args) -> int:
         from toolkit.commands.generate import generate_cli
 
         print(generate_cli(args.model, args.prompt, args.max_new_tokens, args.trust_remote_code, args.image))
+        return 0
+    if args.command == "eval":
+        from toolkit.commands.eval import eval_cli
+
+        print(
+            eval_cli(
+                args.model,
+                args.tasks,
+                args.base,
+                args.include,
+                args.limit,
+                args.batch_size,
+                args.json,
+                args.trust_remote_code,
+            )
+        )
         return 0
     if args.command == "plan":
         from toolkit.plan import estimate, report

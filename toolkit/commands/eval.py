@@ -1,0 +1,91 @@
+"""`ftkit eval`: a fine-tuned model and its base scored on benchmarks through lm-evaluation-harness, side
+by side; the table and lm-eval's raw results written into the run folder's eval/."""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from pathlib import Path
+
+import yaml
+
+from toolkit.checkpoint.export import ADAPTER_CONFIG
+from toolkit.checkpoint.rundir import CONFIG
+from toolkit.commands.generate import load_for_generation
+from toolkit.errors import UserError
+from toolkit.evaluation import compare, harness, tasks
+
+
+def eval_cli(
+    model_dir: str,
+    task_list: str,
+    base: str | None = None,
+    include: str | None = None,
+    limit: int | None = None,
+    batch_size: int = 8,
+    as_json: bool = False,
+    trust_remote_code: bool = False,
+) -> str:
+    """The before/after table (Markdown, or JSON with `as_json`); `base` None: the run's own base model,
+    "none": the fine-tuned model alone."""
+    path = Path(model_dir)
+    names = [name.strip() for name in task_list.split(",") if name.strip()]
+    if not names:
+        raise UserError("--tasks: name at least one task (comma-separated)")
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit: {limit} is not a positive number of examples")
+    manager, specs = tasks.resolve(names, include)
+    harness.check_data(specs, manager)
+    base_path = base_model_of(path) if base is None else (None if base == "none" else base)
+    raw = {"fine-tuned": _evaluate(path, specs, manager, limit, batch_size, trust_remote_code)}
+    if base_path:
+        raw["base"] = _evaluate(Path(base_path), specs, manager, limit, batch_size, trust_remote_code)
+    table = compare.rows(harness.scores(raw["fine-tuned"]), raw.get("base") and harness.scores(raw["base"]))
+    text = compare.markdown(table, str(path), base_path)
+    shown = {"model": str(path), "base": base_path, "rows": compare.as_json(table)}
+    written = _write(run_folder(path), text, shown, raw)
+    if as_json:
+        return json.dumps(shown | {"written": written}, indent=2)
+    return text + (f"\nwritten: {written}" if written else "")
+
+
+def base_model_of(path: Path) -> str | None:
+    """The model a run started from: an adapter's base, or the `model.path` of the run's saved config."""
+    if (path / ADAPTER_CONFIG).is_file():
+        return json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    folder = run_folder(path)
+    if folder is None:
+        return None
+    config = yaml.safe_load((folder / CONFIG).read_text()) or {}
+    return (config.get("model") or {}).get("path")
+
+
+def run_folder(path: Path) -> Path | None:
+    """The ftkit run a model directory belongs to (final/, final/merged/ or a checkpoint), or None."""
+    for folder in (path.parent, path.parent.parent):
+        if (folder / CONFIG).is_file():
+            return folder
+    return None
+
+
+def _evaluate(path: Path, specs, manager, limit, batch_size, trust_remote_code) -> dict:
+    model, tokenizer = load_for_generation(path, trust_remote_code)
+    try:
+        return harness.evaluate(model, tokenizer, specs, manager, limit, batch_size)
+    finally:
+        del model
+        gc.collect()
+
+
+def _write(folder: Path | None, text: str, shown: dict, raw: dict) -> str | None:
+    """eval/<UTC time>.md and .json in the run folder (new names: nothing there is overwritten)."""
+    if folder is None:
+        return None
+    out = folder / "eval"
+    out.mkdir(exist_ok=True)
+    stem = out / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    (stem.with_suffix(".md")).write_text(text)
+    raw = {name: {k: r[k] for k in ("results", "n-samples", "configs") if k in r} for name, r in raw.items()}
+    (stem.with_suffix(".json")).write_text(json.dumps(shown | {"lm_eval": raw}, indent=2, default=str))
+    return str(stem.with_suffix(".md"))
