@@ -51,9 +51,12 @@ def check_data(specs: list, manager) -> None:
             ) from None
 
 
-def evaluate(model, tokenizer, specs: list, manager, limit: int | None, batch_size: int) -> dict:
+def evaluate(
+    model, tokenizer, specs: list, manager, limit: int | None, batch_size: int, samples: bool = False
+) -> dict:
     """lm-eval's results for `model` on the tasks (`tasks.resolve`'s specs): the chat template is applied
-    where the tokenizer has one, generation is greedy, seeds are lm-eval's defaults."""
+    where the tokenizer has one, generation is greedy, seeds are lm-eval's defaults; `samples`: with each
+    example's inputs and outputs."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
@@ -64,7 +67,7 @@ def evaluate(model, tokenizer, specs: list, manager, limit: int | None, batch_si
         limit=limit,
         task_manager=manager,
         apply_chat_template=bool(getattr(tokenizer, "chat_template", None)),
-        log_samples=False,
+        log_samples=samples,
         bootstrap_iters=1000,
         verbosity="ERROR",
     )

@@ -8,6 +8,7 @@ which the user's own command line chose."""
 from __future__ import annotations
 
 import difflib
+import functools
 from pathlib import Path
 
 from toolkit.errors import UserError
@@ -53,14 +54,20 @@ def local_tasks() -> dict[str, dict]:
     }
 
 
+@functools.cache
+def task_manager(include: str | None):
+    """lm-eval's index of its task YAMLs (and `include`'s): thousands of files, read once a process."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include)
+
+
 def resolve(names: list[str], include: str | None):
     """(task manager, task specs for lm-eval): ftkit's local tasks as dicts, the rest by name, each checked
     against what lm-eval (and `include`) knows; an unknown name is refused with the closest ones."""
-    from lm_eval.tasks import TaskManager
-
     if include is not None and not Path(include).is_dir():
         raise UserError(f"--include: {include} is not a directory")
-    manager = TaskManager(include_path=include)
+    manager = task_manager(include)
     local = local_tasks()
     known = set(manager.all_tasks) | set(local)
     for name in names:

@@ -1,0 +1,154 @@
+"""`ftkit eval` through lm-evaluation-harness on the tiny model: the local generation task answers as the
+recipe's own greedy answers do, the multiple-choice task picks what a hand computation of the choices'
+log-probabilities picks, an adapter scores as its merged model, and the before/after table with its
+files; bad input is one line each."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from toolkit.commands.cli import main as cli
+from toolkit.commands.eval import eval_cli
+from toolkit.commands.generate import load_for_generation
+from toolkit.errors import UserError
+from toolkit.evaluation import compare, harness, tasks
+from toolkit.evaluation.harness import Score
+from toolkit.train.generation import chat_prompt_ids, greedy_answer
+
+TINY = REPO / "toolkit" / "assets" / "tiny-llama"
+LIMIT = 12
+
+
+@pytest.fixture(scope="module")
+def adapter_run(tmp_path_factory) -> Path:
+    """A run folder as ftkit leaves it: config.yaml and final/ with a LoRA adapter (random, non-zero B, so
+    it changes the answers) over the tiny model; final/merged/ holds the adapter folded in."""
+    run = tmp_path_factory.mktemp("run")
+    (run / "config.yaml").write_text(f"model:\n  path: {TINY}\n")
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(TINY)
+    adapted = get_peft_model(base, LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False))
+    adapted.save_pretrained(run / "final")
+    AutoTokenizer.from_pretrained(TINY).save_pretrained(run / "final")
+    adapted.merge_and_unload().save_pretrained(run / "final" / "merged")
+    AutoTokenizer.from_pretrained(TINY).save_pretrained(run / "final" / "merged")
+    return run
+
+
+def scored(path: Path, names: list[str]) -> dict:
+    manager, specs = tasks.resolve(names, None)
+    model, tokenizer = load_for_generation(path)
+    return harness.evaluate(model, tokenizer, specs, manager, LIMIT, 4, samples=True), model, tokenizer
+
+
+def test_the_generation_task_answers_as_the_recipes_greedy_answers(adapter_run):
+    results, model, tokenizer = scored(adapter_run / "final", ["ftkit_sums"])
+    rows = results["samples"]["ftkit_sums"]
+    assert len(rows) == LIMIT
+    hits = 0
+    for row in rows:
+        ours = greedy_answer(model, tokenizer, chat_prompt_ids(tokenizer, row["doc"]["question"]), 8, False)
+        assert row["filtered_resps"][0].strip() == ours, row["doc"]
+        hits += ours == row["doc"]["answer"]
+    (score,) = harness.scores(results)
+    assert (score.task, score.metric, score.samples) == ("ftkit_sums", "exact_match", LIMIT)
+    assert score.value == hits / LIMIT
+
+
+@torch.no_grad()
+def test_the_choice_task_picks_what_the_choices_log_probabilities_pick(adapter_run):
+    results, model, tokenizer = scored(adapter_run / "final", ["ftkit_sums_choice"])
+    rows = results["samples"]["ftkit_sums_choice"]
+    right = 0
+    for row in rows:
+        # lm-eval moves the context's trailing whitespace (the chat template's newline) into each choice,
+        # so a choice's log-probability includes that newline's: the same for every choice.
+        context = chat_prompt_ids(tokenizer, row["doc"]["question"])
+        newline = context.pop()
+        assert tokenizer.decode([newline]) == "\n"
+        logps = []
+        for choice in (row["doc"]["right"], row["doc"]["wrong"]):
+            ids = context + [newline] + tokenizer(choice, add_special_tokens=False)["input_ids"]
+            logits = model(input_ids=torch.tensor([ids])).logits[0, len(context) - 1 : -1].float()
+            taken = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[len(context) :])[:, None])
+            logps.append(float(taken.sum()))
+        theirs = [float(resp[0][0]) for resp in row["resps"]]
+        assert theirs == pytest.approx(logps, abs=1e-4)
+        right += logps[0] > logps[1]
+    (score,) = harness.scores(results)
+    assert 0 < right < LIMIT and score.value == right / LIMIT
+    assert score.stderr == pytest.approx(math.sqrt(score.value * (1 - score.value) / (LIMIT - 1)))
+
+
+def test_an_adapter_scores_as_its_merged_model_and_the_table_is_written(adapter_run, capsys):
+    names = "ftkit_sums,ftkit_sums_choice"
+    adapter = json.loads(eval_cli(str(adapter_run / "final"), names, limit=LIMIT, as_json=True))
+    merged = json.loads(
+        eval_cli(str(adapter_run / "final" / "merged"), names, base="none", limit=LIMIT, as_json=True)
+    )
+    assert adapter["base"] == str(TINY)  # the adapter's own base
+    assert [(r["task"], r["metric"]) for r in adapter["rows"]] == [
+        ("ftkit_sums", "exact_match"),
+        ("ftkit_sums_choice", "acc"),
+    ]
+    for ours, theirs in zip(adapter["rows"], merged["rows"], strict=True):
+        assert ours["tuned"] == pytest.approx(theirs["tuned"], abs=1e-9)
+        assert theirs["base"] is None and ours["base"] is not None
+    written = Path(adapter["written"])
+    assert written.parent == adapter_run / "eval" and written.read_text().startswith("fine-tuned: ")
+    saved = json.loads(written.with_suffix(".json").read_text())
+    assert set(saved["lm_eval"]) == {"fine-tuned", "base"} and saved["rows"] == adapter["rows"]
+    assert cli(["eval", "--model", str(adapter_run / "final"), "--tasks", "ftkit_sums", "--limit", "2"]) == 0
+    assert "| ftkit_sums | exact_match |" in capsys.readouterr().out
+
+
+def test_a_drop_beyond_two_standard_errors_is_forgetting():
+    base = [Score("t", "acc", 0.60, 0.02, True, 500), Score("u", "loss", 1.0, 0.1, False, 500)]
+    tuned = [Score("t", "acc", 0.50, 0.02, True, 500), Score("u", "loss", 1.2, 0.1, False, 500)]
+    table = compare.rows(tuned, base)
+    assert [row.forgetting for row in table] == [True, False]  # 0.10 > 2 x 0.028; 0.2 < 2 x 0.14
+    assert table[0].diff == pytest.approx(-0.10) and table[0].diff_stderr == pytest.approx(
+        math.hypot(0.02, 0.02)
+    )
+    assert "| t | acc | 0.5000 | 0.6000 | -0.1000 ± 0.0283 | forgetting |" in compare.markdown(
+        table, "x", "y"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tasks", "ftkit_sum"], "--tasks: no task 'ftkit_sum' (closest: ftkit_sums"),
+        (
+            ["--tasks", "ftkit_sums", "--include", "/nonexistent"],
+            "--include: /nonexistent is not a directory",
+        ),
+        (["--tasks", " , "], "--tasks: name at least one task"),
+    ],
+)
+def test_bad_input_is_one_line(argv, message, capsys):
+    assert cli(["eval", "--model", str(TINY), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ftkit eval: error: ") and message in err[0], err
+
+
+def test_a_folder_without_a_model_is_one_line(tmp_path, capsys):
+    assert cli(["eval", "--model", str(tmp_path), "--tasks", "ftkit_sums"]) == 2
+    assert f"--model: {tmp_path} holds no model" in capsys.readouterr().err
+
+
+def test_a_task_whose_data_is_on_the_hub_is_named(monkeypatch):
+    manager, specs = tasks.resolve(["ftkit_sums"], None)
+    hub_only = dict(specs[0], dataset_path="openai/gsm8k", dataset_kwargs={})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(UserError, match="--tasks: ftkit_sums needs data this machine does not have"):
+        harness.check_data([hub_only], manager)
