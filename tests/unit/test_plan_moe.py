@@ -1,3 +1,4 @@
+import dataclasses
 """`ftkit plan` on mixtures of experts: the three models of the built-in table answer on 2 x 24 GiB with a
 launch line, active parameters and FLOPs count only the experts a token is sent to (checked against torch's
 FLOP counter on a tiny model), QLoRA counts its experts in 4-bit, and expert parallelism splits the experts
@@ -46,8 +47,13 @@ def fitting_row(plan, backend: str):
     return next(row for row in plan.rows if row.backend == backend and row.checkpointing)
 
 
-def test_qwen3_30b_a3b_qlora_fits_two_24_gib_gpus_without_offload_its_experts_in_4_bit():
-    plan = make_plan(PlanRequest(model="Qwen/Qwen3-30B-A3B", gpus=2, gpu_mem=24.0, method="qlora"))
+def test_qwen3_30b_a3b_qlora_fits_two_24_gib_gpus_without_offload_only_with_no_margin():
+    request = PlanRequest(model="Qwen/Qwen3-30B-A3B", gpus=2, gpu_mem=24.0, method="qlora")
+    kept = make_plan(request)  # 5% of each card kept free: only with offload
+    assert kept.choice.backend == "zero3_offload"
+    assert "fits only without the 5% margin (--margin 0; " in render_text(kept)
+    assert "memory): fsdp 23.0 GiB, zero3 23.0 GiB" in render_text(kept)
+    plan = make_plan(dataclasses.replace(request, margin=0.0))
     # FSDP2 and ZeRO-3 both fit (the same 23.0 GiB at micro-batch 1); FSDP2 is the faster tier.
     assert plan.choice.backend == "fsdp" and not plan.choice.states.in_cpu_ram
     assert plan.fits(fitting_row(plan, "zero3"))
@@ -109,22 +115,25 @@ def test_tensor_parallel_counts_skip_the_expert_styles_it_does_not_apply():
 
 
 @pytest.mark.parametrize(
-    "name, backend, first",
-    [("qwen3-30b-a3b-qlora", "zero3", "fsdp"), ("gpt-oss-20b-lora", "zero3_offload", "zero3_offload")],
+    "name, backend, first, margin",
+    [("qwen3-30b-a3b-qlora", "zero3", "fsdp", 0.0), ("gpt-oss-20b-lora", "zero3_offload", "zero3_offload", 0.05)],
 )
-def test_the_shipped_moe_configs_fit_as_their_headers_say(name, backend, first):
+def test_the_shipped_moe_configs_fit_as_their_headers_say(name, backend, first, margin):
     from helpers import REPO
 
     from toolkit.recipes import load_any_recipe_config
 
     cfg = load_any_recipe_config(REPO / "recipes" / "configs" / f"{name}.yaml")
-    request = PlanRequest(model=cfg.model.path, gpus=2, gpu_mem=24.0, method=cfg.model.method, grad_ckpt="on")
+    request = PlanRequest(
+        model=cfg.model.path, gpus=2, gpu_mem=24.0, method=cfg.model.method, grad_ckpt="on", margin=margin
+    )
     plan = make_plan(request)
     assert plan.choice.backend == first and plan.choice.checkpointing
     assert f"accelerate_configs/{first}.yaml --num_processes 2" in render_text(plan)
     assert plan.fits(fitting_row(plan, backend))  # the backend the config was proven on, if not the first
     header = (REPO / "recipes" / "configs" / f"{name}.yaml").read_text()
     assert f"accelerate launch --config_file accelerate_configs/{backend}.yaml" in header
+    assert ("--margin 0" in header) == (margin == 0)
 
 
 def test_expert_parallelism_splits_the_experts_alone_and_needs_full_weights():

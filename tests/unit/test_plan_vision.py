@@ -65,7 +65,7 @@ def test_the_answers_on_two_24_gib_gpus(plans):
     chosen = {key: (plan.choice.backend, plan.choice.checkpointing) for key, plan in plans.items()}
     assert chosen == {
         (QWEN, "lora"): ("ddp", True),
-        (QWEN, "qlora"): ("ddp", False),
+        (QWEN, "qlora"): ("ddp", True),  # without checkpointing it needs the 5% margin
         (GEMMA, "lora"): ("fsdp", True),  # 24 GB of bf16 weights: only sharded they fit
         (GEMMA, "qlora"): ("ddp", True),
     }

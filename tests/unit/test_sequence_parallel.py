@@ -158,7 +158,7 @@ def sft(*keys: str) -> RecipeConfig:
         (
             sft,
             {"PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION": "flash_attention_2"},
-            "refuses model.attn_implementation sdpa with the launch's sp attention flash_attention_2",
+            "refuses model.attn_implementation auto with the launch's sp attention flash_attention_2",
         ),
         (lambda: sft("train.micro_batch_size=8"), {}, r"not divisible by train.micro_batch_size \(8\) x 4"),
     ],

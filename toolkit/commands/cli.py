@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--model", required=True, help="model dir, config.json, or hub id (built in or cached)")
     plan.add_argument("--gpus", type=int, help="GPUs on the machine (default 1)")
     plan.add_argument("--gpu-mem", type=float, help="GiB per GPU (default 24)")
+    plan.add_argument(
+        "--margin", type=float, help="share of each GPU kept free for fragmentation (default 0.05; 0: none)"
+    )
     plan.add_argument("--method", choices=choices(Method), help="default lora")
     plan.add_argument("--seq-len", type=int, help="tokens per example (default 2048)")
     plan.add_argument("--micro-batch", type=int, help="examples per GPU per forward (default: most that fit)")

@@ -198,8 +198,11 @@ def grad_accum(request: PlanRequest, backend: str, micro: int) -> int:
     return request.global_batch // (micro * processes(backend, request.gpus))
 
 
-def fits(row: MemoryEstimate, request: PlanRequest) -> bool:
-    in_gpu = row.per_gpu()["total"] <= request.gpu_mem * GIB
+def fits(row: MemoryEstimate, request: PlanRequest, margin: float | None = None) -> bool:
+    """Whether the setup fits each GPU with `margin` (default: the request's) of its memory left free, and
+    the machine's CPU RAM where that was given."""
+    margin = request.margin if margin is None else margin
+    in_gpu = row.per_gpu()["total"] <= request.gpu_mem * (1 - margin) * GIB
     return in_gpu and (request.cpu_mem is None or row.cpu_ram <= request.cpu_mem * GIB)
 
 

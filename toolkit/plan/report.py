@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from toolkit.launch.machine import GIB
-from toolkit.plan.estimate import Plan
+from toolkit.plan.estimate import Plan, fits
 from toolkit.plan.footprint import MemoryEstimate
 from toolkit.plan.layouts_report import layouts_section
 from toolkit.plan.longest import LIMIT, STEP
@@ -19,6 +19,7 @@ from toolkit.plan.tables import generation_table, setups_table
 def render_text(plan: Plan) -> str:
     """The plan as the terminal shows it: model, setup, per-GPU memory by backend, recommendation, cost."""
     lines = [*_header(plan), "", *setups_table(plan), *generation_table(plan), "", *_recommendation(plan)]
+    lines += _margin_note(plan)
     lines += _head_note(plan)
     lines += _sequence_note(plan)
     lines += _qlora_loading(plan)
@@ -124,6 +125,22 @@ def _grpo_setup(plan: Plan) -> list[str]:
         f"{r.global_batch} x {r.steps_per_generation} steps), each GPU generating {batch}; "
         f"prompt {r.seq_len} + {r.max_new_tokens} new tokens a row; gather for generation "
         f"{'on' if r.gather_for_generation else 'off'}; {reference}"
+    ]
+
+
+def _margin_note(plan: Plan) -> list[str]:
+    """The backends that fit only by eating into the margin the plan keeps free on each GPU."""
+    r = plan.request
+    fitting = {row.backend for row in plan.rows if plan.fits(row)}
+    tight = [
+        row for row in plan.rows if row.backend not in fitting and fits(row, r, margin=0.0) and r.margin > 0
+    ]
+    if not tight:
+        return []
+    listed = ", ".join(f"{row.backend} {row.per_gpu()['total'] / GIB:.1f} GiB" for row in tight)
+    return [
+        f"fits only without the {r.margin:.0%} margin (--margin 0; fragmentation may then run it out of "
+        f"memory): {listed}"
     ]
 
 

@@ -32,6 +32,9 @@ class PlanRequest:
     """GPUs on the machine (one process each)."""
     gpu_mem: PositiveFloat = 24.0
     """Memory of one GPU in GiB (a "24 GB" RTX 4090 has 24 GiB)."""
+    margin: Annotated[float, Range(low=0, high=0.5)] = 0.05
+    """Share of each GPU's memory a setup must leave free to fit: the allocator's fragmentation and the
+    kernels' workspaces vary from run to run (0: fill the card)."""
     method: Method = "lora"
     """How the model is fine-tuned, as the recipe's model.method."""
     seq_len: PositiveInt = 2048
