@@ -251,6 +251,11 @@ class EvalConfig:
     """Prompt shown with the model's answer before and after training ("" uses the first eval example)."""
     max_new_tokens: PositiveInt = 32
     """Generation length for samples and exact match."""
+    benchmarks: list[str] = field(default_factory=list)
+    """lm-eval tasks (docs/eval.md) scored before training, at each evaluation and after, logged as
+    bench/<task>/<metric>; one process or DDP (the main process scores its whole copy of the model)."""
+    benchmark_limit: PositiveInt | None = 50
+    """Examples per benchmark task at each evaluation (None: all)."""
 
 
 @dataclass

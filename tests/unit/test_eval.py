@@ -152,3 +152,56 @@ def test_a_task_whose_data_is_on_the_hub_is_named(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(UserError, match="--tasks: ftkit_sums needs data this machine does not have"):
         harness.check_data([hub_only], manager)
+
+
+@pytest.mark.usefixtures("signal_handlers_restored")
+def test_benchmarks_are_scored_before_during_and_after_training_and_plotted(recipe, tmp_path):
+    from toolkit.commands.plot import panels_for, read_run
+    from toolkit.errors import run_main
+
+    run = tmp_path / "run"
+    argv = [
+        f"output_dir={run}",
+        "train.max_steps=2",
+        "train.eval_every_steps=1",
+        "eval.exact_match_samples=0",
+    ]
+    argv += ["eval.max_batches=1", "eval.benchmarks=[ftkit_sums_choice]", "eval.benchmark_limit=6"]
+    assert run_main(recipe.main, argv, "finetune_llm") == 0
+    key = "bench/ftkit_sums_choice/acc"
+    scored = [record for record in read_run(run) if key in record]
+    assert [record["step"] for record in scored] == [0, 1, 2, 2]  # before, each evaluation, after
+    assert all(record[key] * 6 == round(record[key] * 6) for record in scored)  # a share of 6 examples
+    assert panels_for([("run", read_run(run))])[-1] == (key, "ftkit_sums_choice/acc")
+
+
+def test_an_unknown_benchmark_is_one_line_before_training(tmp_path, capsys):
+    from helpers import load_recipe
+
+    from toolkit.errors import run_main
+
+    argv = [f"output_dir={tmp_path / 'run'}", "eval.benchmarks=[ftkit_sumz]"]
+    assert run_main(load_recipe().main, argv, "finetune_llm") == 2
+    assert "eval.benchmarks: no task 'ftkit_sumz' (closest: ftkit_sums" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("config", "allowed"), [("ddp", True), ("zero3", False), ("fsdp", False)])
+def test_benchmarks_during_training_are_refused_where_the_model_is_split(monkeypatch, config, allowed):
+    from toolkit.config import EvalConfig, RecipeConfig, TrainConfig
+    from toolkit.launch import checks
+    from toolkit.launch.machine import Machine
+    from toolkit.model.facts import read_model_facts
+
+    monkeypatch.chdir(REPO)
+    cfg = RecipeConfig(
+        train=TrainConfig(global_batch_size=16, micro_batch_size=2),
+        eval=EvalConfig(benchmarks=["ftkit_sums"]),
+    )
+    launch = checks.launch_from_yaml(Path("accelerate_configs") / f"{config}.yaml", 0)
+    call = lambda: checks.check_launch(launch, cfg, read_model_facts(cfg.model), "r.yaml", Machine(), {})  # noqa: E731
+    if allowed:
+        call()
+        return
+    with pytest.raises(UserError, match="eval.benchmarks scores the whole model on the main process"):
+        call()

@@ -1,8 +1,9 @@
-import dataclasses
 """`ftkit plan` on mixtures of experts: the three models of the built-in table answer on 2 x 24 GiB with a
 launch line, active parameters and FLOPs count only the experts a token is sent to (checked against torch's
 FLOP counter on a tiny model), QLoRA counts its experts in 4-bit, and expert parallelism splits the experts
 alone."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -116,7 +117,10 @@ def test_tensor_parallel_counts_skip_the_expert_styles_it_does_not_apply():
 
 @pytest.mark.parametrize(
     "name, backend, first, margin",
-    [("qwen3-30b-a3b-qlora", "zero3", "fsdp", 0.0), ("gpt-oss-20b-lora", "zero3_offload", "zero3_offload", 0.05)],
+    [
+        ("qwen3-30b-a3b-qlora", "zero3", "fsdp", 0.0),
+        ("gpt-oss-20b-lora", "zero3_offload", "zero3_offload", 0.05),
+    ],
 )
 def test_the_shipped_moe_configs_fit_as_their_headers_say(name, backend, first, margin):
     from helpers import REPO

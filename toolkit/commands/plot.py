@@ -17,8 +17,11 @@ PREFERENCE_PANELS = (
 
 
 def panels_for(runs: list[tuple[str, list[dict]]]) -> tuple[tuple[str, str], ...]:
+    """The fixed panels (preference runs' beside the loss), then one per benchmark score (eval.benchmarks)."""
     preference = any("reward_accuracy" in r or "eval_reward_accuracy" in r for _, rs in runs for r in rs)
-    return (PANELS[0], *PREFERENCE_PANELS, *PANELS[1:]) if preference else PANELS
+    fixed = (PANELS[0], *PREFERENCE_PANELS, *PANELS[1:]) if preference else PANELS
+    scores = sorted({key for _, rs in runs for r in rs for key in r if key.startswith("bench/")})
+    return (*fixed, *((key, key.removeprefix("bench/")) for key in scores))
 
 
 def read_run(run_dir: Path) -> list[dict]:

@@ -11,6 +11,8 @@ from torch.utils.data import DataLoader
 
 from toolkit.config import EvalConfig
 from toolkit.distributed import root_params_gathered, sum_over_data
+from toolkit.evaluation import harness
+from toolkit.model.speed import eager_blocks
 from toolkit.pipeline.generate import PipelineGenerator
 from toolkit.train.generation import chat_prompt_ids, exact_match, greedy_answer, split_prompt
 from toolkit.train.loss import batch_loss, count_targets
@@ -46,10 +48,11 @@ class Evaluator:
         """What each `report` measured, by its label ("before", "after"): the run's closing lines read it."""
 
     def evaluate(self, step: int) -> dict:
-        """Collective: eval loss and perplexity, logged at `step`; {} when the run holds no eval rows."""
-        if self.loader is None:
-            return {}
-        return self.log.write(step, **self._loss())
+        """Collective: eval loss and perplexity and the benchmarks' scores, logged at `step`; {} when the
+        run holds no eval rows and scores no benchmark."""
+        results = self._loss() if self.loader is not None else {}
+        results |= self._benchmarks()
+        return self.log.write(step, **results) if results else {}
 
     def report(self, step: int, label: str) -> None:
         """Collective: eval loss, exact match and one sample answer, shown (tagged `label`) and logged."""
@@ -58,6 +61,7 @@ class Evaluator:
 
     def _report(self, step: int, label: str) -> None:
         results = self._loss() if self.loader is not None else {}
+        results |= self._benchmarks()
         cfg, synced = self.cfg, self.accelerator.num_processes > 1
         generator = self.accelerator.unwrap_model(self.model)
         if self.pipeline is not None:
@@ -89,6 +93,21 @@ class Evaluator:
         if results:
             self.log.write(step, **results)
             self.accelerator.print(f"[{label}] " + "  ".join(f"{k}={v:.4g}" for k, v in results.items()))
+
+    def _benchmarks(self) -> dict:
+        """Collective: `eval.benchmarks` scored by lm-eval on the main process's whole model (the launch
+        check keeps them to one process or DDP), while the other ranks wait."""
+        if not self.cfg.benchmarks:
+            return {}
+        scores = {}
+        if self.accelerator.is_main_process:
+            model = self.accelerator.unwrap_model(self.model)
+            with eval_mode(self.model), eager_blocks(), self.accelerator.autocast():
+                scores = harness.benchmark(
+                    model, self.tokenizer, self.cfg.benchmarks, self.cfg.benchmark_limit
+                )
+        self.accelerator.wait_for_everyone()
+        return scores
 
     def _loss(self) -> dict:
         if self.pipeline is not None:
