@@ -14,6 +14,7 @@ from helpers import REPO, launch, run_recipe
 from safetensors.torch import load_file, save_file
 
 from toolkit.checkpoint import MARKER
+from toolkit.checkpoint.save import file_entry
 from toolkit.commands import cli
 from toolkit.train.metrics import read_metrics
 
@@ -56,7 +57,7 @@ def rewrite(checkpoint, relative: str, write) -> None:
     """Replace one file and record its new size in the manifest, as a forger who edits the marker would."""
     write(checkpoint / relative)
     marker = json.loads((checkpoint / MARKER).read_text())
-    marker["files"][relative] = (checkpoint / relative).stat().st_size
+    marker["files"][relative] = file_entry(checkpoint / relative)
     (checkpoint / MARKER).write_text(json.dumps(marker))
 
 

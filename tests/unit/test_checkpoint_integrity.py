@@ -13,6 +13,7 @@ from accelerate import Accelerator
 from toolkit import checkpoint
 from toolkit.checkpoint import safe_load
 from toolkit.checkpoint.resume import FIXED, FREE, config_changes
+from toolkit.checkpoint.save import file_entry
 from toolkit.commands import cli
 from toolkit.config import RecipeConfig, TrainConfig, load_config
 from toolkit.errors import UserError
@@ -68,6 +69,48 @@ def test_a_bad_safetensors_header_of_the_same_size_is_damage(saved):
     data[8:12] = b"\xff\xff\xff\xff"
     file.write_bytes(bytes(data))
     assert "unreadable safetensors header" in checkpoint.damage(file.parent)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.bin"])
+def test_a_flipped_bit_of_the_same_size_is_damage(saved, name):
+    file = saved / "checkpoints" / "step-2" / name
+    data = bytearray(file.read_bytes())
+    data[-3] ^= 0x04  # past any header: a value's bit, the size unchanged
+    file.write_bytes(bytes(data))
+    assert (
+        checkpoint.damage(file.parent)
+        == f"{name} does not match its checksum (its bytes changed after the save)"
+    )
+
+
+def test_a_checkpoint_of_an_older_ftkit_with_sizes_only_still_loads(saved):
+    step = saved / "checkpoints" / "step-2"
+    marker = json.loads((step / checkpoint.MARKER).read_text())
+    assert all(set(entry) == {"size", "crc32"} for entry in marker["files"].values())
+    marker["files"] = {name: entry["size"] for name, entry in marker["files"].items()}
+    (step / checkpoint.MARKER).write_text(json.dumps(marker))
+    assert checkpoint.damage(step) == ""
+    (step / "optimizer.bin").unlink()
+    assert checkpoint.damage(step) == "optimizer.bin is missing"
+
+
+def test_the_marker_waits_for_files_another_node_writes_late(tmp_path):
+    """Rank 1's file reaches the main node's view of a shared filesystem late, and first in part: the wait
+    ends when it is whole. A file that never arrives is named with its rank, and nothing is marked."""
+    import threading
+
+    from toolkit.checkpoint.save import wait_visible
+
+    (tmp_path / "mine.bin").write_bytes(b"x" * 10)
+    (tmp_path / "theirs.bin").write_bytes(b"y" * 3)
+    seen = [{"mine.bin": 10}, {"theirs.bin": 8}]
+    late = threading.Timer(0.6, lambda: (tmp_path / "theirs.bin").write_bytes(b"y" * 8))
+    late.start()
+    assert wait_visible(tmp_path, seen, timeout_s=10, poll_s=0.05) == ""
+    late.join()
+    seen.append({"gone.bin": 5})
+    error = wait_visible(tmp_path, seen, timeout_s=0.3, poll_s=0.05)
+    assert error.startswith("gone.bin (5 bytes, seen by rank 2) did not reach this node in 0.3 s")
 
 
 def test_newest_intact_skips_a_damaged_newest_with_one_line(saved):
@@ -207,7 +250,7 @@ def test_export_ignores_trust_remote_code_saved_in_a_checkpoint(saved, tmp_path,
     config["model"].update(path=str(model), trust_remote_code=True)
     (step / checkpoint.CONFIG).write_text(yaml.safe_dump(config))
     marker = json.loads((step / checkpoint.MARKER).read_text())
-    marker["files"][checkpoint.CONFIG] = (step / checkpoint.CONFIG).stat().st_size
+    marker["files"][checkpoint.CONFIG] = file_entry(step / checkpoint.CONFIG)
     (step / checkpoint.MARKER).write_text(json.dumps(marker))
     out = tmp_path / "export"
     assert cli.main(["export", str(step), "--out", str(out)]) == 2

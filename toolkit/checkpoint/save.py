@@ -1,14 +1,20 @@
 """Checkpoints under output_dir/checkpoints/step-<N>: written to a temporary directory by every rank and
-renamed into place with a completion marker, so a crash mid-save never leaves a directory that loads."""
+renamed into place with a completion marker, so a crash mid-save never leaves a directory that loads.
+
+The marker's manifest holds every file's size and CRC-32, so a file whose bits changed after the save (a
+flaky disk, an object store, a network filesystem) is caught before a run trains on it. Before the marker is
+written, the main process waits until every file any rank wrote is visible to it at its full size: on a
+filesystem shared between machines, another node's writes can show up late."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import time
+import zlib
 from pathlib import Path
 
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, gather_object
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
@@ -23,6 +29,7 @@ from toolkit.typed_yaml import save_config
 
 MARKER = "ftkit_checkpoint.json"
 RECIPE_STATE = "recipe_state.safetensors"
+VISIBLE_TIMEOUT_S = 300.0  # how long the main process waits for other nodes' files to appear in full
 
 
 def checkpoint_dir(output_dir: Path) -> Path:
@@ -44,22 +51,40 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
 
 def damage(path: Path) -> str:
     """Why `path` would not load as it was written, or "" when it is intact: its marker's manifest names
-    every file and its size; safetensors files must also have a readable header."""
+    every file, its size and its CRC-32 (a checkpoint of an older ftkit: sizes only); safetensors files must
+    also have a readable header."""
     if not is_complete(path):
         return f"no {MARKER} (an unfinished save)"
     try:
         files = json.loads((path / MARKER).read_text()).get("files", {})
     except (OSError, ValueError) as exc:
         return f"{MARKER} is unreadable ({exc})"
-    for name, size in files.items():
+    for name, entry in files.items():
+        entry = entry if isinstance(entry, dict) else {"size": entry}
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
-        if file.stat().st_size != size:
-            return f"{name} has {file.stat().st_size} bytes, {size} were written"
+        if file.stat().st_size != entry["size"]:
+            return f"{name} has {file.stat().st_size} bytes, {entry['size']} were written"
         if file.suffix == ".safetensors" and not _header_readable(file):
             return f"{name} has an unreadable safetensors header"
+        if "crc32" in entry and crc32_of(file) != entry["crc32"]:
+            return f"{name} does not match its checksum (its bytes changed after the save)"
     return ""
+
+
+def crc32_of(file: Path) -> str:
+    """The file's CRC-32 as 8 hex digits (zlib's, read in 16 MiB pieces: about as fast as the disk)."""
+    value = 0
+    with file.open("rb") as handle:
+        while piece := handle.read(16 << 20):
+            value = zlib.crc32(piece, value)
+    return f"{value:08x}"
+
+
+def file_entry(file: Path) -> dict:
+    """A file's manifest entry: its size and CRC-32."""
+    return {"size": file.stat().st_size, "crc32": crc32_of(file)}
 
 
 def newest_intact(output_dir: Path, say) -> Path | None:
@@ -124,6 +149,10 @@ def save_checkpoint(
     else:
         error = _attempt(lambda: accelerator.save_state(str(tmp)))
     _agree_or_raise(accelerator, error, tmp, final, output_dir)
+    seen = gather_object([_sizes(tmp)])
+    if accelerator.is_main_process:
+        error = wait_visible(tmp, seen, VISIBLE_TIMEOUT_S)
+    _agree_or_raise(accelerator, error if accelerator.is_main_process else "", tmp, final, output_dir)
     if accelerator.is_main_process:
         trained = accelerator._models[0] if accelerator._models else None
         marker = {**state, **layout(accelerator, trained), "step": step}
@@ -259,5 +288,31 @@ def _header_readable(file: Path) -> bool:
     return True
 
 
-def _manifest(path: Path) -> dict[str, int]:
+def _manifest(path: Path) -> dict[str, dict]:
+    return {str(f.relative_to(path)): file_entry(f) for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def _sizes(path: Path) -> dict[str, int]:
     return {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def wait_visible(path: Path, seen: list[dict[str, int]], timeout_s: float, poll_s: float = 0.5) -> str:
+    """ "" once every file in the ranks' listings `seen` (rank by rank) is in `path` at its listed size, as
+    this process sees it; else, after `timeout_s`, the first one missing and the rank that wrote it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [
+            (rank, name, size)
+            for rank, listing in enumerate(seen)
+            for name, size in listing.items()
+            if not (path / name).is_file() or (path / name).stat().st_size < size
+        ]
+        if not missing:
+            return ""
+        if time.monotonic() >= deadline:
+            rank, name, size = missing[0]
+            return (
+                f"{name} ({size} bytes, seen by rank {rank}) did not reach this node in {timeout_s:g} s; "
+                "every node must write checkpoints to one shared filesystem"
+            )
+        time.sleep(poll_s)
