@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -41,6 +40,7 @@ from pathlib import Path
 import torch
 from gpu_models import build, write_chats
 from gpu_report import render
+from gpu_speed import against_base, part_compile, part_speed, quiet_env, speed_values
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -119,7 +119,7 @@ class Kit:
         ]
         started = time.monotonic()
         try:
-            env = _quiet_env() | ({"TORCH_LOGS": logs} if logs else {})
+            env = quiet_env() | ({"TORCH_LOGS": logs} if logs else {})
             done = subprocess.run(
                 command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=self.run_limit_s
             )
@@ -168,12 +168,6 @@ def summarise(metrics: Path, wall_s: float) -> dict:
     return summary
 
 
-def _quiet_env() -> dict:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    env.pop("FTKIT_VERBOSE", None)
-    return env
-
-
 # ---- plan: the prediction against the run ----
 
 
@@ -210,7 +204,7 @@ def predicted(kit: Kit, model: Path, method: str, seq: int, micro: int) -> dict:
         str(micro),
     ]
     command += ["--global-batch", str(micro), "--grad-ckpt", "off", *precision, "--json"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=_quiet_env())
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=quiet_env())
     if done.returncode != 0:
         return {}
     plan = json.loads(done.stdout)
@@ -255,72 +249,6 @@ def plan_comparison(plan: dict, run: dict, smoke: bool) -> dict:
     return values
 
 
-# ---- speed: ftkit against TRL ----
-
-
-def part_speed(kit: Kit) -> None:
-    """ftkit at its defaults against TRL's SFTTrainer at its defaults and with Liger's kernels."""
-    if kit.done("speed", "ftkit / TRL + Liger"):
-        return
-    seq, micro, steps = kit.seq(2048), 4, (4 if kit.smoke else 20)
-    model = kit.model("llama-1b")
-    keys = [f"data.max_length={seq}", f"train.micro_batch_size={micro}", f"train.global_batch_size={micro}"]
-    ours = kit.ftkit("speed ftkit", model, *keys, f"train.max_steps={steps}")
-    kit.record("speed", "ftkit", **_speed(ours))
-    liger = kit.smoke or importlib.util.find_spec("liger_kernel") is not None
-    for case, extra in (("TRL SFTTrainer", []), ("TRL SFTTrainer + Liger", ["liger"])):
-        if extra and not liger:
-            kit.record("speed", case, skipped="liger-kernel is not installed (pip install liger-kernel)")
-            continue
-        theirs = trl_run(kit, model, seq, micro, steps, *extra)
-        kit.record("speed", case, **_speed(theirs))
-        if "error" not in ours and "error" not in theirs:
-            ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
-            kit.record("speed", f"ftkit / {case.replace(' SFTTrainer', '')}", tokens_per_s=ratio)
-
-
-def trl_run(kit: Kit, model: Path, seq: int, micro: int, steps: int, *extra: str) -> dict:
-    """bench/gpu_trl.py's result ({"error": ...} when it fails); `extra`: "liger" for Liger's kernels."""
-    out = kit.work / "runs" / f"speed_trl{'_'.join(['', *extra])}.json"
-    command = [PY, str(BENCH / "gpu_trl.py"), str(model), str(kit.data()), str(out), str(seq), str(micro)]
-    command += [str(steps), *extra]
-    done = subprocess.run(command, cwd=BENCH, capture_output=True, text=True, env=_quiet_env())
-    if done.returncode != 0:
-        return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1][-300:]}
-    return json.loads(out.read_text())
-
-
-def _speed(run: dict) -> dict:
-    keys = ("tokens_per_s", "mfu", "peak_mem_mb", "loss", "error")
-    return {k: run[k] for k in keys if k in run}
-
-
-# ---- compile: the defaults against the eager forward ----
-
-COMPILE_CASES = {  # case: keys against gpu-check.yaml, whose compile and attention are auto (the defaults)
-    "defaults: compiled blocks, flex attention": [],
-    "eager forward, sdpa (the defaults before)": ["model.compile=false", "model.attn_implementation=sdpa"],
-    "compiled blocks, sdpa": ["model.attn_implementation=sdpa"],
-    "eager forward, flex attention": ["model.compile=false"],
-}
-
-
-def part_compile(kit: Kit) -> None:
-    seq, steps = kit.seq(2048), (4 if kit.smoke else 20)
-    keys = [f"data.max_length={seq}", "train.micro_batch_size=4", "train.global_batch_size=4"]
-    model = kit.model("llama-1b")
-    base = None
-    for case, switch in COMPILE_CASES.items():
-        if kit.done("compile", case):
-            continue
-        keys_of_case = [*keys, f"train.max_steps={steps}", *switch]
-        run = kit.ftkit(f"compile {case}", model, *keys_of_case, logs="recompiles,graph_breaks")
-        extra = {k: run[k] for k in ("first_step_s", "recompiles", "graph_breaks") if k in run}
-        values = _against(run, base) if base else _speed(run)
-        kit.record("compile", case, **values, **extra)
-        base = base or (run if "error" not in run else None)
-
-
 # ---- paths: the CUDA paths, each against a baseline run ----
 
 PATHS = {  # case: the keys that switch it on, against the LoRA baseline (defaults, chunked head, fused AdamW)
@@ -350,10 +278,10 @@ def part_paths(kit: Kit) -> None:
     base = kit.ftkit("paths baseline", model, *keys)
     flash = torch.cuda.is_available() and torch.backends.cuda.flash_sdp_enabled()
     case = "baseline: LoRA, defaults, chunked head, fused AdamW"
-    kit.record("paths", case, **_speed(base), flash_sdp=flash)
+    kit.record("paths", case, **speed_values(base), flash_sdp=flash)
     for case, switch in PATHS.items():
         run = kit.ftkit(f"paths {case}", model, *keys, *switch)
-        kit.record("paths", case, **_against(run, base))
+        kit.record("paths", case, **against_base(run, base))
     for case, (package, switch) in OPTIONAL.items():
         if not (kit.smoke or importlib.util.find_spec(package)):
             kit.record(
@@ -361,25 +289,15 @@ def part_paths(kit: Kit) -> None:
             )
             continue
         run = kit.ftkit(f"paths {case}", model, *keys, switch)
-        kit.record("paths", case, **_against(run, base))
+        kit.record("paths", case, **against_base(run, base))
     moe = kit.model("qwen3-moe")
     grouped = kit.ftkit("paths moe grouped_mm", moe, *keys)
-    kit.record("paths", "Qwen3-MoE-shaped, grouped_mm experts", **_speed(grouped))
+    kit.record("paths", "Qwen3-MoE-shaped, grouped_mm experts", **speed_values(grouped))
     eager = kit.ftkit("paths moe eager", moe, *keys, "moe.experts_implementation=eager")
-    kit.record("paths", "Qwen3-MoE-shaped, eager experts", **_against(eager, grouped))
+    kit.record("paths", "Qwen3-MoE-shaped, eager experts", **against_base(eager, grouped))
     quantized = kit.ftkit("paths moe qlora", moe, *keys, "model.method=qlora")
-    kit.record("paths", "Qwen3-MoE-shaped, QLoRA (4-bit experts)", **_against(quantized, grouped))
+    kit.record("paths", "Qwen3-MoE-shaped, QLoRA (4-bit experts)", **against_base(quantized, grouped))
     kit.drop_model("qwen3-moe")
-
-
-def _against(run: dict, base: dict) -> dict:
-    values = _speed(run)
-    if "error" in run or "error" in base:
-        return values
-    values["speed_vs_base"] = run["tokens_per_s"] / base["tokens_per_s"]
-    values["memory_vs_base"] = run["peak_mem_mb"] / base["peak_mem_mb"]
-    values["loss_vs_base"] = run["loss"] / base["loss"] - 1
-    return values
 
 
 # ---- multi: 2+ GPUs ----
@@ -405,7 +323,7 @@ def part_multi(kit: Kit) -> None:
             kit.record("multi", config, error=run.get("error") or single["error"])
             continue
         worst = max(abs(a / b - 1) for a, b in zip(run["losses"], single["losses"], strict=True))
-        kit.record("multi", f"{config} x2 against one GPU", max_loss_rel_diff=worst, **_speed(run))
+        kit.record("multi", f"{config} x2 against one GPU", max_loss_rel_diff=worst, **speed_values(run))
 
 
 PARTS = {

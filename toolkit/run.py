@@ -80,14 +80,7 @@ class Run:
             project_dir=cfg.output_dir,
             step_scheduler_with_optimizer=False,  # one scheduler step per optimizer step, any world size
         )
-        features = speed.resolve(
-            cfg.model,
-            cfg.train,
-            accelerator.device,
-            kernels=facts.attention_kernels,
-            packing=cfg.data.packing or cfg.data.streaming,
-            compile_layout=speed.compile_layout_blocker(launch.backend, launch.uses_mesh),
-        )
+        features = speed.resolve_for_run(cfg, launch, accelerator.device, facts.attention_kernels)
         summary = backend.setup_summary(accelerator, launch, cfg.train, grad_accum)
         for line in [summary, *notes, *features.notes]:
             accelerator.print(line)

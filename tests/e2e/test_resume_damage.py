@@ -14,6 +14,7 @@ from helpers import REPO, launch, run_recipe
 from safetensors.torch import load_file, save_file
 
 from toolkit.checkpoint import MARKER
+from toolkit.checkpoint.save import damage as checkpoint_damage
 from toolkit.checkpoint.save import file_entry
 from toolkit.commands import cli
 from toolkit.train.metrics import read_metrics
@@ -154,8 +155,14 @@ def test_torn_last_metrics_line_is_dropped_with_a_warning(runs, tmp_path):
 
 def test_unreadable_random_states_are_a_warning(runs, tmp_path):
     out = copy_run(runs("ddp"), tmp_path)
-    states = out / "checkpoints" / "step-2" / "random_states_0.pkl"
-    states.write_bytes(b"\0" * states.stat().st_size)  # same size: the manifest cannot tell
+    step = out / "checkpoints" / "step-2"
+    size = (step / "random_states_0.pkl").stat().st_size
+    (step / "random_states_0.pkl").write_bytes(b"\0" * size)  # the same size: the checksum tells
+    assert checkpoint_damage(step) == (
+        "random_states_0.pkl does not match its checksum (its bytes changed after the save)"
+    )
+    # With the marker rewritten to match (a forger's edit), the unpickling allow-list still refuses it.
+    rewrite(step, "random_states_0.pkl", lambda path: path.write_bytes(b"\0" * size))
     result = resume(out)
     assert result.returncode == 0, result.stderr[-3000:]
     warned = [line for line in result.stdout.splitlines() if "random states not restored" in line]

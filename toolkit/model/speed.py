@@ -107,6 +107,19 @@ def apply_liger(model) -> None:
     )
 
 
+def resolve_for_run(cfg, launch, device: torch.device, kernels: frozenset[str] | None) -> SpeedFeatures:
+    """`resolve` for a recipe's config (`cfg`) on a launch (`launch.Launch`): packed rows where it packs or
+    streams, auto compile kept to the layouts it is proven in."""
+    return resolve(
+        cfg.model,
+        cfg.train,
+        device,
+        kernels=kernels,
+        packing=cfg.data.packing or cfg.data.streaming,
+        compile_layout=compile_layout_blocker(launch.backend, launch.uses_mesh),
+    )
+
+
 def compile_layout_blocker(backend: str, uses_mesh: bool) -> str | None:
     """Why `model.compile: auto` stays off for a launch, or None: auto compiles where it is proven (one
     process, DDP, FSDP); DeepSpeed's hooks, pipeline stages and tensor-parallel meshes keep the eager
