@@ -9,16 +9,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from gpu_check import Kit
 
 BENCH = Path(__file__).resolve().parent
 PY = sys.executable
 
 
-def part_speed(kit: Kit) -> None:
+def part_speed(kit) -> None:
     """ftkit at its defaults against TRL's SFTTrainer at its defaults and with Liger's kernels."""
     if kit.done("speed", "ftkit / TRL + Liger"):
         return
@@ -39,7 +35,7 @@ def part_speed(kit: Kit) -> None:
             kit.record("speed", f"ftkit / {case.replace(' SFTTrainer', '')}", tokens_per_s=ratio)
 
 
-def trl_run(kit: Kit, model: Path, seq: int, micro: int, steps: int, *extra: str) -> dict:
+def trl_run(kit, model: Path, seq: int, micro: int, steps: int, *extra: str) -> dict:
     """bench/gpu_trl.py's result ({"error": ...} when it fails); `extra`: "liger" for Liger's kernels."""
     out = kit.work / "runs" / f"speed_trl{'_'.join(['', *extra])}.json"
     command = [PY, str(BENCH / "gpu_trl.py"), str(model), str(kit.data()), str(out), str(seq), str(micro)]
@@ -65,7 +61,7 @@ COMPILE_CASES = {  # case: keys against gpu-check.yaml, whose compile and attent
 }
 
 
-def part_compile(kit: Kit) -> None:
+def part_compile(kit) -> None:
     seq, steps = kit.seq(2048), (4 if kit.smoke else 20)
     keys = [f"data.max_length={seq}", "train.micro_batch_size=4", "train.global_batch_size=4"]
     model = kit.model("llama-1b")

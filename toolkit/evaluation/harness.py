@@ -87,13 +87,3 @@ def scores(results: dict) -> list[Score]:
             stderr = float(stderr) if isinstance(stderr, int | float) else None
             found.append(Score(task, metric, float(value), stderr, higher.get(metric, True), samples))
     return found
-
-
-def benchmark(model, tokenizer, names: list[str], limit: int | None, batch_size: int = 8) -> dict[str, float]:
-    """`eval.benchmarks` during training: each task's metrics as bench/<task>/<metric> (their standard
-    errors left out: the curve is the point)."""
-    from toolkit.evaluation import tasks
-
-    manager, specs = tasks.resolve(names, None)
-    results = evaluate(model, tokenizer, specs, manager, limit, batch_size)
-    return {f"bench/{s.task}/{s.metric}": s.value for s in scores(results)}

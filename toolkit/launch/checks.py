@@ -11,6 +11,7 @@ from pathlib import Path
 
 from toolkit.config import ModelConfig, RecipeConfig, TrainConfig
 from toolkit.errors import UserError
+from toolkit.evaluation import training
 from toolkit.launch.backend import (
     as_tensor_parallel,
     deepspeed_launch,
@@ -100,29 +101,6 @@ def _refuse_ignored_offload(raw: dict, backend: str, path: Path) -> None:
         raise UserError(f"{path}: fsdp_offload_params in fsdp_config is ignored by {backend}: remove it")
 
 
-def _check_benchmarks(launch: Launch, cfg: RecipeConfig, recipe_source: str) -> None:
-    """eval.benchmarks: the main process scores its whole model, so every launch that splits the model
-    (or its steps) across processes is refused; the task names are checked before anything loads."""
-    if not cfg.eval.benchmarks:
-        return
-    if launch.backend not in ("single", "ddp") or launch.uses_mesh:
-        raise UserError(
-            f"{recipe_source}: eval.benchmarks scores the whole model on the main process: launch it on one "
-            f"process or DDP, not {backend_name(launch)} (or run ftkit eval on the result)"
-        )
-    if hasattr(cfg, "dpo"):
-        raise UserError(
-            f"{recipe_source}: eval.benchmarks: the SFT and GRPO recipes score benchmarks during training; "
-            "score a preference-tuned model with ftkit eval"
-        )
-    from toolkit.evaluation import tasks
-
-    try:
-        tasks.resolve(cfg.eval.benchmarks, None)
-    except UserError as exc:
-        raise UserError(f"{recipe_source}: eval.benchmarks: {str(exc).removeprefix('--tasks: ')}") from None
-
-
 def check_launch(
     launch: Launch,
     cfg: RecipeConfig,
@@ -142,7 +120,7 @@ def check_launch(
     ga = grad_accum_steps(cfg.train, launch.mesh.data_parallel)
     refuse_parallelism(launch.parallel_sizes, launch.source)
     _check_vision(launch, cfg, facts, recipe_source)
-    _check_benchmarks(launch, cfg, recipe_source)
+    training.check_benchmarks(cfg, launch.backend, launch.uses_mesh, recipe_source)
     if launch.parallel_sizes:
         check_mesh(launch.mesh, launch.world_size, launch.fsdp_version, launch.backend, launch.source)
     if launch.mesh.tp > 1:

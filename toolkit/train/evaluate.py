@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from toolkit.config import EvalConfig
 from toolkit.distributed import root_params_gathered, sum_over_data
-from toolkit.evaluation import harness
+from toolkit.evaluation import training
 from toolkit.model.speed import eager_blocks
 from toolkit.pipeline.generate import PipelineGenerator
 from toolkit.train.generation import chat_prompt_ids, exact_match, greedy_answer, split_prompt
@@ -103,7 +103,7 @@ class Evaluator:
         if self.accelerator.is_main_process:
             model = self.accelerator.unwrap_model(self.model)
             with eval_mode(self.model), eager_blocks(), self.accelerator.autocast():
-                scores = harness.benchmark(
+                scores = training.scores_now(
                     model, self.tokenizer, self.cfg.benchmarks, self.cfg.benchmark_limit
                 )
         self.accelerator.wait_for_everyone()
