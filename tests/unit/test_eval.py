@@ -132,6 +132,7 @@ def test_a_drop_beyond_two_standard_errors_is_forgetting():
             "--include: /nonexistent is not a directory",
         ),
         (["--tasks", " , "], "--tasks: name at least one task"),
+        (["--tasks", "ftkit_sums", "--batch-size", "0"], "--batch-size: 0 is not a positive number"),
     ],
 )
 def test_bad_input_is_one_line(argv, message, capsys):

@@ -35,6 +35,8 @@ def eval_cli(
         raise UserError("--tasks: name at least one task (comma-separated)")
     if limit is not None and limit < 1:
         raise UserError(f"--limit: {limit} is not a positive number of examples")
+    if batch_size < 1:
+        raise UserError(f"--batch-size: {batch_size} is not a positive number of examples")
     manager, specs = tasks.resolve(names, include)
     harness.check_data(specs, manager)
     base_path = base_model_of(path) if base is None else (None if base == "none" else base)
