@@ -29,7 +29,7 @@ def features(device, installed=(), compiler=True, packing=False, layout=None, ke
         has_compiler=lambda: compiler,
         kernels=kernels,
         packing=packing,
-        compile_layout=layout,
+        compile_proven=layout is None,
     )
 
 

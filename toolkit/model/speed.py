@@ -45,12 +45,12 @@ def resolve(
     has_compiler: Callable[[], bool] | None = None,
     kernels: frozenset[str] | None = None,
     packing: bool = False,
-    compile_layout: str | None = None,
+    compile_proven: bool = True,
 ) -> SpeedFeatures:
     """Match the config's speed requests against the device, the installed packages and the attention
     `kernels` the model takes (`ModelFacts.attention_kernels`; None: not known, the request stands).
     `packing`: the rows are packed (auto attention keeps their examples apart with flex_attention on CUDA);
-    `compile_layout`: why this launch keeps auto compile off (a layout it is not proven in), or None."""
+    `compile_proven`: the launch's layout is one auto compile is proven in (`compile_proven_for`)."""
     installed = installed or _installed
     has_compiler = has_compiler or can_compile
     cuda = device.type == "cuda"
@@ -79,7 +79,7 @@ def resolve(
 
     compile_model = model.compile
     if compile_model == "auto":
-        compile_model = cuda and compile_layout is None and model.method != "qlora"
+        compile_model = cuda and compile_proven and model.method != "qlora"
     if compile_model and not has_compiler():
         notes.append("model.compile: torch.compile needs a C++ compiler on this machine; running uncompiled")
         compile_model = False
@@ -116,25 +116,25 @@ def resolve_for_run(cfg, launch, device: torch.device, kernels: frozenset[str] |
         device,
         kernels=kernels,
         packing=cfg.data.packing or cfg.data.streaming,
-        compile_layout=compile_layout_blocker(launch.backend, launch.uses_mesh),
+        compile_proven=compile_proven_for(launch.backend, launch.uses_mesh),
     )
 
 
-def compile_layout_blocker(backend: str, uses_mesh: bool) -> str | None:
-    """Why `model.compile: auto` stays off for a launch, or None: auto compiles where it is proven (one
-    process, DDP, FSDP); DeepSpeed's hooks, pipeline stages and tensor-parallel meshes keep the eager
-    forward unless the config asks for compile itself."""
-    if backend in ("single", "ddp", "fsdp") and not uses_mesh:
-        return None
-    return f"the {backend} layout"
+def compile_proven_for(backend: str, uses_mesh: bool) -> bool:
+    """Whether `model.compile: auto` compiles on this launch: where it is proven (one process, DDP, FSDP);
+    DeepSpeed's hooks, pipeline stages and model-parallel meshes keep the eager forward unless the config
+    asks for compile itself."""
+    return backend in ("single", "ddp", "fsdp") and not uses_mesh
 
 
 def compile_blocks(model) -> int:
     """Compile, in place, every repeated block of the model (its decoder layers, and a vision tower's), the
     number compiled. Every block of a class runs the same compiled code (dynamo reuses one graph for them),
     so the first step compiles one block, not the whole model: seconds, not minutes. The shapes are dynamic
-    from the start, so packed rows of a new width or a last short batch reuse the graph. Outside the blocks
-    (embeddings, the loss head with its data-dependent token selection) the model runs eagerly.
+    from the start, so packed rows of a new width reuse the graph (a batch of one row is specialised and
+    compiles once more; the training loader drops short remainders, so training keeps its batch size).
+    Outside the blocks (embeddings, the loss head with its data-dependent token selection) the model runs
+    eagerly.
 
     The model's own KV cache is switched off for training: a cache object that fills layer by layer
     changes what each compiled block sees, which recompiles it per layer. Under an adapter the embeddings
