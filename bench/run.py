@@ -12,10 +12,12 @@ section (bench/long_context.py: one process against Ulysses sequence parallelism
 memory of reading a ZeRO-3 checkpoint's optimizer moments one parameter at a time (bench/moments_memory.py,
 its checkpoint built once and cached under runs/bench-moments/), and the vision-language section
 (bench/vision.py: ftkit's vision demo config against TRL's SFTTrainer on the embedded tiny Llava, LoRA,
-and what each does when asked to pack image rows).
+and what each does when asked to pack image rows), and `ftkit eval` against lm-eval's own HF backend
+(bench/eval_overhead.py: the whole command's time and memory, and the scores, on the same model and tasks).
 
     python bench/run.py [--repeats 5] [--loss-head-repeats 3] [--pipeline-repeats 2] [--grpo-repeats 2]
         [--moe-repeats 3] [--long-context-repeats 2] [--moments-repeats 3] [--vision-repeats 3]
+        [--eval-repeats 3]
         [--only SECTION ...]
 """
 
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import data_prep
 import dpo
+import eval_overhead
 import grpo
 import long_context
 import loss_head
@@ -163,7 +166,7 @@ def sft_section(repeats: int, moe: bool = False) -> str:
 
 
 SECTIONS = ("sft", "dpo", "data-prep", "loss-head", "pipeline", "grpo", "moe", "long-context", "moments",
-            "vision")  # fmt: skip
+            "vision", "eval")  # fmt: skip
 
 
 def main() -> None:
@@ -176,6 +179,7 @@ def main() -> None:
     parser.add_argument("--long-context-repeats", type=int, default=2)
     parser.add_argument("--moments-repeats", type=int, default=3)
     parser.add_argument("--vision-repeats", type=int, default=3)
+    parser.add_argument("--eval-repeats", type=int, default=3)
     parser.add_argument(
         "--only", action="append", choices=SECTIONS, help="run this section only (repeatable; default: all)"
     )
@@ -201,6 +205,8 @@ def main() -> None:
         print(moments_memory.run_section(args.moments_repeats, [3], machine))
     if "vision" in only:
         print(vision.run_section(args.vision_repeats, machine))
+    if "eval" in only:
+        print(eval_overhead.run_section(args.eval_repeats, machine))
 
 
 if __name__ == "__main__":

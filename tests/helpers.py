@@ -232,6 +232,19 @@ def tiny_moe(path: Path, model_type: str = "qwen3_moe", **overrides) -> Path:
     return path
 
 
+def start_adapter(path: Path) -> Path:
+    """A LoRA adapter for the embedded model, saved at `path`, whose B matrices are random (not peft's
+    zeros): merged in as `model.adapter`, it moves the model, so a start that dropped it would show."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(REPO / "toolkit" / "assets" / "tiny-llama")
+    adapter = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(base, adapter).save_pretrained(path)
+    return path
+
+
 def tiny_llama_config(**overrides) -> LlamaConfig:
     """A Llama that builds in milliseconds: 2 layers, hidden 32, 4 heads sharing 2 key/value heads."""
     shape = dict(

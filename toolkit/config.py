@@ -40,7 +40,7 @@ LrScheduler = Literal["cosine", "linear", "constant"]
 MixedPrecision = Literal["no", "bf16", "fp16"]
 OnNonFinite = Literal["skip", "stop"]
 Tracker = Literal["tensorboard", "wandb", "mlflow", "trackio"]
-LossHead = Literal["chunked", "full"]
+LossHead = Literal["auto", "chunked", "full"]
 Seed = Annotated[int, Range(low=0, high=2**32 - 1)]
 
 
@@ -219,9 +219,11 @@ class MoeConfig:
 
 @dataclass
 class LossConfig:
-    head: LossHead = "chunked"
+    head: LossHead = "auto"
     """How the output head scores target tokens: chunked (log-probs of the label tokens only, a chunk of
-    tokens at a time: the whole logits and their gradient never exist) or full (the model's own logits)."""
+    tokens at a time: the whole logits and their gradient never exist) or full (the model's own logits);
+    auto: chunked where the chunked head reproduces the model's logits, else full (one note says why). The
+    loss is the same either way."""
     chunk_tokens: PositiveInt = 512
     """Label tokens per chunk of the chunked head: a chunk holds chunk_tokens x vocabulary float32 logits."""
 

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import REPO, assert_export_is_the_trained_state, run_script, tiny_moe, train_lines
+from helpers import REPO, assert_export_is_the_trained_state, run_script, start_adapter, tiny_moe, train_lines
 
 from toolkit.checkpoint import RECIPE_STATE
 from toolkit.commands import cli
@@ -66,12 +66,16 @@ def resume_from_step(out: Path, step: int) -> None:
 
 @pytest.fixture(scope="module", params=["lora", "full"])
 def single(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"grpo-{request.param}") / "run"
-    reference = []
+    """One process's run and the settings every run of its method repeats: LoRA starts from a trained
+    adapter (merged into the base, so it is also the KL reference), which every backend below merges the
+    same way; full fine-tuning keeps a separate reference model."""
+    folder = tmp_path_factory.mktemp(f"grpo-{request.param}")
     if request.param == "full":
         reference = [f"grpo.reference_model={REPO / 'toolkit' / 'assets' / 'tiny-llama'}"]
-    result = run_grpo(out, *reference, method=request.param)
-    return request.param, out, result, reference
+    else:
+        reference = [f"model.adapter={start_adapter(folder / 'start')}"]
+    result = run_grpo(folder / "run", *reference, method=request.param)
+    return request.param, folder / "run", result, reference
 
 
 def test_run_learns_logs_its_metrics_and_exports(single):
@@ -87,6 +91,8 @@ def test_run_learns_logs_its_metrics_and_exports(single):
     assert len({r["reward"] for r in lines}) > 1
     exported = "adapter_config.json" if method == "lora" else "model.safetensors"
     assert (out / "final" / exported).is_file()
+    if method == "lora":  # the adapter it started from goes with the one it trained
+        assert (out / "final" / "start_adapter" / "adapter_config.json").is_file()
 
 
 def test_checkpoints_keep_the_round_in_progress_and_export_like_the_others(single, tmp_path):

@@ -133,6 +133,9 @@ def test_a_drop_beyond_two_standard_errors_is_forgetting():
         ),
         (["--tasks", " , "], "--tasks: name at least one task"),
         (["--tasks", "ftkit_sums", "--batch-size", "0"], "--batch-size: 0 is not a positive number"),
+        (["--tasks", "ftkit_sums", "--gpus", "0"], "--gpus: 0 is not a number of processes"),
+        # checked before launching: no process starts
+        (["--tasks", "ftkit_sum", "--gpus", "2"], "--tasks: no task 'ftkit_sum' (closest: ftkit_sums"),
     ],
 )
 def test_bad_input_is_one_line(argv, message, capsys):
@@ -141,8 +144,9 @@ def test_bad_input_is_one_line(argv, message, capsys):
     assert len(err) == 1 and err[0].startswith("ftkit eval: error: ") and message in err[0], err
 
 
-def test_a_folder_without_a_model_is_one_line(tmp_path, capsys):
-    assert cli(["eval", "--model", str(tmp_path), "--tasks", "ftkit_sums"]) == 2
+@pytest.mark.parametrize("gpus", ["1", "2"])
+def test_a_folder_without_a_model_is_one_line(tmp_path, capsys, gpus):
+    assert cli(["eval", "--model", str(tmp_path), "--tasks", "ftkit_sums", "--gpus", gpus]) == 2
     assert f"--model: {tmp_path} holds no model" in capsys.readouterr().err
 
 

@@ -18,12 +18,12 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from toolkit.config import LoraConfig, load_config
+from toolkit.config import LoraConfig, LossConfig, load_config
 from toolkit.errors import UserError
 from toolkit.launch import checks
 from toolkit.launch.machine import Machine
 from toolkit.model.facts import read_model_facts
-from toolkit.model.load import _with_adapter
+from toolkit.model.load import _chunked_head, _with_adapter
 from toolkit.preference.loss import batch_sequence_logps
 from toolkit.train import head
 from toolkit.train.loss import IGNORE, batch_loss
@@ -299,10 +299,31 @@ def test_outside_scoring_the_head_is_the_plain_layer():
     assert chunked.state_dict().keys() == full.state_dict().keys()
 
 
+def test_auto_keeps_the_models_own_head_where_the_chunked_one_cannot_follow_with_one_note(capsys):
+    """loss.head auto (the default): the chunked head where it reproduces the logits, else the model's own
+    (the same loss) and one line saying why; an explicit `chunked` is refused there instead."""
+    torch.manual_seed(0)
+    cohere = CohereForCausalLM(CohereConfig(**SMALL, **{k: v for k, v in HEADS.items() if k != "head_dim"}))
+    lora_head = _with_adapter(micro_llama(), LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+    for model, why in ((cohere, "(logit_scale)"), (lora_head, "not a plain linear layer")):
+        _chunked_head(model, LossConfig(head="auto"))
+        assert head.chunked_head(model) is None
+        (note,) = capsys.readouterr().out.splitlines()
+        assert note.startswith("loss.head auto: full logits (") and why in note
+        with pytest.raises(UserError, match="set loss.head: full$"):
+            _chunked_head(model, LossConfig(head="chunked"))
+    plain = micro_llama()
+    _chunked_head(plain, LossConfig(head="auto"))
+    assert head.chunked_head(plain) is plain.lm_head and capsys.readouterr().out == ""
+
+
 def test_the_launch_check_refuses_such_a_model_before_any_data_is_read(tmp_path):
     CohereConfig(**SMALL, num_attention_heads=2, num_key_value_heads=1).save_pretrained(tmp_path)
     cfg = load_config(None, [f"model.path={tmp_path}"])
     launch = checks.launch_from_yaml(REPO / "accelerate_configs" / "single.yaml", gpu_count=0)
+    facts = read_model_facts(cfg.model)
+    assert checks.check_launch(launch, cfg, facts, "recipe.yaml", Machine(), {}) == []  # auto: full logits
+    cfg.loss.head = "chunked"
     with pytest.raises(UserError) as refused:
         checks.check_launch(launch, cfg, read_model_facts(cfg.model), "recipe.yaml", Machine(), {})
     assert "\n" not in str(refused.value)

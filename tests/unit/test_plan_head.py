@@ -150,9 +150,24 @@ def test_auto_backend_plans_the_recipe_configs_loss_head():
 
     config = "recipes/configs/llama3-8b-lora.yaml"
     default = plan_request(recipe_config("sft", config, []), [], 2, 24.0)
-    assert (default.loss_head, default.chunk_tokens) == ("chunked", CHUNK)
+    assert (default.loss_head, default.chunk_tokens) == ("auto", CHUNK)
     cfg = recipe_config("sft", config, ["loss.head=full", "loss.chunk_tokens=256"])
     assert (plan_request(cfg, [], 2, 24.0).loss_head, plan_request(cfg, [], 2, 24.0).chunk_tokens) == (
         "full",
         256,
     )
+
+
+def test_auto_plans_the_full_logits_for_a_model_the_chunked_head_cannot_follow(tmp_path):
+    """Cohere scales its logits after the head (logit_scale): loss.head auto trains it with the full
+    logits, and the plan counts them."""
+    from transformers import CohereConfig
+
+    CohereConfig(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)  # fmt: skip
+    args = dict(model=str(tmp_path), gpus=1, gpu_mem=24, method="lora", seq_len=1024, micro_batch=1)
+    auto, full = make_plan(PlanRequest(**args)), make_plan(PlanRequest(**args, loss_head="full"))
+    assert auto.choice.head == full.choice.head and auto.full_head is None
+    assert "| full logits" in render_text(auto)
+    chunked = make_plan(PlanRequest(**args, loss_head="chunked"))
+    assert chunked.choice.head < full.choice.head

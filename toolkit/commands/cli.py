@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--batch-size", type=int, default=8)
     evaluate.add_argument("--json", action="store_true", help="print the table as JSON")
     evaluate.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="data-parallel processes (accelerate launch; after --: its own options, e.g. a port)",
+    )
+    evaluate.add_argument(
         "--trust-remote-code", action="store_true", help="run modelling code shipped with the model"
     )
 
@@ -90,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--dtype", choices=choices(PlanDtype), help="weights (default as recipes)")
     plan.add_argument("--mixed-precision", choices=choices(PlanPrecision), help="default bf16")
     plan.add_argument(
-        "--loss-head", choices=choices(LossHead), help="chunked (default): the logits never exist whole; full"
+        "--loss-head",
+        choices=choices(LossHead),
+        help="auto (default): chunked where the model allows; chunked: the logits never exist whole; full",
     )
     plan.add_argument(
         "--chunk-tokens",
@@ -200,13 +208,19 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--") if "--" in argv else len(argv)
         args = train_parser.parse_intermixed_args(argv[1:cut])
         args.command, args.accelerate_args = "train", argv[cut + 1 :]
+    elif argv[:1] == ["eval"]:
+        cut = argv.index("--") if "--" in argv else len(argv)
+        args = parser.parse_args(argv[:cut])
+        args.argv, args.accelerate_args = argv[:cut], argv[cut + 1 :]
     else:
         args = parser.parse_args(argv)
     try:
         return _run(args)
     except UserError as exc:
-        print(f"ftkit {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        from toolkit import console
+
+        # Under a launch (ftkit eval --gpus N) every process meets the mistake: the user reads it once.
+        return console.finish(f"ftkit {args.command}", 2, str(exc))
 
 
 def _run(args) -> int:
@@ -220,20 +234,24 @@ def _run(args) -> int:
         print(generate_cli(args.model, args.prompt, args.max_new_tokens, args.trust_remote_code, args.image))
         return 0
     if args.command == "eval":
-        from toolkit.commands.eval import eval_cli
+        from toolkit.commands.eval import eval_cli, launch_processes
 
-        print(
-            eval_cli(
-                args.model,
-                args.tasks,
-                args.base,
-                args.include,
-                args.limit,
-                args.batch_size,
-                args.json,
-                args.trust_remote_code,
-            )
+        if args.gpus < 1:
+            raise UserError(f"--gpus: {args.gpus} is not a number of processes")
+        if args.gpus > 1:
+            return launch_processes(args, args.gpus)
+        shown = eval_cli(
+            args.model,
+            args.tasks,
+            args.base,
+            args.include,
+            args.limit,
+            args.batch_size,
+            args.json,
+            args.trust_remote_code,
         )
+        if shown:  # processes other than a launch's main one print nothing
+            print(shown)
         return 0
     if args.command == "plan":
         from toolkit.plan import estimate, report

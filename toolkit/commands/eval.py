@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import yaml
 
 from toolkit.checkpoint.export import ADAPTER_CONFIG
 from toolkit.checkpoint.rundir import CONFIG
-from toolkit.commands.generate import load_for_generation
+from toolkit.commands.generate import check_model_dir, load_for_generation
 from toolkit.errors import UserError
 from toolkit.evaluation import compare, harness, tasks
 
@@ -30,22 +31,19 @@ def eval_cli(
     """The before/after table (Markdown, or JSON with `as_json`); `base` None: the run's own base model,
     "none": the fine-tuned model alone."""
     path = Path(model_dir)
-    names = [name.strip() for name in task_list.split(",") if name.strip()]
-    if not names:
-        raise UserError("--tasks: name at least one task (comma-separated)")
-    if limit is not None and limit < 1:
-        raise UserError(f"--limit: {limit} is not a positive number of examples")
-    if batch_size < 1:
-        raise UserError(f"--batch-size: {batch_size} is not a positive number of examples")
-    manager, specs = tasks.resolve(names, include)
-    harness.check_data(specs, manager)
+    manager, specs = checked_tasks(task_list, include, limit, batch_size)
     base_path = base_model_of(path) if base is None else (None if base == "none" else base)
-    raw = {"fine-tuned": _evaluate(path, specs, manager, limit, batch_size, trust_remote_code)}
+    accelerator = launched()
+    settings = (specs, manager, limit, batch_size, trust_remote_code, accelerator)
+    raw = {"fine-tuned": _evaluate(path, *settings)}
     if base_path:
-        raw["base"] = _evaluate(Path(base_path), specs, manager, limit, batch_size, trust_remote_code)
+        raw["base"] = _evaluate(Path(base_path), *settings)
+    if raw["fine-tuned"] is None:  # a launch's other process: its share is with the main one
+        return ""
     table = compare.rows(harness.scores(raw["fine-tuned"]), raw.get("base") and harness.scores(raw["base"]))
     text = compare.markdown(table, str(path), base_path)
-    shown = {"model": str(path), "base": base_path, "rows": compare.as_json(table)}
+    processes = raw["fine-tuned"]["processes"]
+    shown = {"model": str(path), "base": base_path, "processes": processes, "rows": compare.as_json(table)}
     written = _write(run_folder(path), text, shown, raw)
     if as_json:
         return json.dumps(shown | {"written": written}, indent=2)
@@ -71,10 +69,60 @@ def run_folder(path: Path) -> Path | None:
     return None
 
 
-def _evaluate(path: Path, specs, manager, limit, batch_size, trust_remote_code) -> dict:
+def checked_tasks(task_list: str, include: str | None, limit: int | None, batch_size: int):
+    """(task manager, task specs) once the options hold and every task's data is at hand."""
+    names = [name.strip() for name in task_list.split(",") if name.strip()]
+    if not names:
+        raise UserError("--tasks: name at least one task (comma-separated)")
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit: {limit} is not a positive number of examples")
+    if batch_size < 1:
+        raise UserError(f"--batch-size: {batch_size} is not a positive number of examples")
+    manager, specs = tasks.resolve(names, include)
+    harness.check_data(specs, manager)
+    return manager, specs
+
+
+def launch_processes(args, processes: int) -> int:
+    """`ftkit eval ... --gpus N`: the same command on N data-parallel processes (`accelerate launch`);
+    each scores its share of the examples, the main process prints and writes the table. The options and
+    the model directory are checked first, so a mistake costs no launch."""
+    from toolkit.commands import relay
+
+    check_model_dir(Path(args.model))
+    checked_tasks(args.tasks, args.include, args.limit, args.batch_size)
+    argv, accelerate_args = args.argv, args.accelerate_args
+
+    own = [a for i, a in enumerate(argv) if a != "--gpus" and argv[i - 1 : i] != ["--gpus"]]
+    own = [a for a in own if not a.startswith("--gpus=")]
+    launch = ["accelerate", "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1"]
+    launch += ["--mixed_precision", "no", "--dynamo_backend", "no", *accelerate_args]
+    return relay.run([*launch, "-m", "toolkit.commands.cli", *own], os.environ, "ftkit eval")
+
+
+def launched():
+    """The Accelerator of a launch of several processes (gloo CPU processes without a GPU), else None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=not torch.cuda.is_available())
+
+
+def _one_device():
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _evaluate(path: Path, specs, manager, limit, batch_size, trust_remote_code, accelerator) -> dict | None:
+    """lm-eval's results for the model at `path`, scored on this process's device (its GPU under a
+    launch, the first GPU otherwise, else the CPU); None on a launch's other processes."""
     model, tokenizer = load_for_generation(path, trust_remote_code)
     try:
-        return harness.evaluate(model, tokenizer, specs, manager, limit, batch_size)
+        model.to(accelerator.device if accelerator else _one_device())
+        return harness.evaluate(model, tokenizer, specs, manager, limit, batch_size, False, accelerator)
     finally:
         del model
         gc.collect()

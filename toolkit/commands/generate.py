@@ -19,16 +19,20 @@ from toolkit.train.generation import chat_prompt_ids, greedy_answer
 def load_for_generation(path: Path, trust_remote_code: bool = False):
     """(model, tokenizer) from an output's final/ or merged/ directory, or any HF model directory; code
     shipped with the model runs only with `trust_remote_code` (the command line's)."""
-    if not path.is_dir():
-        raise UserError(f"--model: {path} is not a directory")
-    if not (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file():
-        raise UserError(f"--model: {path} holds no model ({ADAPTER_CONFIG} or config.json)")
+    check_model_dir(path)
     try:
         return _load(path, trust_remote_code)
     except (OSError, ValueError, SafetensorError) as exc:
         if isinstance(exc, ValueError) and "trust_remote_code" in str(exc):
             raise UserError(f"--model: {path}: {remote_code_refusal(exc)}") from None
         raise UserError(f"--model: cannot load {path}: {str(exc).splitlines()[0]}") from None
+
+
+def check_model_dir(path: Path) -> None:
+    if not path.is_dir():
+        raise UserError(f"--model: {path} is not a directory")
+    if not (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file():
+        raise UserError(f"--model: {path} holds no model ({ADAPTER_CONFIG} or config.json)")
 
 
 def _load(path: Path, trust_remote_code: bool):

@@ -4,6 +4,7 @@ it, and lm-eval's own evaluator does the rest."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from toolkit.errors import UserError
@@ -18,6 +19,15 @@ HUB_FAILURES = {
     "HfHubHTTPError",
     "FileNotFoundError",
 }
+
+
+# What lm-eval's HF model logs whenever it is handed a loaded model, launched or not: that model arguments
+# may be ignored (ftkit passes none) and that distribution is the caller's (set in `evaluate`).
+HANDED_OVER_NOTES = ("`pretrained` model kwarg is not of type `str`", "Passed an already-initialized model")
+
+
+def _not_a_handed_over_note(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(HANDED_OVER_NOTES)
 
 
 @dataclass(frozen=True)
@@ -52,16 +62,31 @@ def check_data(specs: list, manager) -> None:
 
 
 def evaluate(
-    model, tokenizer, specs: list, manager, limit: int | None, batch_size: int, samples: bool = False
-) -> dict:
+    model,
+    tokenizer,
+    specs: list,
+    manager,
+    limit: int | None,
+    batch_size: int,
+    samples: bool = False,
+    accelerator=None,
+) -> dict | None:
     """lm-eval's results for `model` on the tasks (`tasks.resolve`'s specs): the chat template is applied
     where the tokenizer has one, generation is greedy, seeds are lm-eval's defaults; `samples`: with each
-    example's inputs and outputs."""
+    example's inputs and outputs. Under a launch of several processes (`accelerator`), each scores its
+    share of every task's examples and the main process gets them all (`processes`: how many shared
+    them); the others get None."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
+    logging.getLogger("lm_eval.models.huggingface").addFilter(_not_a_handed_over_note)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    return simple_evaluate(
+    if accelerator is not None and accelerator.num_processes > 1:
+        # lm-eval splits requests by rank and gathers them on rank 0, but sets the ranks up only for a
+        # model it loads itself: a model handed over is told the launch here.
+        lm.accelerator = accelerator
+        lm._rank, lm._world_size = accelerator.process_index, accelerator.num_processes
+    results = simple_evaluate(
         model=lm,
         tasks=specs,
         limit=limit,
@@ -71,6 +96,9 @@ def evaluate(
         bootstrap_iters=1000,
         verbosity="ERROR",
     )
+    if results is not None:
+        results["processes"] = lm.world_size  # the processes lm-eval split the examples over
+    return results
 
 
 def scores(results: dict) -> list[Score]:

@@ -14,6 +14,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 from transformers.integrations import is_deepspeed_zero3_enabled
 
+from toolkit import console
 from toolkit.config import LoraConfig, LossConfig, ModelConfig, MoeConfig, VisionConfig, check_local_path
 from toolkit.errors import UserError
 from toolkit.model import expert_parallel, lora_targets, moe, quant, quant_experts, speed, vision
@@ -67,7 +68,8 @@ def load_model(
     `features` (from `speed.resolve`) chooses the attention kernel, Liger kernels and compilation; `key`
     is the config key that errors about `cfg.path` name; `quant_cast` (QLoRA) is the dtype the backend
     casts parameters to (`quant.cast_dtype`), which auto storage packs 4-bit weights into; `loss` chooses
-    the output head (the chunked head is installed for `loss.head: chunked`; none given: the model's own);
+    the output head (the chunked head is installed for `loss.head: chunked`, and for auto where it
+    reproduces the model's logits; none given: the model's own);
     `experts` (a mixture of experts' `moe` section) chooses the experts' kernel and splits them over
     `expert_parallel` processes; `parts` (the `vision` section) chooses what of a vision-language model
     trains besides its language model.
@@ -113,11 +115,21 @@ def load_model(
         if checkpointing:
             # Frozen embeddings give checkpointed blocks inputs without grad; the adapters need one.
             model.enable_input_require_grads()
-    if loss is not None and loss.head == "chunked":
-        head.install(model, loss.chunk_tokens)
+    if loss is not None and loss.head != "full":
+        _chunked_head(model, loss)
     if features and features.compile:
         speed.compile_blocks(model)
     return model
+
+
+def _chunked_head(model, loss: LossConfig) -> None:
+    """The chunked head in place of the output layer; under `auto`, where it cannot reproduce the model's
+    logits, the model's own head stays (the same loss), said once."""
+    reason = head.not_chunkable(model)
+    if reason and loss.head == "auto":
+        console.say_once(f"loss.head auto: full logits ({reason})")
+        return
+    head.install(model, loss.chunk_tokens)
 
 
 def merge_start_adapter(model, adapter: str):

@@ -18,6 +18,7 @@ from toolkit.errors import UserError
 from toolkit.model import lora_targets, moe, vision
 from toolkit.plan import architectures
 from toolkit.plan.images import VisionCounts, count_vision
+from toolkit.train.head import logit_change_problem
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class ModelCounts:
     """(parameters, trainable) of what a pipeline splits, in order: what comes before the decoder layers (the
     input embeddings), each decoder layer (adapters included), what comes after them (final norm, head)."""
     vision: VisionCounts | None = None
+    head_chunks: bool = True
+    """Whether the chunked loss head reproduces the model's logits (loss.head auto chunks only then)."""
     """A vision-language model's tower and projector (None: a text model). The totals above include them;
     the shapes and the per-part counts are the language model's."""
 
@@ -258,6 +261,7 @@ def _counts(model, text, method: str, lora_r: int, source: str) -> ModelCounts:
         experts_per_token=routing.per_token,
         expert_params=expert_params,
         active=total - round(expert_params * (1 - routing.active_share)),
+        head_chunks=logit_change_problem(model.config) is None,
         tp_styles=tuple(sorted(set(tp_plan.values()))),
         tp_split_frozen=split_frozen,
         tp_split_trainable=split_trainable,

@@ -171,7 +171,7 @@ def _with_full_head(
     row: MemoryEstimate | None, counts, request: PlanRequest, precision
 ) -> MemoryEstimate | None:
     """`row` as it would be with the full logits, to tell what fits only thanks to the chunked head."""
-    if row is None or request.loss_head == "full":
+    if row is None or memory.full_logits(counts, request.head):
         return None
     full = dataclasses.replace(request, loss_head="full")
     return _estimate(counts, full, precision, row.backend, row.checkpointing, row.micro_batch)

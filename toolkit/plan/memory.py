@@ -60,7 +60,7 @@ class Head:
     """How the loss reads the output head: the recipe's loss section, and what the objective asks of it."""
 
     kind: str = LossConfig.head
-    """chunked | full (loss.head)."""
+    """auto | chunked | full (loss.head)."""
     chunk_tokens: int = LossConfig.chunk_tokens
     """Label tokens the chunked head scores at once (loss.chunk_tokens)."""
     log_probs: bool = False
@@ -181,6 +181,12 @@ def residual_bytes(counts, precision: Precision) -> int:
     return 4 if precision.weights == "float32" else 2
 
 
+def full_logits(counts, head: Head) -> bool:
+    """Whether the loss reads the whole logits: loss.head full, or auto on a model the chunked head cannot
+    follow."""
+    return head.kind == "full" or (head.kind == "auto" and not counts.head_chunks)
+
+
 def head_bytes(counts, tokens: int, backend: str, precision: Precision, head: Head) -> int:
     """The loss head's memory for one micro-batch of `tokens` label tokens (every token counted as a label).
 
@@ -192,7 +198,7 @@ def head_bytes(counts, tokens: int, backend: str, precision: Precision, head: He
     backward. Eval and reference log-probs (c x V x 4, no gradient) stay below either peak.
     """
     e = compute_bytes(precision)
-    if head.kind == "full":
+    if full_logits(counts, head):
         return tokens * counts.vocab * (e + 8)
     chunk = min(head.chunk_tokens, tokens) * counts.vocab
     if head.log_probs:
@@ -204,7 +210,7 @@ def head_kept_bytes(counts, tokens: int, backend: str, precision: Precision, hea
     """Of `head_bytes`, what one micro-batch keeps from its forward until its backward (a pipeline's GPipe
     holds it for every micro-batch): the full head's fp32 log-softmax, the chunked head's gradients computed
     in forward (SFT), nothing for log-probs."""
-    if head.kind == "full":
+    if full_logits(counts, head):
         return tokens * counts.vocab * 4
     if head.log_probs:
         return 0

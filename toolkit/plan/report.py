@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from toolkit.launch.machine import GIB
+from toolkit.plan import memory
 from toolkit.plan.estimate import Plan, fits
 from toolkit.plan.footprint import MemoryEstimate
 from toolkit.plan.layouts_report import layouts_section
@@ -41,7 +42,8 @@ def _header(plan: Plan) -> list[str]:
     trained = "all weights" if c.method == "full" else f"LoRA r={c.lora_r} on all linear layers{experts}"
     autocast = "bf16 autocast" if p.mixed == "bf16" else "no autocast"
     base = "4-bit NF4 base" if c.method == "qlora" else f"weights {p.weights}"
-    head = f"chunked loss head ({r.chunk_tokens} tokens)" if r.loss_head == "chunked" else "full logits"
+    chunked = not memory.full_logits(c, r.head)
+    head = f"chunked loss head ({r.chunk_tokens} tokens)" if chunked else "full logits"
     return [
         f"model    {r.model} ({c.source}): {c.model_type}, {c.layers} layers, hidden {c.hidden}, "
         f"{c.heads} heads ({c.kv_heads} kv), vocab {c.vocab:,}",

@@ -43,29 +43,33 @@ class TargetHead(nn.Linear):
         )
 
 
-def install(model, chunk_tokens: int) -> None:
-    """Make `model`'s output layer a TargetHead in place (one line naming what stands in the way)."""
+def not_chunkable(model) -> str | None:
+    """Why the chunked head cannot stand in for `model`'s output layer, or None."""
     layer = model.get_output_embeddings()
-    config = model.config
-    name = getattr(config, "model_type", type(model).__name__)
+    name = getattr(model.config, "model_type", type(model).__name__)
     if type(layer) is not nn.Linear:
         kind = f"{type(layer).__module__}.{type(layer).__qualname__}"
-        raise UserError(
-            f"loss.head: chunked: the output layer of {name} is a {kind}, not a plain linear layer "
-            "(LoRA on lm_head?); set loss.head: full"
-        )
-    problem = logit_change_problem(config)
+        return f"the output layer of {name} is a {kind}, not a plain linear layer (LoRA on lm_head?)"
+    problem = logit_change_problem(model.config)
     if problem:
-        raise UserError(
-            f"loss.head: chunked: {name} changes its logits after the head ({problem}), which the chunked "
-            "head does not reproduce; set loss.head: full"
+        return (
+            f"{name} changes its logits after the head ({problem}), which the chunked head does not reproduce"
         )
+    return None
+
+
+def install(model, chunk_tokens: int) -> None:
+    """Make `model`'s output layer a TargetHead in place (one line naming what stands in the way)."""
+    reason = not_chunkable(model)
+    if reason:
+        raise UserError(f"loss.head: chunked: {reason}; set loss.head: full")
+    layer = model.get_output_embeddings()
     layer.__class__ = TargetHead
     layer.verified = False
     layer.targets = None
     layer.uniform = False
     layer.chunk_tokens = chunk_tokens
-    layer.shape = LogitShape.of(config)
+    layer.shape = LogitShape.of(model.config)
 
 
 def logit_change_problem(config) -> str | None:
