@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 
 from toolkit.checkpoint import MARKER
 from toolkit.checkpoint.export import verify_export
+from toolkit.checkpoint.save import damage
 from toolkit.train.metrics import read_metrics
 
 pytestmark = pytest.mark.multiproc
@@ -80,6 +81,7 @@ def settings(variant: str, start: Path) -> list[str]:
         f"train.learning_rate={LEARNING_RATE[method]}",
         f"train.max_steps={STEPS}",
         "train.save_every_steps=5",
+        "eval.max_batches=0",  # the whole held-out set (a cap counts each process's batches)
         *(["data.packing=true"] if packed else []),
         *([f"model.adapter={start}"] if variant == "lora" else []),
     ]
@@ -165,6 +167,21 @@ def test_backend_trains_saves_exports_like_one_process(variant, config, singles,
     if variant == "full":  # the chunked loss head's weight is trained under every backend, not left as loaded
         base = load_file(REPO / "toolkit" / "assets" / "tiny-llama" / "model.safetensors")["lm_head.weight"]
         assert (got["lm_head.weight"] - base).abs().max() > 1e-4
+        assert_a_flipped_bit_in_a_shard_is_caught(out / "checkpoints" / "step-5", SHARDS[config])
+
+
+# A shard each sharded backend writes per rank: FSDP2's DCP files and ZeRO-3's optimizer moments.
+SHARDS = {"fsdp": "**/*.distcp", "zero3": "**/*optim_states.pt"}
+
+
+def assert_a_flipped_bit_in_a_shard_is_caught(step: Path, pattern: str) -> None:
+    """One bit flipped in a shard, its size unchanged: the manifest's CRC-32 names the file."""
+    shard = sorted(step.glob(pattern))[-1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    name = shard.relative_to(step).as_posix()
+    assert damage(step) == f"{name} does not match its checksum (its bytes changed after the save)"
 
 
 @pytest.fixture(scope="module")
@@ -222,28 +239,16 @@ def test_two_machines_on_loopback_match_one_process(singles, start, tmp_path):
 
 
 def test_gradients_sync_once_per_optimizer_step(tmp_path):
-    """DDP all-reduces each gradient bucket once per optimizer step, not once per micro-batch. The script's
-    `--naive` loop (a plain backward per micro-batch) all-reduces every time, and this test fails on it
-    (checked when the test was written; its case was folded)."""
+    """DDP all-reduces each gradient bucket once per optimizer step, not once per micro-batch: 2 optimizer
+    steps of 4 micro-batches make 2 all-reduces a bucket. The script's `--naive` loop (a plain backward per
+    micro-batch) all-reduces every time, 8 a bucket, and this test fails on it (checked when the test was
+    written; its case was folded, and so was a run without accumulation, which only counted the buckets)."""
     script = REPO / "tests" / "scripts" / "count_allreduce.py"
-    counts = {}
-    for grad_accum in (1, 4):
-        out = tmp_path / f"ga{grad_accum}.json"
-        command = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            *launch("ddp"),
-            str(script),
-            "--out",
-            str(out),
-            "--grad-accum",
-            str(grad_accum),
-        ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        done = run_launched(command, env, timeout=600)
-        assert done.returncode == 0, done.stderr[-4000:]
-        counts[grad_accum] = json.loads(out.read_text())
-    per_step = counts[1]["allreduce_calls"] // 2
-    assert per_step == counts[1]["buckets"] >= 1
-    assert counts[4]["allreduce_calls"] == counts[1]["allreduce_calls"], counts
+    out = tmp_path / "ga4.json"
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launch("ddp"), str(script)]
+    command += ["--out", str(out), "--grad-accum", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = run_launched(command, env, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    counts = json.loads(out.read_text())
+    assert counts["allreduce_calls"] == 2 * counts["buckets"] >= 2, counts

@@ -50,10 +50,16 @@ def run_grpo(out: Path, *overrides: str, processes: int = 0, config: str = "", m
 
 
 def assert_same_steps(expected: list[dict], got: list[dict], rel: float, label: str) -> None:
+    """Every compared metric of every step within `rel`; the loss within `rel` of the run's loss scale (its
+    largest step loss): its terms cancel (each group's advantages sum to zero), so a step's loss can sit near
+    zero, where rounding that is small against the terms is large against the sum (tensor parallel's split
+    sums: 4e-6 on a 0.0029 loss whose run peaks at 0.094)."""
     assert [r["step"] for r in got] == [r["step"] for r in expected], label
+    scale = max(abs(r["loss"]) for r in expected)
     for a, b in zip(expected, got):
         for key in COMPARED:
-            assert b[key] == pytest.approx(a[key], rel=rel, abs=1e-6), (label, a["step"], key)
+            close = {"abs": rel * scale} if key == "loss" else {"rel": rel, "abs": 1e-6}
+            assert b[key] == pytest.approx(a[key], **close), (label, a["step"], key)
 
 
 def resume_from_step(out: Path, step: int) -> None:
@@ -139,10 +145,11 @@ def test_a_users_reward_function_from_a_file(tmp_path):
 
 # ZeRO-1, ZeRO-3 with offload and HSDP are left to SFT's and DPO's matrices: GRPO's generation sees
 # ZeRO-1's parameters as ZeRO-2's, offload moves only the optimizer step, and HSDP's 4 ranks are plain
-# data parallelism to GRPO's rollout; fsdp_tp is the mesh whose shares are gathered over both dimensions.
-# DDP was folded into the MoE case below (DDP, LoRA) and ZeRO-2 into ZeRO-3: both keep whole weights for the
-# rollout, as one process does.
-MATRIX = ["fsdp", "zero3", "tp", "fsdp_tp"]
+# data parallelism to GRPO's rollout; fsdp_tp is the mesh whose shares are gathered over both dimensions
+# (TP alone, whose rollout takes the plain branch as DDP's does, was folded into it). DDP was folded into
+# the MoE case below (DDP, LoRA) and ZeRO-2 into ZeRO-3: both keep whole weights for the rollout, as one
+# process does. LoRA runs start from a trained adapter on every backend here.
+MATRIX = ["fsdp", "zero3", "fsdp_tp"]
 FOUR_PROCESSES = ("fsdp_tp",)  # 2 data-parallel x 2 tensor-parallel
 # Full fine-tuning with a separate reference where parameters are sharded or gathered unlike DDP.
 FULL_MATRIX = ["fsdp", "zero3"]

@@ -9,7 +9,6 @@ import shutil
 import pytest
 import torch
 from helpers import (
-    REPO,
     assert_export_is_the_trained_state,
     assert_same_weights,
     final_weights,
@@ -34,9 +33,6 @@ pytestmark = pytest.mark.multiproc
 STEPS = ["train.max_steps=4", "train.save_every_steps=2", "eval.max_batches=0"]
 FULL = ["model.method=full", "train.learning_rate=1e-4", *STEPS]
 LORA = ["model.method=lora", "train.learning_rate=1e-3", *STEPS]
-DPO = ["train.max_steps=2", "train.save_every_steps=2", "eval.exact_match_samples=0", "eval.max_batches=0"]
-DPO_CONFIG = str(REPO / "recipes" / "configs" / "demo-dpo.yaml")
-DPO_RECIPE = REPO / "recipes" / "dpo_llm.py"
 # The global batch of 8 split over 4 data-parallel processes (hsdp) needs micro-batches of 2.
 MICRO_2 = ["train.micro_batch_size=2"]
 
@@ -71,13 +67,6 @@ def runs(tmp_path_factory):
         # plain FSDP2 written with a parallelism_config, as `accelerate config` may write it
         "fsdp_mesh-full": lambda out: run_recipe(out, *FULL, launch=yaml_launch(out.parent, PLAIN_FSDP_MESH)),
     }
-
-    def dpo(out, launcher=None, *extra):
-        adapter = f"model.adapter={get('single-lora')[0] / 'final'}"
-        return run_recipe(out, adapter, *DPO, *extra, config=DPO_CONFIG, recipe=DPO_RECIPE, launch=launcher)
-
-    recipes["single-dpo"] = dpo
-    recipes["fsdp_tp-dpo"] = lambda out: dpo(out, launch("fsdp_tp", 4))
 
     def get(name: str):
         if name not in done:
@@ -167,17 +156,10 @@ def test_checkpoint_continues_on_another_layout_with_its_optimizer(name, config,
     assert_same_weights(final_weights(out), final_weights(source))
 
 
-@pytest.mark.parametrize("config", ["fsdp_tp"])
-def test_preference_recipe_under_tensor_parallel(config, runs):
-    """DPO with LoRA (reference = adapter off) from the SFT adapter, as one process computes it. On
-    fsdp_tp, whose DTensor shards hold both of TP's and FSDP2's splits: TP alone and HSDP add nothing to
-    the preference path, and their meshes train in the SFT cases above."""
-    out, result = runs(f"{config}-dpo")
-    reference, _ = runs("single-dpo")
-    assert CASES[f"{config}-full"][1] in result.stdout
-    assert step_losses(out) == pytest.approx(step_losses(reference), rel=1e-3)
-    assert verify_export(out / "final") > 0
-    assert eval_losses(out) == pytest.approx(eval_losses(reference), rel=1e-5)
+# The preference path on a tensor-parallel mesh (a start adapter merged before the split, the adapter-off
+# reference, per-token log-probs of the split model) is GRPO's fsdp_tp case (tests/e2e/test_grpo_recipe.py);
+# DPO's pair loss adds no collective, and its held-out pass over ranks sharing batches runs in the pipeline's
+# DPO case (tests/e2e/test_pipeline.py).
 
 
 def test_ftkit_export_of_a_split_checkpoint_gives_the_final_adapter(runs, tmp_path):
