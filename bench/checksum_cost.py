@@ -99,7 +99,8 @@ def main() -> None:
     gib = size / 2**30
     print(
         f"Machine: {machine()}.\n\n"
-        f"- model: {params:,} parameters (Qwen2.5-0.5B's shape), full fine-tune, ZeRO-3 on {args.processes} process(es); "
+        f"- model: {params:,} parameters (Qwen2.5-0.5B's shape), full fine-tune, "
+        f"ZeRO-3 on {args.processes} process(es); "
         f"the run (load, one step, checkpoint, export) took {run_s:.0f} s\n"
         f"- checkpoint step-1: {len(files)} files, {gib:.2f} GiB\n"
         f"- CRC-32 of every file (what a save adds, files read back once, page cache warm): {crc_s:.2f} s "
