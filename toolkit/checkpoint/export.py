@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoTokenizer
 from toolkit.checkpoint import split
 from toolkit.distributed import agreed_error
 from toolkit.errors import UserError
-from toolkit.model import quant, quant_experts, vision
+from toolkit.model import quant, vision
 from toolkit.model.load import DTYPES, model_class
 from toolkit.pipeline import runtime, stages
 
@@ -159,6 +159,8 @@ def merge_adapter(
                 quantization_config=quant.quant_config(torch.uint8),
                 device_map={"": "cpu"},
             ).dequantize(dtype=torch_dtype)
+            from toolkit.model import quant_experts  # brings peft: only for a 4-bit merge
+
             quant_experts.round_trip(base)  # the fused experts, which trained stored in 4-bit too
         else:
             base = adapted_base(adapter_dir, trust_remote_code, dtype=torch_dtype)

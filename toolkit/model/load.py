@@ -8,8 +8,6 @@ import traceback
 from pathlib import Path
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import get_peft_model, prepare_model_for_kbit_training
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 from transformers.integrations import is_deepspeed_zero3_enabled
@@ -17,7 +15,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from toolkit import console
 from toolkit.config import LoraConfig, LossConfig, ModelConfig, MoeConfig, VisionConfig, check_local_path
 from toolkit.errors import UserError
-from toolkit.model import expert_parallel, lora_targets, moe, quant, quant_experts, speed, vision
+from toolkit.model import expert_parallel, lora_targets, moe, quant, speed, vision
 from toolkit.model.speed import SpeedFeatures
 from toolkit.train import head
 
@@ -74,6 +72,10 @@ def load_model(
     `expert_parallel` processes; `parts` (the `vision` section) chooses what of a vision-language model
     trains besides its language model.
     """
+    # Imported here, not with the module: it brings peft (seconds of imports), which loading a whole model
+    # for `ftkit eval` or `ftkit generate` does not need.
+    from toolkit.model import quant_experts
+
     check_local_path(cfg.path, key)
     # Without resolved features (no device to decide for), auto is the kernel every device has.
     attention = features.attention if features else cfg.attn_implementation.replace("auto", "sdpa")
@@ -106,6 +108,8 @@ def load_model(
     if cfg.method == "qlora":
         bf16 = quant.bf16_names(model)
         with quant_experts.hidden_from_peft(model):
+            from peft import prepare_model_for_kbit_training
+
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
         quant.keep_bf16_stream(model, bf16)
     if cfg.method in ("lora", "qlora"):
@@ -177,10 +181,12 @@ def _weights(param) -> int:
     return math.prod(moe.full_shape(param))
 
 
-def peft_config(lora: LoraConfig, model, parts: VisionConfig | None = None) -> PeftLoraConfig:
+def peft_config(lora: LoraConfig, model, parts: VisionConfig | None = None):
     """The peft LoRA/DoRA settings for a recipe's `lora` section on `model` (on a mixture of experts, the
     parts its keys choose: lora_targets; on a vision-language model, the parts `parts` chooses)."""
     targets = vision.lora_targets(model, lora, parts) if parts else lora_targets.peft_targets(lora, model)
+    from peft import LoraConfig as PeftLoraConfig
+
     return PeftLoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -192,6 +198,8 @@ def peft_config(lora: LoraConfig, model, parts: VisionConfig | None = None) -> P
 
 
 def _with_adapter(model, lora: LoraConfig, parts: VisionConfig | None = None):
+    from peft import get_peft_model
+
     try:
         return get_peft_model(model, peft_config(lora, model, parts))
     except ValueError as exc:  # peft's "target modules not found" and its kin
