@@ -14,12 +14,13 @@ from toolkit.checkpoint.export import verify_export
 from toolkit.commands.cli import main as ftkit
 from toolkit.train.metrics import read_metrics
 
+LORA_RUN = ["train.save_every_steps=2", "export.merge=true", "eval.exact_match_samples=2"]
+
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora") / "run"
-    result = run_recipe(out, "train.save_every_steps=2", "export.merge=true", "eval.exact_match_samples=2")
-    return out, result
+    return out, run_recipe(out, *LORA_RUN)
 
 
 def test_lora_run_writes_every_contracted_output(lora_run):
@@ -108,18 +109,17 @@ def test_micro_batch_and_accumulation_do_not_change_the_loss(tmp_path):
     assert a == pytest.approx(b, rel=1e-5)
 
 
-def test_resume_continues_exactly(tmp_path):
-    straight = tmp_path / "straight"
-    run_recipe(straight, "train.max_steps=6", "train.save_every_steps=3")
+def test_resume_continues_exactly(lora_run, tmp_path):
+    straight, _ = lora_run
     resumed = tmp_path / "resumed"
     shutil.copytree(straight, resumed)
-    # Pretend the run died after step 3: drop everything it wrote later, then launch again.
-    shutil.rmtree(resumed / "checkpoints" / "step-6")
+    # Pretend the run died after step 2: drop everything it wrote later, then launch again.
+    shutil.rmtree(resumed / "checkpoints" / "step-4")
     shutil.rmtree(resumed / "final")
-    result = run_recipe(resumed, "train.max_steps=6", "train.save_every_steps=3")
-    assert "resumed from" in result.stdout
+    result = run_recipe(resumed, *LORA_RUN)
+    assert "resumed from" in result.stdout and "step-2 at step 2" in result.stdout
     assert step_losses(resumed) == step_losses(straight)
-    assert len(step_losses(resumed)) == 6
+    assert len(step_losses(resumed)) == 4
     final_a = load_file(straight / "final" / "adapter_model.safetensors")
     final_b = load_file(resumed / "final" / "adapter_model.safetensors")
     assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
