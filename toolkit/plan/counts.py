@@ -169,6 +169,7 @@ class _LanguageModel(torch.nn.Module):
         self.decoder = base.get_decoder()
         self.head = base.get_output_embeddings()
         self._no_split_modules = base._no_split_modules
+        self.config = base.config  # the whole model's: what decides whether the chunked head can be used
 
     def get_input_embeddings(self):
         return self.decoder.get_input_embeddings()
