@@ -239,7 +239,7 @@ def _run(args) -> int:
         if args.gpus < 1:
             raise UserError(f"--gpus: {args.gpus} is not a number of processes")
         if args.gpus > 1:
-            return launch_processes(args, args.gpus)
+            return launch_processes(args)
         shown = eval_cli(
             args.model,
             args.tasks,

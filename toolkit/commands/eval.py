@@ -83,7 +83,7 @@ def checked_tasks(task_list: str, include: str | None, limit: int | None, batch_
     return manager, specs
 
 
-def launch_processes(args, processes: int) -> int:
+def launch_processes(args) -> int:
     """`ftkit eval ... --gpus N`: the same command on N data-parallel processes (`accelerate launch`);
     each scores its share of the examples, the main process prints and writes the table. The options and
     the model directory are checked first, so a mistake costs no launch."""
@@ -91,13 +91,11 @@ def launch_processes(args, processes: int) -> int:
 
     check_model_dir(Path(args.model))
     checked_tasks(args.tasks, args.include, args.limit, args.batch_size)
-    argv, accelerate_args = args.argv, args.accelerate_args
-
-    own = [a for i, a in enumerate(argv) if a != "--gpus" and argv[i - 1 : i] != ["--gpus"]]
-    own = [a for a in own if not a.startswith("--gpus=")]
-    launch = ["accelerate", "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1"]
-    launch += ["--mixed_precision", "no", "--dynamo_backend", "no", *accelerate_args]
-    return relay.run([*launch, "-m", "toolkit.commands.cli", *own], os.environ, "ftkit eval")
+    launch = ["accelerate", "launch", "--multi_gpu", "--num_processes", str(args.gpus), "--num_machines", "1"]
+    launch += ["--mixed_precision", "no", "--dynamo_backend", "no", *args.accelerate_args]
+    # Each process runs the command as typed, its last --gpus 1 keeping it from launching again.
+    command = ["-m", "toolkit.commands.cli", *args.argv, "--gpus", "1"]
+    return relay.run([*launch, *command], os.environ, "ftkit eval")
 
 
 def launched():
