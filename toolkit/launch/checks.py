@@ -22,6 +22,7 @@ from toolkit.launch.deepspeed import DS_SETTINGS_ENV
 from toolkit.launch.machine import GEFORCE_40, Machine
 from toolkit.launch.mesh import check_mesh
 from toolkit.launch.request import Launch, backend_name
+from toolkit.launch.rows import check_rows
 from toolkit.launch.sections import (
     PARALLEL_SIZES,
     gather_setting,
@@ -120,6 +121,7 @@ def check_launch(
     ga = grad_accum_steps(cfg.train, launch.mesh.data_parallel)
     refuse_parallelism(launch.parallel_sizes, launch.source)
     _check_vision(launch, cfg, facts, recipe_source)
+    check_rows(cfg, launch.mesh.sp, facts, recipe_source, launch.source)
     training.check_benchmarks(cfg, launch.backend, launch.uses_mesh, recipe_source)
     if launch.parallel_sizes:
         check_mesh(launch.mesh, launch.world_size, launch.fsdp_version, launch.backend, launch.source)
@@ -239,10 +241,6 @@ def _check_sequence_parallel(
         )
     attention = sequence_parallel_attention(env)
     refusals = {
-        "data.packing (sdpa would attend across the packed examples)": cfg.data.packing,
-        "data.streaming (its rows are packed; sdpa would attend across the packed examples)": (
-            cfg.data.streaming
-        ),
         "moe.expert_parallel": cfg.moe.expert_parallel > 1,
         "model.attn_implementation eager (DeepSpeed's Ulysses attention needs sdpa or flash attention)": (
             cfg.model.attn_implementation == "eager"

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig
 
 from toolkit.config import ModelConfig
+from toolkit.model.families import Family, family_of
 from toolkit.model.load import local_path
 from toolkit.model.moe import EXPERT_KEYS
 
@@ -43,6 +44,11 @@ class ModelFacts:
     @property
     def tp_plan(self) -> dict | None:
         return getattr(self.config, "base_model_tp_plan", None)
+
+    @property
+    def family(self) -> Family | None:
+        """What its layers are (toolkit/model/families.py); None where the config was not read."""
+        return family_of(self.config) if self.config is not None else None
 
     @property
     def experts(self) -> int:

@@ -1,0 +1,148 @@
+"""Packing is exact or it is not done, for every family of tests/tiny_families.py: on a family whose layers
+all attend, each packed example's logits are its logits alone and a packed step's loss is the unpacked
+one (ftkit's packer, collator and loss); on a family with a layer that carries state along the sequence,
+packing (and sequence parallelism) is refused at launch, in one line naming the family and the layer kind,
+and the state that refusal keeps out is shown to leak. Padding, as the DPO and GRPO recipes pad (right for
+training and scoring, left for sampling), stays exact on every family."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from helpers import REPO
+from tiny_families import FAMILIES, tiny_config
+from transformers import AutoModelForCausalLM
+
+from toolkit.config import DataConfig, ModelConfig, RecipeConfig, TrainConfig
+from toolkit.data.collate import Collator, PackedCollator, model_inputs
+from toolkit.data.encode import IGNORE
+from toolkit.data.packing import pack_dataset
+from toolkit.errors import UserError
+from toolkit.launch import checks
+from toolkit.launch.machine import Machine
+from toolkit.launch.request import Launch
+from toolkit.model.facts import read_model_facts
+from toolkit.model.families import family_of
+from toolkit.train.loss import batch_loss
+
+CAPACITY = 40
+PAD = 3
+
+
+def tiny_model(model_type: str):
+    """The family's tiny random model in float32, or a skip where transformers has no causal LM for it."""
+    config = tiny_config(model_type)
+    torch.manual_seed(0)
+    try:
+        model = AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:
+        pytest.skip(f"{model_type}: {str(exc).splitlines()[0][:120]}")
+    return model.float().eval()
+
+
+def examples(count: int = 7, seed: int = 0) -> list[dict]:
+    """Lengths 6 to 19, each starting with its own index (found again in a packed row); every other one
+    trained after an untrained prompt."""
+    gen = np.random.default_rng(seed)
+    rows = []
+    for i, length in enumerate(gen.integers(6, 20, count).tolist()):
+        ids = [100 + i, *gen.integers(5, 2000, length - 1).tolist()]
+        prompt = 0 if i % 2 else int(gen.integers(1, length - 1))
+        rows.append({"input_ids": ids, "labels": [IGNORE] * prompt + ids[prompt:]})
+    return rows
+
+
+def packed_batch(rows: list[dict]) -> dict:
+    packed, _ = pack_dataset(datasets.Dataset.from_list(rows), CAPACITY, np.random.default_rng(0))
+    return PackedCollator(pad_id=PAD)(list(packed))
+
+
+@torch.no_grad()
+def packed_gaps(model, rows: list[dict]) -> tuple[float, float, float]:
+    """(largest logit gap of any packed example against it alone, the packed step's summed loss, the same
+    examples' losses unpacked, one padded row each), all by ftkit's collators and loss."""
+    batch = packed_batch(rows)
+    logits = model(**model_inputs(batch)).logits
+    gap, alone_loss = 0.0, 0.0
+    for row, positions in enumerate(batch["position_ids"].tolist()):
+        starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+        for a, b in pairwise(starts):
+            if not batch["token_mask"][row, a]:
+                continue
+            example = Collator(pad_id=PAD)([rows[int(batch["input_ids"][row, a]) - 100]])
+            alone = model(**model_inputs(example)).logits[0, : b - a]
+            gap = max(gap, float((logits[row, a:b] - alone).abs().max()))
+            alone_loss += float(batch_loss(model, example))
+    return gap, float(batch_loss(model, batch)), alone_loss
+
+
+def launch_check(tmp_path, model_type: str, launch: Launch | None = None, **data) -> None:
+    """ftkit's launch checks on a recipe that trains the family's tiny model (its config.json is enough)."""
+    tiny_config(model_type).save_pretrained(tmp_path)
+    cfg = RecipeConfig(
+        model=ModelConfig(path=str(tmp_path)),
+        data=DataConfig(**data),
+        train=TrainConfig(global_batch_size=16, micro_batch_size=2),
+    )
+    launch = launch or Launch("single", 1, 1, on_cpu=True)
+    checks.check_launch(launch, cfg, read_model_facts(cfg.model), "recipe.yaml", Machine(), {})
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_packing_is_exact_or_refused(model_type, tmp_path):
+    model = tiny_model(model_type)
+    family = family_of(model.config)
+    gap, packed, unpacked = packed_gaps(model, examples())
+    if family.keeps_examples_apart:
+        assert gap < 1e-5, f"{model_type}: a packed example's logits differ from its own by {gap:.2e}"
+        assert packed == pytest.approx(unpacked, rel=3e-7)
+        launch_check(tmp_path, model_type, packing=True)
+        return
+    assert gap > 1e-5, f"{model_type}: packing is refused, yet its packed logits match ({gap:.2e})"
+    kind = family.recurrent[0].name
+    for key in ("packing", "streaming"):
+        with pytest.raises(UserError) as refused:
+            launch_check(tmp_path, model_type, **{key: True})
+        message = str(refused.value)
+        assert "\n" not in message and f"data.{key}" in message
+        assert model_type in message and kind in message and f"data.{key}: false" in message
+    launch_check(tmp_path, model_type, group_by_length=True)
+
+
+def test_sequence_parallelism_is_refused_where_a_layer_carries_state(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    sp = checks.launch_from_yaml(REPO / "accelerate_configs" / "sp.yaml", 0)
+    with pytest.raises(UserError, match=r"parallelism_config_sp_size 2 .*lfm2.*short convolution"):
+        launch_check(tmp_path, "lfm2", sp)
+    launch_check(tmp_path / "smollm3", "smollm3", sp)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+@torch.no_grad()
+def test_padding_keeps_every_row_exact(model_type):
+    """Right padding (ftkit's Collator: SFT unpacked, DPO, GRPO's scoring) and left padding with an
+    attention mask (GRPO's sampling) give each row its logits alone: transformers zeroes the padding
+    before a convolution or recurrence reads it."""
+    model = tiny_model(model_type)
+    rows = examples(count=3)
+    right = Collator(pad_id=PAD)(rows)
+    logits = model(**model_inputs(right)).logits
+    width = right["input_ids"].shape[1]
+    left = {key: value.clone() for key, value in right.items()}
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        alone = model(torch.tensor([row["input_ids"]]), use_cache=False).logits[0]
+        assert float((logits[i, :n] - alone).abs().max()) < 1e-5
+        for key in ("input_ids", "attention_mask"):
+            left[key][i] = right[key][i].roll(width - n)
+    positions = (left["attention_mask"].cumsum(1) - 1).clamp(min=0)
+    mask = left["attention_mask"]
+    logits = model(left["input_ids"], attention_mask=mask, position_ids=positions, use_cache=False).logits
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        alone = model(torch.tensor([row["input_ids"]]), use_cache=False).logits[0]
+        assert float((logits[i, width - n :] - alone).abs().max()) < 1e-5

@@ -1,0 +1,41 @@
+"""What may put several examples in one row (data.packing, data.streaming) or cut one row across processes
+(sequence parallelism), given the model's layer kinds (`toolkit/model/families.py`).
+
+Restarted position ids keep a packed example's attention to itself, but a layer that carries a state
+along the sequence (linear attention, a short convolution, Mamba) hands one example's state to the next,
+and a row cut across processes would start each slice from an empty state; under Ulysses sequence
+parallelism sdpa also attends across packed examples. Each would train on a silently wrong loss, so each is
+refused before anything loads, in one line naming the key."""
+
+from __future__ import annotations
+
+from toolkit.errors import UserError
+from toolkit.model.facts import ModelFacts
+
+PACKED = {"data.packing": "data.packing", "data.streaming": "data.streaming (it packs rows)"}
+
+
+def check_rows(cfg, sp: int, facts: ModelFacts, recipe_source: str, launch_source: str) -> None:
+    """Refuse packed rows on a model with a recurrent layer kind, sequence parallelism (`sp` > 1) on such a
+    model, and packed rows under sequence parallelism."""
+    packed = [key for key in PACKED if getattr(cfg.data, key.split(".")[1])]
+    family = facts.family
+    if family is not None and not family.keeps_examples_apart:
+        model = f"{cfg.model.path} ({family.model_type}) has {family.recurrent[0].name} layers"
+        if packed:
+            raise UserError(
+                f"{PACKED[packed[0]]} in {recipe_source}: {model}, which carry each packed example's state "
+                f"into the next; set {packed[0]}: false (data.group_by_length pads less without joining "
+                "examples)"
+            )
+        if sp > 1:
+            raise UserError(
+                f"{launch_source}: parallelism_config_sp_size {sp} cuts each row across processes, and "
+                f"{model}, whose state cannot pass from one slice to the next; launch without sequence "
+                "parallelism"
+            )
+    if sp > 1 and packed:
+        raise UserError(
+            f"{launch_source}: parallelism_config_sp_size {sp} refuses {PACKED[packed[0]]} in "
+            f"{recipe_source} (sdpa would attend across the packed examples)"
+        )

@@ -1,0 +1,172 @@
+"""What a model family's layers are, read from its config: which of them attend and which carry a state along
+the sequence (linear attention, short convolutions, Mamba), so whether packed examples stay apart, which GPU
+kernels the layers run on, and what a generating model caches per token or per sequence.
+
+Transformers names each layer's kind in the config's `layer_types` (`layers_block_type` in some families,
+remapped to it); a label that ends in "attention", apart from "linear_attention", is softmax attention,
+which ftkit keeps within each packed example by restarting its position ids. What "linear_attention" or
+"conv" means differs by family, which LINEAR_KINDS says. A label known to neither list is taken to carry
+state: packing is then refused rather than trained on a silently wrong loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+FLA = "flash-linear-attention"
+CAUSAL_CONV = "causal-conv1d"
+MAMBA_SSM = "mamba-ssm"
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    name: str
+    """How messages and docs name it."""
+    recurrent: bool
+    """It carries a state from each token to the next: one packed example's state flows into the next one's,
+    and a sequence cut across processes would lose it."""
+    kernels: tuple[str, ...] = ()
+    """The packages with its fast GPU kernels; without them transformers runs a slower PyTorch version."""
+    state: Callable[[object], int] | None = None
+    """Elements of the state one sequence keeps in one such layer while generating (from the text config)."""
+
+
+def _delta_net_state(c) -> int:
+    heads_k, heads_v = c.linear_num_key_heads, c.linear_num_value_heads
+    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+    return heads_v * dk * dv + (2 * heads_k * dk + heads_v * dv) * c.linear_conv_kernel_dim
+
+
+def _kda_state(c) -> int:
+    width = c.linear_num_heads * c.linear_head_dim
+    return width * c.linear_head_dim + 3 * width * c.linear_conv_kernel_dim
+
+
+def _short_conv_state(c) -> int:
+    return c.hidden_size * c.conv_L_cache
+
+
+def _mamba2_state(c) -> int:
+    heads = _field(c, "mamba_num_heads", "mamba_n_heads", "n_mamba_heads", "num_heads")
+    head_dim = _field(c, "mamba_head_dim", "mamba_d_head", "mamba_headdim", "head_dim")
+    d_state = _field(c, "ssm_state_size", "mamba_d_state", "state_size")
+    groups = _field(c, "n_groups", "mamba_n_groups", "mamba_ngroups")
+    kernel = _field(c, "conv_kernel", "mamba_d_conv")
+    return heads * head_dim * d_state + (heads * head_dim + 2 * groups * d_state) * kernel
+
+
+def _field(config, *names: str) -> int:
+    """The first of `names` the config sets: each Mamba-2 family names the same sizes its own way."""
+    return next(int(getattr(config, n)) for n in names if getattr(config, n, None) is not None)
+
+
+ATTENTION = LayerKind("attention", recurrent=False)
+GATED_DELTA_NET = LayerKind("gated DeltaNet", True, (FLA, CAUSAL_CONV), _delta_net_state)
+KIMI_DELTA = LayerKind("Kimi delta attention", True, (FLA, CAUSAL_CONV), _kda_state)
+LIGHTNING = LayerKind("lightning attention", True)
+SHORT_CONV = LayerKind("short convolution", True, (CAUSAL_CONV,), _short_conv_state)
+MAMBA = LayerKind("Mamba", True, (MAMBA_SSM, CAUSAL_CONV))
+MAMBA2 = LayerKind("Mamba-2", True, (MAMBA_SSM, CAUSAL_CONV), _mamba2_state)
+RG_LRU = LayerKind("RG-LRU recurrence", True)
+RWKV = LayerKind("RWKV", True)
+XLSTM = LayerKind("xLSTM", True)
+
+# model_type -> the recurrent kind its non-attention layers ("linear_attention", "conv", the Mamba half of a
+# "hybrid" layer) are; a model type without `layer_types` listed here is made of that kind alone.
+LINEAR_KINDS: dict[str, LayerKind] = {
+    "qwen3_next": GATED_DELTA_NET,
+    "qwen3_5_text": GATED_DELTA_NET,
+    "qwen3_5_moe_text": GATED_DELTA_NET,
+    "olmo_hybrid": GATED_DELTA_NET,
+    "kimi_linear": KIMI_DELTA,
+    "minimax": LIGHTNING,
+    "lfm2": SHORT_CONV,
+    "lfm2_moe": SHORT_CONV,
+    "lfm3": SHORT_CONV,
+    "nemotron_h": MAMBA2,
+    "falcon_h1": MAMBA2,
+    "bamba": MAMBA2,
+    "granitemoehybrid": MAMBA2,
+    "zamba2": MAMBA2,
+    "mamba2": MAMBA2,
+    "jamba": MAMBA,
+    "mamba": MAMBA,
+    "falcon_mamba": MAMBA,
+    "recurrent_gemma": RG_LRU,
+    "rwkv": RWKV,
+    "xlstm": XLSTM,
+}
+# Layer labels of a block without a sequence mixer (Nemotron-H's MLP and MoE layers).
+NO_MIXER = ("mlp", "moe")
+# Layers that run attention and the family's recurrent kind side by side.
+HYBRID = "hybrid"
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    """The language model's model_type (a vision-language model's text part)."""
+    layers: tuple[tuple[LayerKind, ...], ...]
+    """Each decoder layer's sequence mixers, in order (none: an MLP-only layer; two: a hybrid layer)."""
+    latent_kv: int = 0
+    """Multi-head latent attention's cache per token and attention layer (kv_lora_rank + qk_rope_head_dim;
+    0: the layer caches K and V per key/value head)."""
+
+    @property
+    def kinds(self) -> tuple[LayerKind, ...]:
+        """Its distinct layer kinds, in order of first appearance."""
+        return tuple(dict.fromkeys(kind for layer in self.layers for kind in layer))
+
+    @property
+    def recurrent(self) -> tuple[LayerKind, ...]:
+        return tuple(kind for kind in self.kinds if kind.recurrent)
+
+    @property
+    def keeps_examples_apart(self) -> bool:
+        """Whether restarted position ids keep packed examples (and sequence slices) from reaching each
+        other: only where no layer carries a state along the sequence."""
+        return not self.recurrent
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(k for kind in self.kinds for k in kind.kernels))
+
+    def count(self, kind: LayerKind) -> int:
+        return sum(kind in layer for layer in self.layers)
+
+    def describe(self) -> str:
+        """Its layers in words: "18 gated DeltaNet + 6 attention layers"."""
+        parts = [f"{self.count(kind)} {kind.name}" for kind in self.kinds]
+        plain = sum(not layer for layer in self.layers)
+        return " + ".join(parts + ([f"{plain} MLP-only"] if plain else [])) + " layers"
+
+    def state_elements(self, text_config) -> int:
+        """Elements one sequence's recurrent state takes across every recurrent layer while generating
+        (0 where the family's kind has no formula here)."""
+        return sum(self.count(kind) * kind.state(text_config) for kind in self.recurrent if kind.state)
+
+
+def family_of(config) -> Family:
+    """The family description of a transformers config (a vision-language model's language model)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = text.model_type
+    labels = getattr(text, "layer_types", None)
+    if labels is None:
+        only = LINEAR_KINDS.get(model_type, ATTENTION)
+        labels = ["linear_attention" if only.recurrent else "full_attention"] * text.num_hidden_layers
+    layers = tuple(_mixers(label, model_type) for label in labels)
+    rank = getattr(text, "kv_lora_rank", None)
+    latent = rank + getattr(text, "qk_rope_head_dim", 0) if rank else 0
+    return Family(model_type, layers, latent)
+
+
+def _mixers(label: str, model_type: str) -> tuple[LayerKind, ...]:
+    if label in NO_MIXER:
+        return ()
+    recurrent = LINEAR_KINDS.get(model_type) or LayerKind(f"{label} ({model_type})", True)
+    if label == HYBRID:
+        return (ATTENTION, recurrent)
+    if label.endswith("attention") and label != "linear_attention":
+        return (ATTENTION,)
+    return (recurrent,)
