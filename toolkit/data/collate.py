@@ -82,6 +82,7 @@ MODEL_KEYS = (
     "pixel_attention_mask",
     "image_sizes",
     "image_grid_thw",
+    "image_position_ids",
     "token_type_ids",
     "mm_token_type_ids",
 )

@@ -32,9 +32,12 @@ PER_ROW_PIXELS = ("idefics3", "smolvlm")
 # Per-token ids some families' forward reads beside input_ids (1 at image tokens).
 TOKEN_TYPE_KEYS = {
     "gemma3": "token_type_ids",
+    "gemma4": "mm_token_type_ids",
     "qwen2_vl": "mm_token_type_ids",
     "qwen2_5_vl": "mm_token_type_ids",
     "qwen3_vl": "mm_token_type_ids",
+    "qwen3_5": "mm_token_type_ids",
+    "qwen3_5_moe": "mm_token_type_ids",
 }
 BLANK_SIDE = 32
 """The stand-in image of a batch without images is this many pixels square (the processor resizes it)."""
@@ -68,7 +71,12 @@ class ImageInputs:
             parts = [image_processor(images=[row], return_tensors="pt") for row in per_row if row]
             return _padded_rows(parts, [len(row) > 0 for row in per_row])
         flat = [image for row in per_row for image in row]
-        return dict(image_processor(images=flat, return_tensors="pt")) if flat else {}
+        if not flat:
+            return {}
+        # What the processor computes for its own token expansion only (Gemma-4's soft-token counts).
+        unused = getattr(self.processor, "unused_input_names", None) or ()
+        encoded = image_processor(images=flat, return_tensors="pt")
+        return {key: value for key, value in encoded.items() if key not in unused}
 
     def prompt(self, text: str, refs: list[str], where: str) -> tuple[list[int], dict]:
         """(prompt ids, image inputs) of a one-turn user question about the images at `refs`."""

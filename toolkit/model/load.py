@@ -79,7 +79,8 @@ def load_model(
     check_local_path(cfg.path, key)
     # Without resolved features (no device to decide for), auto is the kernel every device has.
     attention = features.attention if features else cfg.attn_implementation.replace("auto", "sdpa")
-    kwargs = {"dtype": DTYPES[cfg.dtype], "attn_implementation": attention}
+    kind = vision.kind_of(cfg.path)
+    kwargs = {"dtype": DTYPES[cfg.dtype], "attn_implementation": vision.attention_by_part(kind, attention)}
     if experts and experts.experts_implementation != "auto":
         kwargs["experts_implementation"] = experts.experts_implementation
     if cfg.method == "qlora":

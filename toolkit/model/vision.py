@@ -22,6 +22,7 @@ from torch import nn
 from toolkit.config import LoraConfig, ModelConfig, VisionConfig
 from toolkit.errors import UserError
 from toolkit.model import moe
+from toolkit.model.lora_targets import FUSED_GATE_UP
 
 # Families this toolkit trains (model_type -> what users call it), each checked to build, train and
 # generate through the same code; others with a vision tower are refused by name.
@@ -34,11 +35,23 @@ FAMILIES = {
     "qwen2_vl": "Qwen2-VL",
     "qwen2_5_vl": "Qwen2.5-VL",
     "qwen3_vl": "Qwen3-VL",
+    "qwen3_5": "Qwen3.5",
+    "qwen3_5_moe": "Qwen3.5-MoE",
     "gemma3": "Gemma-3",
+    "gemma4": "Gemma-4",
 }
 # Name parts, checked in this order: a projector can sit inside the tower's module (Qwen's merger).
-PROJECTOR_NAMES = ("multi_modal_projector", "connector", "visual.merger", "visual.deepstack_merger_list")
+PROJECTOR_NAMES = (
+    "multi_modal_projector",
+    "connector",
+    "visual.merger",
+    "visual.deepstack_merger_list",
+    "embed_vision",
+)
 TOWER_NAMES = ("vision_tower", "visual", "vision_model")
+AUDIO_NAMES = ("audio_tower", "embed_audio")
+"""An audio encoder and its projector (Gemma-4): image-text training never feeds them, so they stay frozen
+and are never adapted, whatever the vision keys say."""
 NEWLINE_PARAMS = ("image_newline",)
 """Learned parameters Llava-NeXT adds between image rows: part of the projector."""
 PROCESSOR_FILES = (
@@ -86,6 +99,19 @@ def auto_class(kind: str | None):
     return AutoModelForImageTextToText if is_vision(kind) else AutoModelForCausalLM
 
 
+def attention_by_part(kind: str | None, attention: str) -> str | dict:
+    """from_pretrained's `attn_implementation`: `attention` everywhere, but eager for an audio tower
+    (Gemma-4's takes no other kernel, and image-text training never runs it)."""
+    if not is_vision(kind):
+        return attention
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    parts = getattr(CONFIG_MAPPING[kind], "sub_configs", {})
+    if "audio_config" not in parts:
+        return attention
+    return {"": attention, **dict.fromkeys(parts, attention), "audio_config": "eager"}
+
+
 def copy_processor_files(source: Path, out: Path) -> None:
     """A vision-language model's processor files from `source` (its folder, or an export of it) into the
     export `out`, where the tokenizer's own saving did not already write them (a text model has none)."""
@@ -107,8 +133,9 @@ def load_processor(cfg: ModelConfig, key: str = "model.path"):
     """The model's processor (image processor + tokenizer + chat template), from its folder alone (an
     exported adapter's: from its base model's folder).
 
-    Qwen's processors also build a video processor, which needs torchvision; image-only training does
-    not, so without torchvision the processor is assembled from its image processor and tokenizer."""
+    Qwen's and Gemma-4's processors also build a video processor, which needs torchvision; image-only
+    training does not, so without torchvision the processor is assembled from its image processor and
+    tokenizer (Gemma-4's audio feature extractor left out too)."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     path = _config_folder(cfg.path)
@@ -118,10 +145,12 @@ def load_processor(cfg: ModelConfig, key: str = "model.path"):
     except (ImportError, ValueError) as exc:
         if "torchvision" not in str(exc).lower():
             raise UserError(f"{key}: cannot load the processor from {cfg.path}: {_first(exc)}") from None
-        processor = image_only(_processor_class(path))(
+        processor_class = image_only(_processor_class(path))
+        others = set(processor_class.get_attributes()) - {"image_processor", "tokenizer"}
+        processor = processor_class(
             image_processor=AutoImageProcessor.from_pretrained(path, trust_remote_code=remote),
             tokenizer=AutoTokenizer.from_pretrained(path, trust_remote_code=remote),
-            video_processor=None,
+            **dict.fromkeys(others),
         )
     except OSError as exc:
         raise UserError(f"{key}: cannot load the processor from {cfg.path}: {_first(exc)}") from None
@@ -163,12 +192,13 @@ def _config_folder(path: str) -> str:
 
 
 def image_only(processor_class):
-    """`processor_class` taking `video_processor=None`: without torchvision transformers cannot even name
-    the video processor's base class, and its argument check fails on the missing one."""
+    """`processor_class` taking None for its parts other than the image processor and the tokenizer (the
+    video processor, an audio feature extractor): without torchvision transformers cannot even name the
+    video processor's base class, and its argument check fails on the missing ones."""
 
     class ImageOnly(processor_class):
         def check_argument_for_proper_class(self, argument_name, argument):
-            if argument is None and argument_name == "video_processor":
+            if argument is None and argument_name not in ("image_processor", "tokenizer"):
                 return None
             return super().check_argument_for_proper_class(argument_name, argument)
 
@@ -205,7 +235,10 @@ def image_token_id(config) -> int:
 
 
 def part_of(name: str) -> str:
-    """`tower`, `projector` or `language model` for a parameter or module name (any wrapper prefix)."""
+    """`tower`, `projector`, `audio` or `language model` for a parameter or module name (any wrapper
+    prefix)."""
+    if any(re.search(rf"(^|\.){p}\.", f"{name}.") for p in AUDIO_NAMES):
+        return "audio"
     if any(f"{p}." in f"{name}." for p in PROJECTOR_NAMES) or name.rpartition(".")[2] in NEWLINE_PARAMS:
         return "projector"
     if any(re.search(rf"(^|\.){p}\.", f"{name}.") for p in TOWER_NAMES):
@@ -250,27 +283,63 @@ def freeze_for_full(model: nn.Module, cfg: VisionConfig) -> None:
             param.requires_grad_(cfg.train_projector)
         elif part == "tower":
             param.requires_grad_(whole_tower or in_blocks(name, blocks))
+        elif part == "audio":
+            param.requires_grad_(False)
 
 
 def lora_targets(model: nn.Module, lora: LoraConfig, cfg: VisionConfig) -> dict:
     """peft keywords for a vision-language model: adapters on the language model's linear layers that
-    `lora.target_modules` names (and the trained tower blocks'), the projector saved whole when trained."""
+    `lora.target_modules` names (and the trained tower blocks'), the projector saved whole when trained. A
+    mixture-of-experts language model's parts follow `lora`'s part keys as on a text model (lora_targets):
+    its routed experts' fused tensors and its routers' weights are parameter targets."""
     head = model.get_output_embeddings()
     wanted = lora.target_modules
     blocks = trained_tower_blocks(model, cfg)
+    routed = bool(moe.routing(model.config).experts)
     names = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or module is head:
             continue
         part = part_of(name)
-        if part == "projector" or (part == "tower" and not in_blocks(name, blocks)):
+        if part in ("projector", "audio") or (part == "tower" and not in_blocks(name, blocks)):
+            continue
+        if routed and part == "language model" and not _moe_part_wanted(lora, name):
             continue
         if wanted == "all-linear" or _named_by(name, wanted):
             names.append(name)
     if not names:
         raise UserError(f"lora.target_modules: {wanted}: no linear layer of the language model matches")
     projector = _projector_modules(model) if cfg.train_projector else None
-    return {"target_modules": names, "modules_to_save": projector}
+    targets = {"target_modules": names, "modules_to_save": projector}
+    return {**targets, **_expert_targets(model, lora)} if routed else targets
+
+
+def _moe_part_wanted(lora: LoraConfig, name: str) -> bool:
+    part = moe.part_of(name)
+    return {"attention": lora.attention, "shared expert": lora.shared_expert, "router": lora.router}.get(
+        part, True
+    )
+
+
+def _expert_targets(model: nn.Module, lora: LoraConfig) -> dict:
+    """The language model's routed experts (lora.experts) and routers' weights that are no linear layer
+    (lora.router) as peft's parameter targets, named inside their decoder layer; the fused gate and up
+    projections get twice the rank and alpha, as on a text model."""
+    found = set(moe.expert_parameter_names(model) or []) if lora.experts else set()
+    if lora.router:
+        found |= {
+            moe.in_layer(name)
+            for name, _ in model.named_parameters()
+            if part_of(name) == "language model"
+            and moe.part_of(name) == "router"
+            and name.endswith(".weight")
+            and not isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear)
+        }
+    targets = {"target_parameters": sorted(found) or None}
+    if any(name.endswith(FUSED_GATE_UP) for name in found):
+        pattern = rf".*\.{FUSED_GATE_UP}"
+        targets.update(rank_pattern={pattern: 2 * lora.r}, alpha_pattern={pattern: 2 * lora.alpha})
+    return targets
 
 
 def _named_by(name: str, wanted: str | list[str]) -> bool:
@@ -316,14 +385,15 @@ def current_layout_only(model: nn.Module) -> None:
 
 
 def trained_by_part(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """(trained, total) parameter counts per part, counted at full size (ZeRO-3 partitions included)."""
-    counts = {"tower": [0, 0], "projector": [0, 0], "language model": [0, 0]}
+    """(trained, total) parameter counts per part, counted at full size (ZeRO-3 partitions included); the
+    audio part only where the model has one."""
+    counts = {"tower": [0, 0], "projector": [0, 0], "audio": [0, 0], "language model": [0, 0]}
     for name, param in model.named_parameters():
         entry = counts[part_of(name)]
         size = math.prod(moe.full_shape(param))
         entry[1] += size
         entry[0] += size if param.requires_grad else 0
-    return {part: (trained, total) for part, (trained, total) in counts.items()}
+    return {part: (trained, total) for part, (trained, total) in counts.items() if total or part != "audio"}
 
 
 def parts_line(model: nn.Module) -> str:
