@@ -225,6 +225,34 @@ def test_one_step_trains_the_adapter_and_sees_the_images(family):
     assert (seen - dimmed).abs().max() > 1e-3, "the images reach the logits"
 
 
+def test_full_fine_tuning_trains_the_language_model_only(family):
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(path=family.path, method="full"), LoraConfig(), parts=VisionConfig())
+    counts = vision.trained_by_part(model)
+    assert counts["language model"][0] == counts["language model"][1]
+    assert all(trained == 0 for part, (trained, _) in counts.items() if part != "language model")
+    model.train()
+    (batch_loss(model, collate(family, family.rows)) / 10).backward()
+    grads = {vision.part_of(name) for name, param in model.named_parameters() if param.grad is not None}
+    assert grads == {"language model"}
+
+
+def test_moe_experts_get_their_adapters_at_twice_the_rank_for_gate_and_up(family):
+    shapes = {
+        name.split("layers.0.mlp.")[1]: tuple(param.shape)
+        for name, param in family.model.named_parameters()
+        if "layers.0.mlp.experts" in name and "lora_A" in name
+    }
+    if family.kind != "qwen3_5_moe":
+        assert shapes == {}
+        return
+    # (rank x experts, in): gate_up_proj (64 -> 2 x 32) at rank 32, down_proj (32 -> 64) at rank 16.
+    assert shapes == {
+        "experts.base_layer.lora_A.default.weight": (32 * 4, 64),
+        "experts.lora_A.default.weight": (16 * 4, 32),
+    }
+
+
 def test_a_text_batch_runs_the_tower_on_a_masked_stand_in(family):
     text = family.rows[2]
     batch = collate(family, [text, text])
@@ -287,5 +315,7 @@ def test_the_recipe_trains_two_steps_on_image_and_text_rows(family, recipe, tmp_
     steps = [line for line in read_metrics(out / "metrics.jsonl") if "loss" in line and "step" in line]
     assert [line["step"] for line in steps] == [1, 2]
     assert all(torch.isfinite(torch.tensor(line["loss"])) for line in steps)
+    # The mixture of experts' routers are balanced as on a text model.
+    assert all(("router_aux_loss" in line) == (family.kind == "qwen3_5_moe") for line in steps)
     assert (out / "final" / "adapter_model.safetensors").is_file()
     assert f"vision: {family.kind}; tower frozen" in capsys.readouterr().out
