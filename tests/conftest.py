@@ -5,6 +5,26 @@ import sys
 
 import datasets
 import pytest
+import warm
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "real_launch: its launches go through the real `accelerate launch`/`python`, never a warm start "
+        "(tests/warm.py): where the launch itself is what the test is about",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before the test's fixtures: a marked test's runs (its module fixtures' too, when it is the first to
+    ask for them) start for real."""
+    warm.real_launch = item.get_closest_marker("real_launch") is not None
+
+
+def pytest_sessionfinish(session):
+    warm.close_all()
 
 
 @pytest.fixture

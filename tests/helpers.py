@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 import yaml
 from accelerate.utils.other import get_free_port as free_port
 from safetensors.torch import load_file
@@ -112,19 +113,25 @@ def run_launched(
         backup = keep.parent / f".{keep.name}.before"
         shutil.copytree(keep, backup)
     try:
-        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        result = run_command(command, env, timeout)
         if result.returncode != 0 and TEARDOWN_ABORT in result.stderr:
             if keep is not None:
                 shutil.rmtree(keep, ignore_errors=True)
                 if backup is not None:
                     shutil.copytree(backup, keep)
-            result = subprocess.run(
-                command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-            )
+            result = run_command(command, env, timeout)
         return result
     finally:
         if backup is not None:
             shutil.rmtree(backup)
+
+
+def run_command(command: list[str], env: dict | None, timeout: int) -> subprocess.CompletedProcess:
+    """`subprocess.run` from the repository root, output captured; a `python script` or `accelerate launch`
+    command starts warm (tests/warm.py) unless the test is marked `real_launch` or FTKIT_TEST_LAUNCH=real."""
+    if warm.enabled() and warm.warm_argv(command) is not None:
+        return warm.run(command, dict(os.environ) if env is None else env, REPO, timeout)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def start_recipe(

@@ -1,8 +1,22 @@
-"""The test launcher's one retry: only for a rank aborting in gloo's teardown, with the output put back."""
+"""The test launcher itself. Its one retry: only for a rank aborting in gloo's teardown, with the output put
+back. Its warm start (tests/warm.py): each test here runs the same command twice, once through the real
+`accelerate launch` (or `python`) and once started warm, and compares what the ranks were given (their whole
+environment, argv, sys.path, torch's threads), what they computed (per-step losses of the recipe under DDP,
+FSDP2 and ZeRO-3, equal to the last digit) and how a failure shows (a rank raising, a rank killed by a
+signal, a rank that stalls until the test's timeout): the real path is what the warm one is checked against.
+"""
 
+import json
+import os
+import re
+import signal
+import subprocess
 import sys
+import time
 
-from helpers import TEARDOWN_ABORT, run_launched
+import pytest
+import warm
+from helpers import REPO, TEARDOWN_ABORT, launch, logged, recipe_command, run_launched, step_losses
 
 # Fails the first time it runs (appending to out/log.txt first), succeeds the second.
 SCRIPT = """
@@ -15,6 +29,10 @@ log.write_text(log.read_text() + "x" if log.exists() else "x")
 if first:
     sys.exit(sys.argv[2])
 """
+DUMP = REPO / "tests" / "scripts" / "dump_env.py"
+# The only variable a rank sees differently: torchrun's per-rank error file lies in a fresh temporary
+# folder on every launch. (The rendezvous port is the same here because both launches are given it.)
+DIFFERS = {"TORCHELASTIC_ERROR_FILE"}
 
 
 def test_teardown_abort_runs_again_from_the_same_start(tmp_path):
@@ -32,3 +50,131 @@ def test_any_other_failure_stands(tmp_path):
     result = run_launched([sys.executable, "-c", SCRIPT, str(out), "Traceback: a real error"], keep=out)
     assert result.returncode == 1 and "a real error" in result.stderr
     assert (out / "log.txt").read_text() == "x"
+
+
+def both_ways(monkeypatch, command: list[str], out) -> dict:
+    """The command run for real and then warm (the same command: the same rendezvous port); what it
+    wrote to `out` is moved to out/../real and out/../warm."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    results = {}
+    for way in ("real", "warm"):
+        monkeypatch.setattr(warm, "real_launch", way == "real")
+        results[way] = run_launched(command, env, timeout=300)
+        if out.exists():
+            out.rename(out.parent / way)
+    return results
+
+
+def dump_command(out, config: str | None, *statement: str) -> list[str]:
+    head = [sys.executable] if config is None else [sys.executable, "-m", warm.LAUNCHER, *launch(config)]
+    return [*head, str(DUMP), str(out), *statement]
+
+
+def started(out) -> dict:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))}
+
+
+@pytest.mark.parametrize("config", [None, "single", "ddp", "fsdp", "zero3"])
+def test_a_warm_rank_starts_with_what_accelerate_launch_gives_it(config, monkeypatch, tmp_path):
+    results = both_ways(monkeypatch, dump_command(tmp_path / "out", config), tmp_path / "out")
+    runs = {}
+    for way, result in results.items():
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[way] = started(tmp_path / way)
+        for rank in runs[way].values():
+            assert rank.pop("pid") != os.getpid() and rank["threads"] == 1
+    ranks = {"ddp": 2, "fsdp": 2, "zero3": 2}.get(config, 1)
+    assert len(runs["real"]) == ranks and runs["warm"].keys() == runs["real"].keys()
+    for name, real in runs["real"].items():
+        got = runs["warm"][name]
+        for key in DIFFERS:
+            assert (key in got["env"]) == (key in real["env"]), key
+            got["env"].pop(key, None), real["env"].pop(key, None)
+        assert got == real, name
+    printed = {
+        way: sorted(line for line in r.stdout.splitlines() if line.startswith("rank "))
+        for way, r in results.items()
+    }
+    assert printed["warm"] == printed["real"] == [f"rank {r} started" for r in range(2 - ranks, 2)]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("config", ["ddp", "fsdp", "zero3"])
+def test_a_warm_launch_trains_like_accelerate_launch(config, monkeypatch, tmp_path):
+    """The recipe's per-step losses and gradient norms, equal to the last digit."""
+    out = tmp_path / "run"
+    command, env = recipe_command(out, launch=launch(config))
+    losses = {}
+    for way in ("real", "warm"):
+        monkeypatch.setattr(warm, "real_launch", way == "real")
+        result = run_launched(command, env, keep=out, timeout=600)
+        assert result.returncode == 0, result.stderr[-4000:]
+        losses[way] = step_losses(out), logged(out, "grad_norm")
+        out.rename(tmp_path / way)
+    assert len(losses["real"][0]) == 4
+    assert losses["warm"] == losses["real"]
+
+
+def traceback(stderr: str) -> str:
+    """From the first traceback on (what the libraries print as they are imported comes before it)."""
+    return stderr[stderr.find("Traceback (most recent call last)") :]
+
+
+def root_cause(stderr: str) -> list[str]:
+    """torchrun's report of the first rank that failed, without its time and pid."""
+    cause = stderr.split("Root Cause (first observed failure):")[1].split("=" * 20)[0]
+    lines = [re.split(r"\(pid:| by PID", line)[0].strip() for line in cause.splitlines()]
+    return [line for line in lines if line and not line.startswith("time ")]
+
+
+@pytest.mark.parametrize("config", [None, "ddp"])
+def test_a_failing_rank_fails_a_warm_launch_the_same_way(config, monkeypatch, tmp_path):
+    command = dump_command(tmp_path / "out", config, "raise ValueError('rank 1 fails on purpose')")
+    results = both_ways(monkeypatch, command, tmp_path / "out")
+    real, got = results["real"], results["warm"]
+    assert got.returncode == real.returncode == 1
+    if config is None:  # the interpreter's own traceback, frame for frame
+        assert traceback(got.stderr) == traceback(real.stderr) != ""
+    else:  # the rank's traceback, then torchrun's report (rank 0 may have ended or been stopped by then)
+        assert "ValueError: rank 1 fails on purpose" in got.stderr
+        assert root_cause(got.stderr) == root_cause(real.stderr)
+        assert root_cause(got.stderr)[:2] == ["[0]:", "host      : localhost"]
+
+
+def test_a_rank_killed_by_a_signal_fails_a_warm_launch_the_same_way(monkeypatch, tmp_path):
+    kill = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    results = both_ways(monkeypatch, dump_command(tmp_path / "out", "ddp", kill), tmp_path / "out")
+    real, got = results["real"], results["warm"]
+    assert got.returncode == real.returncode == 1
+    assert root_cause(got.stderr) == root_cause(real.stderr)
+    assert "exitcode  : -9" in root_cause(got.stderr)
+    assert root_cause(got.stderr)[-1] == "traceback : Signal 9 (SIGKILL) received"
+
+
+def test_a_stalled_rank_is_ended_by_the_timeout_in_a_warm_launch(monkeypatch, tmp_path):
+    """Both ways the test's timeout raises; started warm, no process of the run outlives it."""
+    command = dump_command(tmp_path / "out", "ddp", "import time; time.sleep(300)")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    pids = {}
+    for way in ("real", "warm"):
+        monkeypatch.setattr(warm, "real_launch", way == "real")
+        begun = time.monotonic()
+        with pytest.raises(subprocess.TimeoutExpired) as stalled:
+            run_launched(command, env, timeout=20)
+        assert time.monotonic() - begun < 60
+        assert b"rank 0 started" in stalled.value.stdout  # bytes, as subprocess.run leaves them
+        pids[way] = [rank["pid"] for rank in started(tmp_path / "out").values()]
+        (tmp_path / "out").rename(tmp_path / way)
+    time.sleep(1)
+    assert [pid for pid in pids["warm"] if alive(pid)] == []
+    for pid in pids["real"]:  # subprocess.run kills accelerate launch alone: its ranks are left running
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,26 @@
+"""Writes what this process has once it has imported what a recipe's rank imports (environment, argv,
+sys.path[0], __file__, torch's thread count, its pid) to <out>/rank-<RANK>.json, then runs the Python
+statement given as the second argument on rank 1 (on the only process where RANK is unset): how
+tests/e2e/test_helpers.py compares a warm start with a real one."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import deepspeed  # noqa: F401
+import peft  # noqa: F401
+import torch
+import transformers.models.llama.modeling_llama  # noqa: F401
+
+import toolkit.run  # noqa: F401
+
+out = Path(sys.argv[1])
+out.mkdir(parents=True, exist_ok=True)
+rank = os.environ.get("RANK", "1")
+started = {"env": dict(os.environ), "argv": sys.argv, "path0": sys.path[0], "file": __file__}
+started["threads"] = torch.get_num_threads()
+(out / f"rank-{rank}.json").write_text(json.dumps({**started, "pid": os.getpid()}, indent=1))
+print(f"rank {rank} started", flush=True)
+if len(sys.argv) > 2 and rank == "1":
+    exec(sys.argv[2])

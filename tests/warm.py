@@ -1,0 +1,157 @@
+"""Warm starts of the launched test runs: `python script.py ...` and `python -m accelerate.commands.launch
+... script.py ...` started by fork from a process (tests/zygote.py) that has already imported torch,
+transformers, peft, accelerate, DeepSpeed, datasets and the toolkit, one per pytest worker and
+environment. The launcher and every rank are still processes of their own, with the environment, console
+and exit status the real command gives (accelerate's and torchrun's own code computes them); what they
+skip is about 13 seconds of imports each. `FTKIT_TEST_LAUNCH=real` runs every launch for real, and a test
+or module marked `real_launch` does so by itself (where the launch itself is what it tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import locale
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SWITCH = "FTKIT_TEST_LAUNCH"
+ZYGOTE = Path(__file__).resolve().parent / "zygote.py"
+LAUNCHER = "accelerate.commands.launch"
+# Variables that differ from one test to the next and that nothing reads while importing.
+PER_TEST = {"PYTEST_CURRENT_TEST"}
+# Warm processes kept per pytest worker, one per environment (each holds the imported libraries).
+KEEP = 3
+STARTUP_TIMEOUT = 600
+
+real_launch = False
+"""Set for the running test by tests/conftest.py: True where it is marked `real_launch`."""
+
+
+def enabled() -> bool:
+    return os.environ.get(SWITCH, "warm") != "real" and not real_launch
+
+
+def warm_argv(command: list[str]) -> list[str] | None:
+    """The argv after `python` if the command can start warm: a script, or accelerate's launcher."""
+    if len(command) < 2 or command[0] != sys.executable:
+        return None
+    if command[1:3] == ["-m", LAUNCHER]:
+        return list(command[1:])
+    if command[1].endswith(".py") and os.path.isfile(command[1]):
+        return list(command[1:])
+    return None
+
+
+class Zygote:
+    """One warm process, started with `env`; runs one command at a time."""
+
+    def __init__(self, env: dict):
+        log, self.log = tempfile.mkstemp(prefix="zygote-", suffix=".log")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ZYGOTE)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
+            cwd=ZYGOTE.parent.parent,
+        )
+        os.close(log)
+        self.pending = b""
+        self.reply(time.monotonic() + STARTUP_TIMEOUT)
+
+    def reply(self, deadline: float) -> dict | None:
+        """The next reply line, or None once `deadline` passes."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                log = Path(self.log).read_text()[-4000:]
+                raise RuntimeError(f"the warm process ended ({self.proc.wait()}):\n{log}")
+            self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
+        return json.loads(line)
+
+    def run(self, argv: list[str], env: dict, cwd: Path, timeout: float | None, command: list[str]):
+        with tempfile.TemporaryDirectory(prefix="warm-") as folder:
+            files = {name: os.path.join(folder, name) for name in ("stdout", "stderr", "pids")}
+            request = dict(argv=argv, env=env, cwd=str(cwd), **files)
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+            deadline = time.monotonic() + (timeout if timeout is not None else 10**9)
+            launcher = self.reply(time.monotonic() + STARTUP_TIMEOUT)["pid"]
+            timed_out = True
+            try:
+                done = self.reply(deadline)
+                timed_out = done is None
+            finally:
+                if (
+                    timed_out
+                ):  # (or interrupted) the launcher and its ranks end here, as subprocess.run's would
+                    kill_all(launcher, files["pids"])
+                    if self.reply(time.monotonic() + 60) is None:
+                        raise RuntimeError(f"the warm process never saw its launcher {launcher} end")
+            stdout, stderr = (read_bytes(files[name]) for name in ("stdout", "stderr"))
+            if timed_out:  # undecoded, as subprocess.run leaves the output of a command it timed out
+                raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr)
+            return subprocess.CompletedProcess(command, done["status"], decode(stdout), decode(stderr))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+        os.unlink(self.log)
+
+
+def kill_all(launcher: int, pids_file: str) -> None:
+    """SIGKILL to the launcher's session and to each rank's (each rank has a session of its own)."""
+    pids = [launcher]
+    with contextlib.suppress(FileNotFoundError):
+        pids += [int(line) for line in Path(pids_file).read_text().split()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def read_bytes(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:  # the launcher ended before it opened its output
+        return b""
+
+
+def decode(data: bytes) -> str:
+    """What subprocess.run(text=True) makes of a stream: the locale's encoding, universal newlines."""
+    text = data.decode(locale.getpreferredencoding(False))
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+_zygotes: dict[tuple, Zygote] = {}
+
+
+def zygote_for(env: dict) -> Zygote:
+    key = tuple(sorted((k, v) for k, v in env.items() if k not in PER_TEST))
+    if key not in _zygotes:
+        if len(_zygotes) >= KEEP:
+            _zygotes.pop(next(iter(_zygotes))).close()
+        _zygotes[key] = Zygote({k: v for k, v in env.items() if k not in PER_TEST})
+    _zygotes[key] = _zygotes.pop(key)  # the most recently used last
+    return _zygotes[key]
+
+
+def run(command: list[str], env: dict, cwd: Path, timeout: float | None) -> subprocess.CompletedProcess:
+    """`subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)`,
+    started warm (the command must be one `warm_argv` accepts)."""
+    return zygote_for(env).run(warm_argv(command), env, cwd, timeout, command)
+
+
+def close_all() -> None:
+    while _zygotes:
+        _zygotes.popitem()[1].close()
