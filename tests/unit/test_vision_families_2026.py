@@ -289,6 +289,28 @@ def test_a_text_batch_runs_the_tower_on_a_masked_stand_in(family):
     )
 
 
+def test_generation_reads_the_prompt_as_training_does(family):
+    """The eval's greedy answers and `ftkit generate` pass the token types training passes: without them
+    Qwen3.5 places the image tokens as text and Gemma-4 attends within an image causally."""
+    ids, inputs = family.inputs.prompt("What colour?", [str(family.folder / "red.png")], "a test")
+    prompt = torch.tensor([ids])
+    assert torch.equal(inputs["mm_token_type_ids"], (prompt == family.inputs.image_id).long())
+    model = family.model
+    model.eval()
+    with torch.no_grad():
+        trained = model(input_ids=prompt, use_cache=False, **inputs).logits[0, -1]
+        generated = model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=1,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **inputs,
+        )
+    assert torch.allclose(generated.logits[0][0], trained, atol=1e-5)
+
+
 @pytest.mark.usefixtures("signal_handlers_restored")
 def test_the_recipe_trains_two_steps_on_image_and_text_rows(family, recipe, tmp_path, capsys):
     from toolkit.errors import run_main

@@ -78,12 +78,23 @@ class ImageInputs:
         encoded = image_processor(images=flat, return_tensors="pt")
         return {key: value for key, value in encoded.items() if key not in unused}
 
+    def token_types(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The per-token ids this family's forward reads beside `input_ids` (none for most families)."""
+        key = TOKEN_TYPE_KEYS.get(self.kind)
+        return {key: (input_ids == self.image_id).long()} if key else {}
+
+    def prompt_inputs(self, ids: list[int], refs: list[str], where: str) -> dict[str, torch.Tensor]:
+        """A prompt's image inputs for generation: the pixels of the images at `refs`, and the token ids its
+        forward reads as in training (Qwen's image positions, Gemma's attention within an image follow
+        them)."""
+        return {**self.pixels([self.open(refs, where)]), **self.token_types(torch.tensor([ids]))}
+
     def prompt(self, text: str, refs: list[str], where: str) -> tuple[list[int], dict]:
         """(prompt ids, image inputs) of a one-turn user question about the images at `refs`."""
         content = [*({"type": "image"} for _ in refs), {"type": "text", "text": text}]
         rendered = render(self.processor.tokenizer, [{"role": "user", "content": content}], where, True)
-        images = self.open(refs, where)
-        return self.expanded_ids(rendered, images), self.pixels([images])
+        ids = self.expanded_ids(rendered, self.open(refs, where))
+        return ids, self.prompt_inputs(ids, refs, where)
 
     def stand_in(self) -> tuple[list[int], dict[str, torch.Tensor]]:
         """(token ids, image inputs) of a one-image user turn on a blank image: appended, masked, to a batch
@@ -219,9 +230,7 @@ class VisionCollator(Collator):
             width = len(rows[0]["input_ids"]) + len(rows[0]["stand_in"])
             batch["attention_mask"][0, len(rows[0]["input_ids"]) : width] = 0
         batch.update(pixels)
-        key = TOKEN_TYPE_KEYS.get(self.inputs.kind)
-        if key:
-            batch[key] = (batch["input_ids"] == self.inputs.image_id).long()
+        batch.update(self.inputs.token_types(batch["input_ids"]))
         return batch
 
 

@@ -103,7 +103,11 @@ def pair_exact_match(
     hits = 0
     for row in rows:
         refs = row.get("images")
-        pixels = images.pixels([images.open(refs, "an eval pair")]) if images is not None and refs else None
+        pixels = (
+            images.prompt_inputs(row["prompt_ids"], refs, "an eval pair")
+            if images is not None and refs
+            else None
+        )
         answer = greedy_answer(model, tokenizer, row["prompt_ids"], max_new_tokens, synced, pixels)
         hits += answer == tokenizer.decode(row["chosen_ids"], skip_special_tokens=True).strip()
     return hits / max(len(rows), 1)

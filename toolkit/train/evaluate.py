@@ -124,7 +124,7 @@ class Evaluator:
         if pair is None:
             return None, None
         refs = row.get("images")
-        pixels = self.images.pixels([self.images.open(refs, "an eval row")]) if self.images and refs else None
+        pixels = self.images.prompt_inputs(pair[0], refs, "an eval row") if self.images and refs else None
         return pair[0], pixels
 
 

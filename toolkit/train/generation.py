@@ -60,7 +60,7 @@ def exact_match(
     for pair, refs in cases:
         if pair is None:
             continue
-        pixels = images.pixels([images.open(refs, "an eval row")]) if images is not None and refs else None
+        pixels = images.prompt_inputs(pair[0], refs, "an eval row") if images is not None and refs else None
         answer = greedy_answer(model, tokenizer, pair[0], max_new_tokens, synced, pixels)
         hits += answer == tokenizer.decode(pair[1], skip_special_tokens=True).strip()
     return hits / max(sum(pair is not None for pair, _ in cases), 1)
