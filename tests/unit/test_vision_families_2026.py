@@ -311,6 +311,18 @@ def test_generation_reads_the_prompt_as_training_does(family):
     assert torch.allclose(generated.logits[0][0], trained, atol=1e-5)
 
 
+def test_ftkit_plan_plans_them_with_their_images(family):
+    from toolkit.plan.estimate import make_plan
+    from toolkit.plan.request import PlanRequest
+
+    plan = make_plan(PlanRequest(model=family.path, method="lora"))
+    assert plan.choice is not None and plan.fits(plan.choice)
+    # Gemma-4: its processor's budget of 280 soft tokens, each pooled from 3 x 3 patches; Qwen3.5: the
+    # tokens vision.max_pixels makes (768 x 768 pixels in 32-pixel merged patches).
+    expected = (280, 280 * 9) if family.kind == "gemma4" else (24 * 24, 4 * 24 * 24)
+    assert (plan.images.tokens, plan.images.patches) == expected
+
+
 @pytest.mark.usefixtures("signal_handlers_restored")
 def test_the_recipe_trains_two_steps_on_image_and_text_rows(family, recipe, tmp_path, capsys):
     from toolkit.errors import run_main

@@ -43,6 +43,8 @@ PIXEL_BYTES = 4
 """Processors return pixel values in fp32."""
 TILED = ("llava_next", "idefics3", "smolvlm")
 """Families that cut an image into a grid of tiles of their own choosing: the plan does not count them."""
+GEMMA4_SOFT_TOKENS = 280
+"""Gemma-4's image budget: its processor's soft tokens an image (transformers' and the hub's default)."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,15 @@ def _resolution(config, patch: int, merge: int) -> dict:
         return {"resolution": "tiled"}
     if merge > 1:
         return {"resolution": "dynamic"}
+    if kind == "gemma4":
+        # Up to the budget's tokens an image, each pooled from k x k patches; every image is padded to the
+        # budget's patches, which the tower runs on.
+        pool = config.vision_config.pooling_kernel_size
+        return {
+            "resolution": "fixed",
+            "fixed_tokens": GEMMA4_SOFT_TOKENS,
+            "fixed_patches": GEMMA4_SOFT_TOKENS * pool**2,
+        }
     patches = (config.vision_config.image_size // patch) ** 2
     # Gemma-3 pools its patches into a fixed number of tokens; Llava passes every patch on.
     tokens = config.mm_tokens_per_image if kind == "gemma3" else patches
