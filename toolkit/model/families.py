@@ -112,6 +112,10 @@ class Family:
     latent_kv: int = 0
     """Multi-head latent attention's cache per token and attention layer (kv_lora_rank + qk_rope_head_dim;
     0: the layer caches K and V per key/value head)."""
+    cache: tuple[tuple[int, int], ...] = ()
+    """(elements per token, tokens kept) of each attention layer's cache while generating (tokens kept 0:
+    every token; a sliding-window layer keeps its window's last tokens); layers that reuse an earlier
+    layer's cache are left out."""
 
     @property
     def kinds(self) -> tuple[LayerKind, ...]:
@@ -141,6 +145,10 @@ class Family:
         plain = sum(not layer for layer in self.layers)
         return " + ".join(parts + ([f"{plain} MLP-only"] if plain else [])) + " layers"
 
+    def cache_elements(self, tokens: int) -> int:
+        """Elements the attention layers cache for one sequence of `tokens` tokens."""
+        return cache_elements(self.cache, tokens)
+
     def state_elements(self, text_config) -> int:
         """Elements one sequence's recurrent state takes across every recurrent layer while generating
         (0 where the family's kind has no formula here)."""
@@ -158,7 +166,46 @@ def family_of(config) -> Family:
     layers = tuple(_mixers(label, model_type) for label in labels)
     rank = getattr(text, "kv_lora_rank", None)
     latent = rank + getattr(text, "qk_rope_head_dim", 0) if rank else 0
-    return Family(model_type, layers, latent)
+    own_cache = len(layers) - (getattr(text, "num_kv_shared_layers", 0) or 0)
+    configs = layer_configs(text, len(layers))
+    cache = tuple(
+        (latent or 2 * _kv_width(configs[i]), _kept(labels[i], configs[i]))
+        for i in range(own_cache)
+        if ATTENTION in layers[i]
+    )
+    return Family(model_type, layers, latent, cache)
+
+
+def cache_elements(cache: tuple[tuple[int, int], ...], tokens: int) -> int:
+    """Elements a `Family.cache` holds for one sequence of `tokens` tokens."""
+    return sum(width * (min(tokens, kept) if kept else tokens) for width, kept in cache)
+
+
+def _kept(label: str, layer_config) -> int:
+    """Tokens a layer's cache keeps (0: all): transformers' sliding-window cache keeps window - 1."""
+    window = getattr(layer_config, "sliding_window", None)
+    return window - 1 if label == "sliding_attention" and window else 0
+
+
+def layer_configs(text, count: int) -> list:
+    """Each decoder layer's config: a heterogeneous config's own per-layer view (Gemma 4's full-attention
+    layers have a head size of their own), else the config itself for every layer."""
+    if getattr(text, "is_heterogeneous", False):
+        return list(text.per_layer_config)
+    return [text] * count
+
+
+def widest(text, key: str) -> int | None:
+    """The largest per-layer value of `key` (None where no layer sets it)."""
+    values = [getattr(c, key, None) for c in layer_configs(text, 1)]
+    return max((v for v in values if v is not None), default=None)
+
+
+def _kv_width(layer_config) -> int:
+    """K (or V) elements per token of one attention layer: key/value heads x head size."""
+    heads = layer_config.num_attention_heads
+    kv_heads = getattr(layer_config, "num_key_value_heads", None) or heads
+    return kv_heads * (getattr(layer_config, "head_dim", None) or layer_config.hidden_size // heads)
 
 
 def _mixers(label: str, model_type: str) -> tuple[LayerKind, ...]:

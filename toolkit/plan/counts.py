@@ -16,6 +16,7 @@ from toolkit.config import LoraConfig as RecipeLora
 from toolkit.config import VisionConfig
 from toolkit.errors import UserError
 from toolkit.model import lora_targets, moe, vision
+from toolkit.model.families import family_of, widest
 from toolkit.plan import architectures
 from toolkit.plan.images import VisionCounts, count_vision
 from toolkit.train.head import logit_change_problem
@@ -55,6 +56,17 @@ class ModelCounts:
     kv_heads: int
     head_dim: int
     vocab: int
+    layer_kinds: str = ""
+    """The decoder layers in words (toolkit/model/families.py): "18 gated DeltaNet + 6 attention layers"."""
+    cache: tuple[tuple[int, int], ...] = ()
+    """Each attention layer's generation cache as (elements per token, tokens kept; 0: all): K and V of
+    every kv head, or multi-head latent attention's compressed cache (`latent_cache`); see
+    toolkit/model/families.py."""
+    latent_cache: bool = False
+    """The cache is MLA's latent (kv_lora_rank + qk_rope_head_dim): tensor parallelism does not split it."""
+    state_per_sequence: int = 0
+    """Elements the recurrent layers (linear attention, convolution, Mamba) keep per sequence while
+    generating, whatever its length, instead of a per-token cache."""
     positions: int = 0
     """The config's max_position_embeddings: the longest sequence the model was made for (0: none named)."""
     experts: int = 0
@@ -233,6 +245,9 @@ def _counts(model, text, method: str, lora_r: int, source: str) -> ModelCounts:
     layer_names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_names]
     heads = text.num_attention_heads
+    kv_heads = widest(text, "num_key_value_heads") or heads
+    head_dim = widest(text, "head_dim") or text.hidden_size // heads
+    family = family_of(text)
     tp_plan = getattr(text, "base_model_tp_plan", None) or {}
     split_frozen, split_trainable = _tp_split(model, tp_plan)
     return ModelCounts(
@@ -254,9 +269,13 @@ def _counts(model, text, method: str, lora_r: int, source: str) -> ModelCounts:
         hidden=text.hidden_size,
         intermediate=routing.active_width or _mlp_width(text),
         heads=heads,
-        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
         vocab=text.vocab_size,
+        layer_kinds=family.describe(),
+        cache=family.cache,
+        latent_cache=bool(family.latent_kv),
+        state_per_sequence=family.state_elements(text),
         positions=getattr(text, "max_position_embeddings", None) or 0,
         experts=routing.experts,
         experts_per_token=routing.per_token,
@@ -316,8 +335,11 @@ def _config_from_dict(raw: dict, model: str):
 
 
 def _read_json(file: Path) -> dict:
+    from transformers import PretrainedConfig
+
     try:
-        raw = json.loads(file.read_text())
+        # transformers writes Infinity and NaN as {"__float__": "Infinity"} (Nemotron-H's time_step_limit)
+        raw = PretrainedConfig._decode_special_floats(json.loads(file.read_text()))
     except json.JSONDecodeError as exc:
         raise UserError(f"{file}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(raw, dict):

@@ -8,12 +8,15 @@ T = prompt (data.max_length) + grpo.max_new_tokens tokens each, with e bytes per
 
     gathered   ZeRO-3/FSDP with grpo.gather_for_generation: the whole model in the dtype training keeps it,
                beside the shards; without it, the layers gathered one at a time as in training
-    kv cache   2 (K and V) x layers x kv heads x head dim x e x R x T
+    kv cache   (C + S) x e x R: C what the attention layers cache for T tokens, per layer 2 (K and V) x kv
+               heads x head dim (with multi-head latent attention kv_lora_rank + qk_rope_head_dim) a token,
+               a sliding-window layer its window's tokens only; S the state of the recurrent layers (linear
+               attention, short convolution, Mamba), one per sequence whatever its length
     logits     one step's next-token scores of every row: R x vocab x (e + SAMPLING_BYTES)
     prefill    the prompts' pass through one decoder layer (no gradients: each layer's is freed after it)
 
-Under tensor parallelism each rank holds its share of the kv heads and of the MLP, and gathers only its own
-part of the model.
+Under tensor parallelism each rank holds its share of the kv heads (MLA's latent cache whole), of the
+recurrent states and of the MLP, and gathers only its own part of the model.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from toolkit.model.families import cache_elements
 from toolkit.plan import memory
 from toolkit.plan.footprint import GenerationBytes, ModelStateBytes
 from toolkit.plan.memory import Precision
@@ -69,7 +73,8 @@ def estimate(
     tokens = plan_round.prompt_tokens + plan_round.new_tokens
     resident = (states.persistent if states.in_cpu_ram else states.after_step) + reference
     gathered = gathered_bytes(counts, backend, precision, plan_round.gather)
-    kv_cache = 2 * counts.layers * (counts.kv_heads // tp) * counts.head_dim * e * rows * tokens
+    cached = cache_elements(counts.cache, tokens) // (1 if counts.latent_cache else tp)
+    kv_cache = (cached + counts.state_per_sequence // tp) * e * rows
     logits = rows * counts.vocab * (e + SAMPLING_BYTES)
     per_token = memory.residual_bytes(counts, precision) * counts.hidden + 3 * e * counts.intermediate // tp
     prefill = rows * plan_round.prompt_tokens * per_token

@@ -47,6 +47,7 @@ def _header(plan: Plan) -> list[str]:
     return [
         f"model    {r.model} ({c.source}): {c.model_type}, {c.layers} layers, hidden {c.hidden}, "
         f"{c.heads} heads ({c.kv_heads} kv), vocab {c.vocab:,}",
+        *([f"layers   {c.layer_kinds}"] if c.state_per_sequence or c.latent_cache else []),
         f"params   {c.total:,} total, {c.trainable:,} trainable "
         f"({100 * c.trainable / c.total:.2f}%: {trained})",
         f"setup    {c.method} on {r.gpus} GPU x {r.gpu_mem:g} GiB | {base}, {autocast} | "
