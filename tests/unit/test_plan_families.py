@@ -74,3 +74,12 @@ def test_generation_cache_is_what_transformers_keeps(model_type):
         assert held[40] - held[16] == expected[40] - expected[16]
     else:
         assert held == expected
+
+
+def test_deepseek_v3_from_the_built_in_table_caches_its_latent():
+    """Offline by hub id; the generation cache is the 512 + 64 latent of each of its 61 layers, which tensor
+    parallelism does not split, not K and V of its 128 heads."""
+    config, source = load_model_config("deepseek-ai/DeepSeek-V3")
+    counts = count_parameters(config, "full", 8)
+    assert source == "built-in table" and counts.experts == 256
+    assert counts.cache == ((512 + 64, 0),) * 61 and counts.latent_cache and not counts.state_per_sequence

@@ -239,6 +239,50 @@ _TABLE = [
         ),
         12_187_325_040,
     ),
+    # Multi-head latent attention: each layer caches a 512 + 64 latent per token instead of K and V per head.
+    # The card publishes 671B (the hub's 685B adds the 14B multi-token-prediction layer, which transformers
+    # does not build); the exact count here leaves out the 58 MoE layers' 256 router correction biases,
+    # which transformers keeps as buffers.
+    (
+        (
+            "deepseek-ai/DeepSeek-V3",
+            "deepseek-ai/DeepSeek-V3-Base",
+            "deepseek-ai/DeepSeek-V3-0324",
+            "deepseek-ai/DeepSeek-R1",
+        ),
+        dict(
+            model_type="deepseek_v3",
+            vocab_size=129280,
+            moe_intermediate_size=2048,
+            n_routed_experts=256,
+            n_shared_experts=1,
+            num_experts_per_tok=8,
+            n_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            first_k_dense_replace=3,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            max_position_embeddings=163840,
+            rope_scaling={
+                "type": "yarn",
+                "factor": 40,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            **_layers(7168, 18432, 61, 128, 128, tie_word_embeddings=False),
+        ),
+        671_026_404_352,
+    ),
 ]
 
 ARCHITECTURES: dict[str, dict] = {name.lower(): config for names, config, _ in _TABLE for name in names}

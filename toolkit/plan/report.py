@@ -47,7 +47,7 @@ def _header(plan: Plan) -> list[str]:
     return [
         f"model    {r.model} ({c.source}): {c.model_type}, {c.layers} layers, hidden {c.hidden}, "
         f"{c.heads} heads ({c.kv_heads} kv), vocab {c.vocab:,}",
-        *([f"layers   {c.layer_kinds}"] if c.state_per_sequence or c.latent_cache else []),
+        *_layers(c),
         f"params   {c.total:,} total, {c.trainable:,} trainable "
         f"({100 * c.trainable / c.total:.2f}%: {trained})",
         f"setup    {c.method} on {r.gpus} GPU x {r.gpu_mem:g} GiB | {base}, {autocast} | "
@@ -58,6 +58,15 @@ def _header(plan: Plan) -> list[str]:
         f"compute  {plan.flops_per_token / 1e9:.2f} GFLOP per trained token (see toolkit/model/flops.py)",
         *_grpo_setup(plan),
     ]
+
+
+def _layers(c) -> list[str]:
+    """A hybrid's layer kinds, or multi-head latent attention's cache, where the generation cache differs
+    from K and V per head and token."""
+    if not (c.state_per_sequence or c.latent_cache):
+        return []
+    latent = f", multi-head latent attention caching {c.cache[0][0]} a token" if c.latent_cache else ""
+    return [f"layers   {c.layer_kinds}{latent}"]
 
 
 def _experts(c) -> list[str]:
