@@ -129,8 +129,9 @@ def run_launched(
 def run_command(command: list[str], env: dict | None, timeout: int) -> subprocess.CompletedProcess:
     """`subprocess.run` from the repository root, output captured; a `python script` or `accelerate launch`
     command starts warm (tests/warm.py) unless the test is marked `real_launch` or FTKIT_TEST_LAUNCH=real."""
-    if warm.enabled() and warm.warm_argv(command) is not None:
-        return warm.run(command, dict(os.environ) if env is None else env, REPO, timeout)
+    env = dict(os.environ) if env is None else env
+    if warm.enabled() and warm.warm_argv(command, env) is not None:
+        return warm.run(command, env, REPO, timeout)
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -37,15 +37,22 @@ def enabled() -> bool:
     return os.environ.get(SWITCH, "warm") != "real" and not real_launch
 
 
-def warm_argv(command: list[str]) -> list[str] | None:
-    """The argv after `python` if the command can start warm: a script, or accelerate's launcher."""
-    if len(command) < 2 or command[0] != sys.executable:
+def warm_argv(command: list[str], env: dict) -> list[str] | None:
+    """The argv after `python` if the command can start warm: a script, or accelerate's launcher, with no
+    start-up code of its own (a sitecustomize on PYTHONPATH runs in every fresh interpreter)."""
+    if len(command) < 2 or command[0] != sys.executable or startup_code(env):
         return None
     if command[1:3] == ["-m", LAUNCHER]:
         return list(command[1:])
     if command[1].endswith(".py") and os.path.isfile(command[1]):
         return list(command[1:])
     return None
+
+
+def startup_code(env: dict) -> bool:
+    folders = [Path(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    hooks = ("sitecustomize.py", "usercustomize.py", "sitecustomize", "usercustomize")
+    return any((folder / hook).exists() for folder in folders for hook in hooks)
 
 
 class Zygote:
@@ -149,7 +156,7 @@ def zygote_for(env: dict) -> Zygote:
 def run(command: list[str], env: dict, cwd: Path, timeout: float | None) -> subprocess.CompletedProcess:
     """`subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)`,
     started warm (the command must be one `warm_argv` accepts)."""
-    return zygote_for(env).run(warm_argv(command), env, cwd, timeout, command)
+    return zygote_for(env).run(warm_argv(command, env), env, cwd, timeout, command)
 
 
 def close_all() -> None:

@@ -62,6 +62,8 @@ PRELOAD = [
     "toolkit.train.loss",
 ]
 MAX_FD = os.sysconf("SC_OPEN_MAX")
+# The streams the libraries' loggers took at import: still flushed at exit (on a forked program's own fds).
+IMPORTED_STDIO = (sys.stdout, sys.stderr)
 IMPORT_ENV: dict[str, str] = {}
 """What the imports set in os.environ (DeepSpeed's PYTORCH_NVML_BASED_CUDA_CHECK, inductor's cache folder):
 a forked program starts with it, as a fresh one has it once it has imported the same libraries."""
@@ -139,7 +141,7 @@ def run_as_main(run) -> None:
         code = 1
     threading._shutdown()
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (*IMPORTED_STDIO, sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):

@@ -1,7 +1,12 @@
 """Launches the recipe tests do not make, on gloo CPU processes, with a minimal training script: two
 "machines" on loopback, float64 gradients of split layers and pipeline stages, and stock accelerate caught.
 Each shipped single-machine config against one process is the real recipe's case (tests/e2e/test_backends.py
-and, for tp, tests/e2e/test_model_parallel.py: the same losses, gradient norms and weights)."""
+and, for tp, tests/e2e/test_model_parallel.py: the same losses, gradient norms and weights).
+
+Launches: one machine's runs are started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher):
+the math is what they test; the two machines on loopback (multinode_ddp, multinode_zero3) are two real
+`accelerate launch` processes, since the multi-machine launch is.
+"""
 
 import json
 import os

@@ -2,7 +2,13 @@
 LoRA on packed rows — and checkpoints, exports, and gives the same per-step loss and final weights as one
 process. The LoRA runs go through `ftkit train`, whose console must hold only the lines a user needs, and
 start from a trained adapter (`model.adapter`), which each backend merges into the base as one process
-does: under ZeRO-3 into weights already partitioned as they loaded."""
+does: under ZeRO-3 into weights already partitioned as they loaded.
+
+Launches: the LoRA runs go through the real `ftkit train` command line (and so the real `accelerate launch` of
+every single-machine config: ddp, fsdp, zero1-3, zero3_offload, single); the full and packed runs and the
+all-reduce count are started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher); the two
+machines on loopback launch for real.
+"""
 
 import json
 import os

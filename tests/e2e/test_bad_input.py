@@ -1,5 +1,10 @@
 """A user's mistake stops the recipe with one line naming the file, line or key, before anything that
-looks like a finished model is written."""
+looks like a finished model is written.
+
+Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher), except the rank held
+back by a sitecustomize of the test's own, which only a fresh interpreter runs (a PYTHONPATH with start-up
+code always launches for real).
+"""
 
 import json
 import os
@@ -62,6 +67,7 @@ def test_output_dir_of_another_run_is_refused(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
+@pytest.mark.real_launch
 def test_a_mistake_met_first_by_a_non_main_rank_is_shown_once(tmp_path):
     """Rank 0 is held back at start-up (a sitecustomize of the test's own), so rank 1 meets the launch
     check's refusal first, exits 2 and the launcher ends rank 0 before it can print: the line still shows,

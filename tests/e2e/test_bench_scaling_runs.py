@@ -1,4 +1,7 @@
-"""`ftkit bench-scaling` for real: 1 and 2 DDP processes, and a failed run reported in one line."""
+"""`ftkit bench-scaling` for real: 1 and 2 DDP processes, and a failed run reported in one line.
+
+Launches: real, through the `ftkit bench-scaling` command line (the command is what is tested).
+"""
 
 import json
 import subprocess

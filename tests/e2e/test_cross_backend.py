@@ -1,5 +1,9 @@
 """Checkpoints outlive their launch: `ftkit export` turns a checkpoint of any backend into the same files the
-run's own final/ export holds, and a run resumes under another world size or backend."""
+run's own final/ export holds, and a run resumes under another world size or backend.
+
+Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher): what the runs compute
+is what is tested, not how they start.
+"""
 
 import shutil
 

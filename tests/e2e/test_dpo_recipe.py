@@ -1,6 +1,10 @@
 """recipes/dpo_llm.py end to end on the embedded model: LoRA (reference = adapter off) and full fine-tune
 (reference log-probs precomputed and reused on resume), exact resume, export, a start from an SFT adapter,
-and every shipped accelerate config on 2 gloo processes giving one process's per-step loss."""
+and every shipped accelerate config on 2 gloo processes giving one process's per-step loss.
+
+Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher), except sp_zero3's,
+which launches for real (its one real launch here).
+"""
 
 import shutil
 from pathlib import Path
@@ -164,7 +168,9 @@ REFERENCE_MATRIX = ["fsdp", "zero2", "zero3"]
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("config", MATRIX)
+@pytest.mark.parametrize(
+    "config", [pytest.param(c, marks=pytest.mark.real_launch) if c == "sp_zero3" else c for c in MATRIX]
+)
 def test_backend_gives_one_process_loss(config, single, pair_files, tmp_path):
     method, out, _ = single
     if method == "full" and config not in FULL_MATRIX:

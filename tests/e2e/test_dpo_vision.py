@@ -3,7 +3,11 @@ colour a square is from pairs whose chosen answer names the right colour and the
 colour (TRL's layout, images relative to the data file, a few pairs text only). Two launches: one process
 with the live reference (the adapter off), and ZeRO-3 on two with the reference log-probs precomputed,
 which gives one process's per-step loss and rewards, so both references met the same pixels as the policy;
-each run exports."""
+each run exports.
+
+Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher): what the runs compute
+is what is tested.
+"""
 
 import json
 

@@ -1,5 +1,8 @@
 """`ftkit eval --gpus 2` launched for real on 2 gloo CPU processes: lm-eval splits every task's examples
-over them, and the main process's before/after table equals one process's."""
+over them, and the main process's before/after table equals one process's.
+
+Launches: real, through the `ftkit eval --gpus` command line (the command is what is tested).
+"""
 
 import json
 import os

@@ -1,5 +1,9 @@
 """No run is lost: preemption, kill -9 and a diverging loss each leave a valid checkpoint and a clear
-message, and the run continues from it (a full disk: tests/unit/test_checkpoint_save.py)."""
+message, and the run continues from it (a full disk: tests/unit/test_checkpoint_save.py).
+
+Launches: the runs that are signalled or killed start for real (`start_recipe`), as a user's would; the runs
+that continue from them are started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher).
+"""
 
 import os
 import signal

@@ -4,7 +4,11 @@ per-step loss, rewards, KL and gradient norm (seeded sampling makes the completi
 
 The rewards are chosen so the bare tiny model's completions differ within a group (the exact-answer reward
 is zero for all of them): minus the length, and whether the completion holds a "1". Two optimizer steps per
-round and a KL term make the ratio, the clipping and the reference all count."""
+round and a KL term make the ratio, the clipping and the reference all count.
+
+Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher): what the runs compute
+is what is tested.
+"""
 
 import shutil
 from pathlib import Path

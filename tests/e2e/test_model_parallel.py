@@ -2,7 +2,11 @@
 one process's per-step loss, exact resume, resume across layouts, plain Hugging Face exports.
 
 4-process meshes are slow on a small machine: each config trains once per recipe here, and the runs are
-module fixtures that several tests read."""
+module fixtures that several tests read.
+
+Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher), except tp-lora (the
+real `ftkit train`), hsdp-full and fsdp_tp's resume, which launch for real (each config's real launch).
+"""
 
 import shutil
 
@@ -86,7 +90,9 @@ CASES = {  # run -> (its one-process twin, the start-up line's backend, world si
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.real_launch) if n == "hsdp-full" else n for n in CASES]
+)
 def test_mesh_trains_saves_exports_like_one_process(name, runs):
     twin, line, world, tp = CASES[name]
     out, result = runs(name)
@@ -120,6 +126,7 @@ def test_tp_batch_split_is_by_data_parallel_size(runs):
 
 # On the mesh holding both of TP's and FSDP2's splits; TP's own layout comes back through the portable path
 # (test_checkpoint_continues_on_another_layout_with_its_optimizer below, one process -> TP).
+@pytest.mark.real_launch
 @pytest.mark.parametrize("name, config, processes", [("fsdp_tp-full", "fsdp_tp", 4)])
 def test_mesh_resumes_exactly(name, config, processes, runs, tmp_path):
     source, _ = runs(name)

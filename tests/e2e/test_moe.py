@@ -4,7 +4,11 @@ data-parallel micro-batch, so the split does not change it. Qwen3-MoE under DDP 
 Mixtral under FSDP2, gpt-oss (eager attention, experts with biases) under ZeRO-3; DPO on Qwen3-MoE under
 expert parallelism (Qwen2-MoE with its shared expert; LoRA on attention, the shared expert and the router);
 QLoRA on Qwen3-MoE, its experts stored in 4-bit, under ZeRO-3; expert parallelism with full fine-tuning,
-resumed."""
+resumed.
+
+Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher), except expert
+parallelism's run and its resumes, which launch for real (ep.yaml's real launch).
+"""
 
 import pytest
 from helpers import REPO, launch, run_recipe, step_losses, tiny_moe
@@ -84,6 +88,7 @@ def test_a_mixture_of_experts_trains_like_one_process(variant, config, single, t
         assert "experts stored in 4-bit, 0.05 MiB" in result.stdout  # 55,296 bytes: 4.5 bits a weight
 
 
+@pytest.mark.real_launch
 def test_expert_parallelism_trains_resumes_and_exports_like_one_process(single, tmp_path):
     """Experts split over 2 processes (full fine-tuning): the steps of one process on the union
     micro-batch, exported as plain HF files with the same weights; its step-2 checkpoint resumes exactly,

@@ -1,6 +1,11 @@
 """A run never hangs in silence: a stop during data preparation ends it at once with the preemption code,
 leaving no worker and no half-written cache behind; a rank frozen (SIGSTOP) in a step or a checkpoint
-write ends the launch with one line, the stacks and the stall exit code, and the last checkpoint resumes."""
+write ends the launch with one line, the stacks and the stall exit code, and the last checkpoint resumes.
+
+Launches: the stalled and signalled runs start for real (`start_recipe` and the recipe's own command), as a
+user's would; the run that resumes afterwards is started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the
+real launcher).
+"""
 
 import json
 import os

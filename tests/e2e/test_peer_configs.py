@@ -1,6 +1,10 @@
 """Accelerate configs as other projects ship them (tests/e2e/peer_configs/): accelerate-native DeepSpeed
 settings without a JSON, a DeepSpeed JSON with concrete numbers, and FSDP1 as `accelerate config` writes
-it, train on 2 gloo processes like one; FSDP1 also checkpoints, resumes and exports."""
+it, train on 2 gloo processes like one; FSDP1 also checkpoints, resumes and exports.
+
+Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher): accelerate's own
+launcher still reads each peer config.
+"""
 
 import shutil
 from pathlib import Path

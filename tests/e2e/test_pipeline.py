@@ -3,7 +3,11 @@ recipe on gloo CPU processes: one process's per-step loss under each schedule, e
 layouts, plain Hugging Face exports of the whole model.
 
 Each run trains once for the module (a fixture several tests read): the LoRA runs on pp.yaml feed the
-export, resume and cross-layout tests as well as the loss comparison."""
+export, resume and cross-layout tests as well as the loss comparison.
+
+Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher), except the exact
+resumes, which launch pp.yaml and pp_ddp.yaml for real.
+"""
 
 import shutil
 
@@ -137,6 +141,7 @@ def test_pipeline_batch_split_is_by_replicas(runs):
 
 
 # The interleaved schedule's resume is the same checkpoint code as 1F1B's (folded).
+@pytest.mark.real_launch
 @pytest.mark.parametrize("name", ["pp-full", "pp_ddp-lora"])
 def test_pipeline_resumes_exactly(name, runs, tmp_path):
     source, _ = runs(name)

@@ -3,6 +3,9 @@
 tests/scripts/measure_model_state.py sums the live tensors of each rank; the plan's figures must be within
 10% for every shipped single-machine config, each measured once: the configs alternate between a small model
 fully fine-tuned and a larger one with LoRA, so both sizes and both methods meet DDP, FSDP and DeepSpeed.
+
+Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher): the script sums live
+tensors, which a fork does not change.
 """
 
 import json

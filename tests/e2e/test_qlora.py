@@ -1,6 +1,10 @@
 """QLoRA on this CPU, as a user launches it: one process, DDP, FSDP2 and ZeRO-3 take the same steps, a
 ZeRO-3 run resumes exactly, and any backend's checkpoint exports as an adapter or merged into the
-dequantized 4-bit base."""
+dequantized 4-bit base.
+
+Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher): what the runs compute
+is what is tested.
+"""
 
 import shutil
 

@@ -1,4 +1,8 @@
-"""The recipe end to end on the embedded tiny model, one process: train, save, export, reload, resume."""
+"""The recipe end to end on the embedded tiny model, one process: train, save, export, reload, resume.
+
+Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher): what the runs compute
+is what is tested.
+"""
 
 import json
 import shutil

@@ -1,6 +1,10 @@
 """A damaged, poisoned or mismatched checkpoint never trains on and never runs code: each case derives a
 copy from one small run per backend, launches or exports it, and checks the exit code, the one line it
-printed and what is on disk afterwards."""
+printed and what is on disk afterwards.
+
+Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher): what the runs compute
+and print is what is tested.
+"""
 
 import json
 import os

@@ -1,7 +1,11 @@
 """The run-directory promises on real launches: one writer per run, a stop before the first step exits with
 the preemption code and the same command then starts cleanly, an early failure never blocks the corrected
 rerun, a full disk stops with one line and the previous checkpoint intact, and the result works from any
-directory."""
+directory.
+
+Launches: a run that holds the directory while another starts, or that is signalled, starts for real
+(`start_recipe`); the others are started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher).
+"""
 
 import os
 import signal

@@ -2,7 +2,11 @@
 (ZeRO-2, through `ftkit train`), DPO with full fine-tuning under sp_dp.yaml (ZeRO-3, sp 2 x dp 2, 4
 processes) on a Qwen2-shaped model
 (tests/e2e/test_dpo_recipe.py has LoRA under sp_zero3 on the Llama); checkpoints resume exactly and the
-export is plain HF files."""
+export is plain HF files.
+
+Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher), except sp (the real
+`ftkit train`) and sp_dp's DPO run, which launch for real.
+"""
 
 import shutil
 from pathlib import Path
@@ -120,6 +124,7 @@ def test_sequence_parallel_resumes_exactly(runs, tmp_path):
     assert_same_weights(final_weights(out), final_weights(source))
 
 
+@pytest.mark.real_launch
 def test_preference_tuning_under_sp_x_dp_splits_both_rows_of_each_pair_like_one_process(runs):
     """DPO on a Qwen2 shape, 4 processes: 2 groups of 2, each pair's chosen and rejected rows split in two."""
     out, result = runs("qwen2-dpo-sp_dp")

@@ -1,6 +1,9 @@
 """examples/slurm/train.sbatch without SLURM: its launch logic with SLURM's variables for two "nodes" on
 127.0.0.1 (stand-in `srun` and `scontrol` on PATH), stopped by SIGTERM as a time limit would, requeued on one
-node, and ending with the losses of an uninterrupted run."""
+node, and ending with the losses of an uninterrupted run.
+
+Launches: real: the SLURM script and its requeue are what is tested.
+"""
 
 import os
 import signal

@@ -1,4 +1,8 @@
-"""Speed features in a real run: unavailable ones fall back with a note, compile keeps the math."""
+"""Speed features in a real run: unavailable ones fall back with a note, compile keeps the math.
+
+Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher): what the runs compute
+and print is what is tested.
+"""
 
 import pytest
 from helpers import run_recipe, step_losses

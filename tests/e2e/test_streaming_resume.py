@@ -1,5 +1,9 @@
 """data.streaming end to end on two processes: a run stopped after a checkpoint and launched again trains
-on exactly the rows, and reaches exactly the losses, of a run that never stopped."""
+on exactly the rows, and reaches exactly the losses, of a run that never stopped.
+
+Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher): what the runs compute
+is what is tested.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""`ftkit train` launched for real: a worker's error reaches the user once, as the exit code it chose."""
+"""`ftkit train` launched for real: a worker's error reaches the user once, as the exit code it chose.
+
+Launches: real, through the `ftkit train` command line (the command is what is tested).
+"""
 
 import os
 import subprocess

@@ -1,7 +1,11 @@
 """Vision-language fine-tuning end to end, on two families (a tiny random Qwen2.5-VL and the embedded tiny
 Llava), from the four data layouts at once: every shipped backend gives one process's per-step loss, the
 tower and projector train only as their keys say, a run resumes exactly, and the export loads with
-AutoModelForImageTextToText and answers through `ftkit generate --image`."""
+AutoModelForImageTextToText and answers through `ftkit generate --image`.
+
+Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher), except `ftkit export`
+and `ftkit generate --image`, which run their real command lines.
+"""
 
 import json
 import shutil
