@@ -2,8 +2,9 @@
 
 Each entry is the architecture part of the model's `config.json` on the Hugging Face hub (what decides the
 parameter count and the activation shapes), keyed by every hub id that shares it: base and instruct variants
-have the same shapes. The parameter count in each comment is the one the model card publishes; a test checks
-that building the config on the meta device gives exactly that number.
+have the same shapes. The parameter count of each entry is the one the model card publishes; a test checks
+that building the config on the meta device gives exactly that number, or, where the card publishes only a
+rounded figure ("671B"), that figure when rounded alike.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _layers(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: i
     )
 
 
-# (hub ids, config dict, published parameter count)
+# (hub ids, config dict, published parameter count: exact, or the card's rounded figure in billions)
 _TABLE = [
     (
         (
@@ -240,9 +241,8 @@ _TABLE = [
         12_187_325_040,
     ),
     # Multi-head latent attention: each layer caches a 512 + 64 latent per token instead of K and V per head.
-    # The card publishes 671B (the hub's 685B adds the 14B multi-token-prediction layer, which transformers
-    # does not build); the exact count here leaves out the 58 MoE layers' 256 router correction biases,
-    # which transformers keeps as buffers.
+    # The card publishes 671B; the hub's 685B adds the 14B multi-token-prediction layer, which transformers
+    # does not build.
     (
         (
             "deepseek-ai/DeepSeek-V3",
@@ -281,14 +281,42 @@ _TABLE = [
             },
             **_layers(7168, 18432, 61, 128, 128, tie_word_embeddings=False),
         ),
-        671_026_404_352,
+        "671B",
+    ),
+    # A hybrid: three gated DeltaNet (linear attention) layers to one attention layer. The checkpoint is a
+    # vision-language model; this is its language model, what text fine-tuning trains (the vision tower,
+    # about 0.4B frozen parameters, is not counted). Published as 35B, 3B active.
+    (
+        ("Qwen/Qwen3.5-35B-A3B",),
+        dict(
+            model_type="qwen3_5_moe_text",
+            vocab_size=248320,
+            head_dim=256,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            num_experts=256,
+            num_experts_per_tok=8,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            max_position_embeddings=262144,
+            rms_norm_eps=1e-6,
+            hidden_size=2048,
+            num_hidden_layers=40,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        ),
+        "35B",
     ),
 ]
 
 ARCHITECTURES: dict[str, dict] = {name.lower(): config for names, config, _ in _TABLE for name in names}
 """Lower-cased hub id -> config dict (`transformers.AutoConfig.for_model(**config)` builds it)."""
-PUBLISHED_PARAMS: dict[str, int] = {names[0]: count for names, _, count in _TABLE}
-"""First hub id of each entry -> its published parameter count."""
+PUBLISHED_PARAMS: dict[str, int | str] = {names[0]: count for names, _, count in _TABLE}
+"""First hub id of each entry -> its published parameter count (exact, or rounded: "671B")."""
 
 
 def lookup(model_id: str) -> dict | None:
