@@ -8,7 +8,8 @@ one full attention layer; the MoE one routes 4 experts, 2 per token, beside a sh
 
 Gemma-4: a 2-layer vision tower on 4-pixel patches pooled 3 x 3 (a 56-pixel image is resized to 96 x 96:
 64 soft tokens), a 1-layer audio tower, and a text model of one sliding and one full attention layer with
-per-layer input embeddings, its full attention layer on wider heads (a per-layer config)."""
+per-layer input embeddings, its full attention layer on wider heads (a per-layer config); the MoE one (the
+26B-A4B layout) adds 4 routed experts, 2 per token, beside each layer's MLP."""
 
 from __future__ import annotations
 
@@ -157,8 +158,12 @@ GEMMA4_SOFT_TOKENS = 70
 """The image processor's budget of soft tokens per image (the smallest Gemma-4 allows)."""
 
 
-def tiny_gemma4(path: Path) -> Path:
-    """A random Gemma-4 with its processor's parts at `path`."""
+GEMMA4_MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+"""Gemma-4 26B-A4B's layout scaled down: each layer's MLP beside 4 routed experts, 2 per token."""
+
+
+def tiny_gemma4(path: Path, moe: bool = False) -> Path:
+    """A random Gemma-4 (`moe`: with routed experts in every layer) with its processor's parts at `path`."""
     from transformers import (
         AutoTokenizer,
         Gemma4AudioFeatureExtractor,
@@ -187,6 +192,7 @@ def tiny_gemma4(path: Path) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
+        **(GEMMA4_MOE if moe else {}),
     )
     config = Gemma4Config(
         text_config=text,
@@ -216,3 +222,7 @@ def tiny_gemma4(path: Path) -> Path:
     tokenizer.chat_template = GEMMA4_TEMPLATE
     tokenizer.save_pretrained(path)
     return path
+
+
+def tiny_gemma4_moe(path: Path) -> Path:
+    return tiny_gemma4(path, moe=True)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import square_image
-from tiny_vision_families import tiny_gemma4, tiny_qwen3_5, tiny_qwen3_5_moe
+from tiny_vision_families import tiny_gemma4, tiny_gemma4_moe, tiny_qwen3_5, tiny_qwen3_5_moe
 from transformers import AutoModelForImageTextToText
 
 from toolkit.config import LoraConfig, ModelConfig, VisionConfig
@@ -26,6 +26,7 @@ from toolkit.train.loss import batch_loss, batch_targets
 QWEN_ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
 DELTA_NET = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}
 MLP = {"gate_proj", "up_proj", "down_proj"}
+GEMMA4_PER_LAYER = {"per_layer_input_gate", "per_layer_projection", "per_layer_model_projection"}
 # What each family must show: its classes, the end of an assistant turn, how many image tokens one 56-pixel
 # image becomes (Qwen3.5: 64 x 64 in 16-pixel patches merged 2 x 2; Gemma-4: 96 x 96 in 4-pixel patches
 # pooled 3 x 3) and the collator's 32-pixel stand-in image (Qwen3.5: 1; Gemma-4: resized as large as 56),
@@ -33,6 +34,7 @@ MLP = {"gate_proj", "up_proj", "down_proj"}
 EXPECTED = {
     "qwen3_5": dict(
         build=tiny_qwen3_5,
+        kind="qwen3_5",
         architecture="Qwen3_5ForConditionalGeneration",
         processor="Qwen3VLProcessor",
         images="Qwen2VLImageProcessorPil",
@@ -44,6 +46,8 @@ EXPECTED = {
     ),
     "qwen3_5_moe": dict(
         build=tiny_qwen3_5_moe,
+        kind="qwen3_5_moe",
+        experts="layers.0.mlp.experts",
         architecture="Qwen3_5MoeForConditionalGeneration",
         processor="Qwen3VLProcessor",
         images="Qwen2VLImageProcessorPil",
@@ -57,6 +61,7 @@ EXPECTED = {
     ),
     "gemma4": dict(
         build=tiny_gemma4,
+        kind="gemma4",
         architecture="Gemma4ForConditionalGeneration",
         processor="Gemma4Processor",
         images="Gemma4ImageProcessorPil",
@@ -64,9 +69,21 @@ EXPECTED = {
         per_image=64,
         stand_in=64,
         pixel_keys={"pixel_values", "image_position_ids"},
-        adapted=QWEN_ATTENTION
-        | MLP
-        | {"per_layer_input_gate", "per_layer_projection", "per_layer_model_projection"},
+        adapted=QWEN_ATTENTION | MLP | GEMMA4_PER_LAYER,
+    ),
+    "gemma4_moe": dict(
+        build=tiny_gemma4_moe,
+        kind="gemma4",
+        experts="layers.0.experts",
+        architecture="Gemma4ForConditionalGeneration",
+        processor="Gemma4Processor",
+        images="Gemma4ImageProcessorPil",
+        end="<turn|>",
+        per_image=64,
+        stand_in=64,
+        pixel_keys={"pixel_values", "image_position_ids"},
+        # Its dense MLP beside the routed experts' fused tensors; no router (`router.proj`).
+        adapted=QWEN_ATTENTION | MLP | GEMMA4_PER_LAYER | {"experts"},
     ),
 }
 
@@ -108,7 +125,7 @@ def family(request, tmp_path_factory):
     model = load_model(cfg, LoraConfig(), parts=VisionConfig())
     rows = [{key: values[i] for key, values in columns.items()} for i in range(len(columns["input_ids"]))]
     return SimpleNamespace(
-        kind=request.param,
+        name=request.param,
         folder=folder,
         path=path,
         inputs=inputs,
@@ -154,6 +171,8 @@ def test_gemma4_audio_tower_stays_frozen_whatever_the_keys(family):
     audio = [name for name, _ in family.model.named_parameters() if vision.part_of(name) == "audio"]
     assert any(".audio_tower." in name for name in audio) and any(".embed_audio." in name for name in audio)
     assert "audio frozen of" in vision.parts_line(family.model)
+    if family.name != "gemma4":  # the keys' checks once
+        return
 
     everything = VisionConfig(train_projector=True, train_tower=True)
     lora = load_model(ModelConfig(path=family.path), LoraConfig(), parts=everything)
@@ -238,19 +257,16 @@ def test_full_fine_tuning_trains_the_language_model_only(family):
 
 
 def test_moe_experts_get_their_adapters_at_twice_the_rank_for_gate_and_up(family):
-    shapes = {
-        name.split("layers.0.mlp.")[1]: tuple(param.shape)
-        for name, param in family.model.named_parameters()
-        if "layers.0.mlp.experts" in name and "lora_A" in name
-    }
-    if family.kind != "qwen3_5_moe":
-        assert shapes == {}
+    if "experts" not in vars(family):
+        assert not any(".experts." in name for name, _ in family.model.named_parameters())
         return
-    # (rank x experts, in): gate_up_proj (64 -> 2 x 32) at rank 32, down_proj (32 -> 64) at rank 16.
-    assert shapes == {
-        "experts.base_layer.lora_A.default.weight": (32 * 4, 64),
-        "experts.lora_A.default.weight": (16 * 4, 32),
+    shapes = {
+        name.split(f"{family.experts}.")[1]: tuple(param.shape)
+        for name, param in family.model.named_parameters()
+        if f"{family.experts}." in name and "lora_A" in name
     }
+    # (rank x experts, in): gate_up_proj (64 -> 2 x 32) at rank 32, down_proj (32 -> 64) at rank 16.
+    assert shapes == {"base_layer.lora_A.default.weight": (32 * 4, 64), "lora_A.default.weight": (16 * 4, 32)}
 
 
 def test_a_text_batch_runs_the_tower_on_a_masked_stand_in(family):
@@ -349,7 +365,9 @@ def test_the_recipe_trains_two_steps_on_image_and_text_rows(family, recipe, tmp_
     steps = [line for line in read_metrics(out / "metrics.jsonl") if "loss" in line and "step" in line]
     assert [line["step"] for line in steps] == [1, 2]
     assert all(torch.isfinite(torch.tensor(line["loss"])) for line in steps)
-    # The mixture of experts' routers are balanced as on a text model.
-    assert all(("router_aux_loss" in line) == (family.kind == "qwen3_5_moe") for line in steps)
+    # Qwen3.5-MoE's routers are balanced as on a text model (Gemma-4's router is not one train/router.py
+    # knows yet).
+    if family.name == "qwen3_5_moe":
+        assert all("router_aux_loss" in line for line in steps)
     assert (out / "final" / "adapter_model.safetensors").is_file()
     assert f"vision: {family.kind}; tower frozen" in capsys.readouterr().out

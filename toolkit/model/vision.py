@@ -325,7 +325,9 @@ def _expert_targets(model: nn.Module, lora: LoraConfig) -> dict:
     """The language model's routed experts (lora.experts) and routers' weights that are no linear layer
     (lora.router) as peft's parameter targets, named inside their decoder layer; the fused gate and up
     projections get twice the rank and alpha, as on a text model."""
-    found = set(moe.expert_parameter_names(model) or []) if lora.experts else set()
+    # Only the experts' own tensors: a tower keeps other 3-D weights (Gemma-4's position table).
+    experts = [name for name in moe.expert_parameter_names(model) or [] if "experts" in name.split(".")]
+    found = set(experts) if lora.experts else set()
     if lora.router:
         found |= {
             moe.in_layer(name)
