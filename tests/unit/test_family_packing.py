@@ -7,6 +7,7 @@ training and scoring, left for sampling), stays exact on every family."""
 
 from __future__ import annotations
 
+import json
 from itertools import pairwise
 
 import datasets
@@ -25,6 +26,7 @@ from toolkit.errors import UserError
 from toolkit.launch import checks
 from toolkit.launch.machine import Machine
 from toolkit.launch.request import Launch
+from toolkit.model import families
 from toolkit.model.facts import read_model_facts
 from toolkit.model.families import family_of
 from toolkit.train.loss import batch_loss
@@ -146,3 +148,29 @@ def test_padding_keeps_every_row_exact(model_type):
         n = len(row["input_ids"])
         alone = model(torch.tensor([row["input_ids"]]), use_cache=False).logits[0]
         assert float((logits[i, width - n :] - alone).abs().max()) < 1e-5
+
+
+def test_a_remote_code_model_is_read_by_its_model_type(tmp_path):
+    """With model.trust_remote_code only config.json is read; transformers' own config class of its
+    model_type still says what its layers are (Nemotron-H's legacy hybrid_override_pattern included)."""
+    raw = {**tiny_config("nemotron_h").to_dict(), "hybrid_override_pattern": "M-*E"}
+    del raw["layers_block_type"]
+    (tmp_path / "config.json").write_text(json.dumps(raw, default=str))
+    cfg = RecipeConfig(
+        model=ModelConfig(path=str(tmp_path), trust_remote_code=True), data=DataConfig(packing=True)
+    )
+    facts = read_model_facts(cfg.model)
+    assert facts.config is None and facts.family.describe() == "1 Mamba-2 + 1 attention + 2 feed-forward-only layers"
+    with pytest.raises(UserError, match=r"data.packing .*\(nemotron_h\) has Mamba-2 layers"):
+        checks.check_launch(Launch("single", 1, 1, on_cpu=True), cfg, facts, "recipe.yaml", Machine(), {})
+
+
+def test_a_gpu_run_names_the_kernel_packages_it_lacks(monkeypatch):
+    family = family_of(tiny_config("qwen3_next"))
+    monkeypatch.setattr(families.importlib.util, "find_spec", lambda name: None)
+    (note,) = families.kernel_notes(family, on_gpu=True)
+    assert "qwen3_next's gated DeltaNet layers run without flash-linear-attention and causal-conv1d" in note
+    assert families.kernel_notes(family, on_gpu=False) == []
+    assert families.kernel_notes(family_of(tiny_config("smollm3")), on_gpu=True) == []
+    monkeypatch.setattr(families.importlib.util, "find_spec", lambda name: object())
+    assert families.kernel_notes(family, on_gpu=True) == []

@@ -31,7 +31,7 @@ from toolkit.launch.sections import (
     refuse_parallelism,
     refuse_unknown_wrap_classes,
 )
-from toolkit.model import expert_parallel, quant, tensor_parallel, vision
+from toolkit.model import expert_parallel, families, quant, tensor_parallel, vision
 from toolkit.model.facts import ModelFacts
 from toolkit.pipeline import stages
 from toolkit.train import head
@@ -157,7 +157,8 @@ def check_launch(
         )
     if cfg.moe.expert_parallel > 1:
         _check_expert_parallel(launch, cfg, facts, recipe_source)
-    notes = [*sp_notes, *_disable_nccl_p2p(machine, env)]
+    notes = [*sp_notes, *families.kernel_notes(facts.family, not launch.on_cpu)]
+    notes += _disable_nccl_p2p(machine, env)
     if cfg.train.activation_offload and launch.on_cpu:
         notes.append("train.activation_offload: the model computes in CPU memory already; nothing is moved")
     return notes

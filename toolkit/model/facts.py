@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
+from huggingface_hub.errors import StrictDataclassError
+from transformers import AutoConfig, PretrainedConfig
 
 from toolkit.config import ModelConfig
 from toolkit.model.families import Family, family_of
@@ -47,8 +48,16 @@ class ModelFacts:
 
     @property
     def family(self) -> Family | None:
-        """What its layers are (toolkit/model/families.py); None where the config was not read."""
-        return family_of(self.config) if self.config is not None else None
+        """What its layers are (toolkit/model/families.py); with `trust_remote_code`, read by transformers'
+        own config class of its model_type where there is one; None where neither can be read."""
+        if self.config is not None:
+            return family_of(self.config)
+        if not self.raw:
+            return None
+        try:
+            return family_of(AutoConfig.for_model(**PretrainedConfig._decode_special_floats(self.raw)))
+        except (ValueError, TypeError, KeyError, StrictDataclassError):
+            return None
 
     @property
     def experts(self) -> int:

@@ -11,12 +11,15 @@ state: packing is then refused rather than trained on a silently wrong loss.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
 FLA = "flash-linear-attention"
 CAUSAL_CONV = "causal-conv1d"
 MAMBA_SSM = "mamba-ssm"
+# Each kernel package's import name.
+KERNEL_MODULES = {FLA: "fla", CAUSAL_CONV: "causal_conv1d", MAMBA_SSM: "mamba_ssm"}
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ class Family:
     model_type: str
     """The language model's model_type (a vision-language model's text part)."""
     layers: tuple[tuple[LayerKind, ...], ...]
-    """Each decoder layer's sequence mixers, in order (none: an MLP-only layer; two: a hybrid layer)."""
+    """Each decoder layer's sequence mixers, in order (none: feed-forward only; two: a hybrid layer)."""
     latent_kv: int = 0
     """Multi-head latent attention's cache per token and attention layer (kv_lora_rank + qk_rope_head_dim;
     0: the layer caches K and V per key/value head)."""
@@ -143,7 +146,7 @@ class Family:
         """Its layers in words: "18 gated DeltaNet + 6 attention layers"."""
         parts = [f"{self.count(kind)} {kind.name}" for kind in self.kinds]
         plain = sum(not layer for layer in self.layers)
-        return " + ".join(parts + ([f"{plain} MLP-only"] if plain else [])) + " layers"
+        return " + ".join(parts + ([f"{plain} feed-forward-only"] if plain else [])) + " layers"
 
     def cache_elements(self, tokens: int) -> int:
         """Elements the attention layers cache for one sequence of `tokens` tokens."""
@@ -153,6 +156,21 @@ class Family:
         """Elements one sequence's recurrent state takes across every recurrent layer while generating
         (0 where the family's kind has no formula here)."""
         return sum(self.count(kind) * kind.state(text_config) for kind in self.recurrent if kind.state)
+
+
+def kernel_notes(family: Family | None, on_gpu: bool) -> list[str]:
+    """A note naming the kernel packages a GPU run of `family` lacks (its layers then run transformers'
+    slower PyTorch versions: the same results, more time and memory)."""
+    if family is None or not on_gpu:
+        return []
+    missing = [name for name in family.kernels if importlib.util.find_spec(KERNEL_MODULES[name]) is None]
+    if not missing:
+        return []
+    kinds = ", ".join(kind.name for kind in family.recurrent)
+    return [
+        f"{family.model_type}'s {kinds} layers run without {' and '.join(missing)} (not installed): "
+        "transformers' PyTorch versions give the same results, slower; pip install them for speed"
+    ]
 
 
 def family_of(config) -> Family:
