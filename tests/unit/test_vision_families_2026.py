@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import square_image
+from PIL import Image
 from tiny_vision_families import tiny_gemma4, tiny_gemma4_moe, tiny_qwen3_5, tiny_qwen3_5_moe
 from transformers import AutoModelForImageTextToText
 
@@ -267,6 +268,23 @@ def test_moe_experts_get_their_adapters_at_twice_the_rank_for_gate_and_up(family
     }
     # (rank x experts, in): gate_up_proj (64 -> 2 x 32) at rank 32, down_proj (32 -> 64) at rank 16.
     assert shapes == {"base_layer.lora_A.default.weight": (32 * 4, 64), "lora_A.default.weight": (16 * 4, 32)}
+
+
+def test_gemma4_stand_in_image_is_kept_at_the_smallest_budget(family):
+    """At the hub's budget of 280 soft tokens Gemma-4 resizes even the blank 32-pixel stand-in up to 256
+    tokens; the stand-in is processed at the smallest budget (70: 64 tokens) instead."""
+    if family.kind != "gemma4":
+        return
+    images = family.inputs.processor.image_processor
+    images.max_soft_tokens = 280
+    try:
+        blank = Image.new("RGB", (32, 32))
+        full = family.inputs.pixels([[blank]])
+        ids, pixels = family.inputs.stand_in()
+    finally:
+        images.max_soft_tokens = 70
+    assert (full["image_position_ids"][0] != -1).all(-1).sum() == 256 * 9
+    assert ids.count(family.inputs.image_id) == 64 and pixels["pixel_values"].shape == (1, 70 * 9, 48)
 
 
 def test_a_text_batch_runs_the_tower_on_a_masked_stand_in(family):

@@ -41,6 +41,9 @@ TOKEN_TYPE_KEYS = {
 }
 BLANK_SIDE = 32
 """The stand-in image of a batch without images is this many pixels square (the processor resizes it)."""
+SMALLEST = {"gemma4": {"max_soft_tokens": 70}}
+"""Image-processor settings that keep the stand-in image small where the family resizes every image up to its
+budget (Gemma-4: 280 soft tokens by default, 70 at least)."""
 
 
 @dataclass
@@ -57,14 +60,19 @@ class ImageInputs:
     def open(self, refs: list[str], where: str) -> list[Image.Image]:
         return [open_image(ref, where, self.max_pixels) for ref in refs]
 
-    def expanded_ids(self, text: str, images: list[Image.Image]) -> list[int]:
-        """Token ids of rendered `text` with every image placeholder expanded into its image's tokens."""
+    def expanded_ids(self, text: str, images: list[Image.Image], **settings) -> list[int]:
+        """Token ids of rendered `text` with every image placeholder expanded into its image's tokens
+        (`settings`: the image processor's, for this call)."""
         encoded = self.processor(
-            text=[text], images=[images] if images else None, add_special_tokens=False, return_tensors=None
+            text=[text],
+            images=[images] if images else None,
+            add_special_tokens=False,
+            return_tensors=None,
+            **settings,
         )
         return list(encoded["input_ids"][0])
 
-    def pixels(self, per_row: list[list[Image.Image]]) -> dict[str, torch.Tensor]:
+    def pixels(self, per_row: list[list[Image.Image]], **settings) -> dict[str, torch.Tensor]:
         """The model's image inputs for a batch whose rows hold these images (rows may hold none)."""
         image_processor = self.processor.image_processor
         if self.kind in PER_ROW_PIXELS:
@@ -75,7 +83,7 @@ class ImageInputs:
             return {}
         # What the processor computes for its own token expansion only (Gemma-4's soft-token counts).
         unused = getattr(self.processor, "unused_input_names", None) or ()
-        encoded = image_processor(images=flat, return_tensors="pt")
+        encoded = image_processor(images=flat, return_tensors="pt", **settings)
         return {key: value for key, value in encoded.items() if key not in unused}
 
     def token_types(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -102,7 +110,8 @@ class ImageInputs:
         weights collectively) while nothing of it reaches the loss."""
         blank = Image.new("RGB", (BLANK_SIDE, BLANK_SIDE))
         text = render(self.processor.tokenizer, [{"role": "user", "content": [{"type": "image"}]}], "")
-        return self.expanded_ids(text, [blank]), self.pixels([[blank]])
+        settings = SMALLEST.get(self.kind, {})
+        return self.expanded_ids(text, [blank], **settings), self.pixels([[blank]], **settings)
 
 
 def image_fingerprint(inputs: ImageInputs) -> list:
