@@ -1,8 +1,9 @@
-"""Qwen3.5, Qwen3.5-MoE and Gemma-4 in process, each a tiny random model saved with its processor
-(tests/tiny_vision_families.py): recognised from the folder alone, LoRA on the language model only (never
-on the tower, the projector or Gemma-4's audio tower), rows in TRL's layout trained on their answers only,
-the collator's pixel inputs, one forward and backward on image rows and on text rows, and the recipe's two
-steps on a mix of both."""
+"""Qwen3.5, Qwen3.5-MoE, Gemma-4 and Gemma-4's MoE in process, each a tiny random model saved with its
+processor (tests/tiny_vision_families.py): recognised from the folder alone, LoRA on the language model only
+(never on the tower, the projector or Gemma-4's audio tower), full fine-tuning of the language model alone,
+rows in TRL's layout trained on their answers only, the collator's pixel inputs, one forward and backward
+on image rows and on text rows, generation's inputs, `ftkit plan`, and the recipe's two steps on a mix of
+image and text rows."""
 
 import json
 from types import SimpleNamespace
@@ -30,8 +31,20 @@ MLP = {"gate_proj", "up_proj", "down_proj"}
 GEMMA4_PER_LAYER = {"per_layer_input_gate", "per_layer_projection", "per_layer_model_projection"}
 # What each family must show: its classes, the end of an assistant turn, how many image tokens one 56-pixel
 # image becomes (Qwen3.5: 64 x 64 in 16-pixel patches merged 2 x 2; Gemma-4: 96 x 96 in 4-pixel patches
-# pooled 3 x 3) and the collator's 32-pixel stand-in image (Qwen3.5: 1; Gemma-4: resized as large as 56),
-# the image inputs the collator gives, and the layers LoRA adapts.
+# pooled 3 x 3) and the collator's 32-pixel stand-in image (Qwen3.5: 1; Gemma-4: at its smallest budget,
+# 64), the image inputs the collator gives, and the layers LoRA adapts.
+GEMMA4 = dict(
+    build=tiny_gemma4,
+    kind="gemma4",
+    architecture="Gemma4ForConditionalGeneration",
+    processor="Gemma4Processor",
+    images="Gemma4ImageProcessorPil",
+    end="<turn|>",
+    per_image=64,
+    stand_in=64,
+    pixel_keys={"pixel_values", "image_position_ids"},
+    adapted=QWEN_ATTENTION | MLP | GEMMA4_PER_LAYER,
+)
 EXPECTED = {
     "qwen3_5": dict(
         build=tiny_qwen3_5,
@@ -60,29 +73,11 @@ EXPECTED = {
         # on `experts`); no router (lora.router is off).
         adapted=QWEN_ATTENTION | DELTA_NET | MLP | {"shared_expert_gate", "experts"},
     ),
-    "gemma4": dict(
-        build=tiny_gemma4,
-        kind="gemma4",
-        architecture="Gemma4ForConditionalGeneration",
-        processor="Gemma4Processor",
-        images="Gemma4ImageProcessorPil",
-        end="<turn|>",
-        per_image=64,
-        stand_in=64,
-        pixel_keys={"pixel_values", "image_position_ids"},
-        adapted=QWEN_ATTENTION | MLP | GEMMA4_PER_LAYER,
-    ),
+    "gemma4": GEMMA4,
     "gemma4_moe": dict(
+        GEMMA4,
         build=tiny_gemma4_moe,
-        kind="gemma4",
         experts="layers.0.experts",
-        architecture="Gemma4ForConditionalGeneration",
-        processor="Gemma4Processor",
-        images="Gemma4ImageProcessorPil",
-        end="<turn|>",
-        per_image=64,
-        stand_in=64,
-        pixel_keys={"pixel_values", "image_position_ids"},
         # Its dense MLP beside the routed experts' fused tensors; no router (`router.proj`).
         adapted=QWEN_ATTENTION | MLP | GEMMA4_PER_LAYER | {"experts"},
     ),
