@@ -178,6 +178,8 @@ class Run:
         self.accelerator.print(
             f"model: {cfg.model.path} ({cfg.model.method}), {trainable:,} of {total:,} parameters trained"
         )
+        if cfg.model.method != "full":
+            self.accelerator.print(models.adapted_summary(model))
         if self.processor is not None:
             self.accelerator.print(vision.parts_line(model))
             if self.launch.backend == "deepspeed":

@@ -57,6 +57,7 @@ EXPECTED_CONSOLE = re.compile(
             r"backend [\w +-]+ \(\w+\) \| world \d \| \d per node \| device cpu \| precision no \| global",
             r"data: \d+ train examples \(",
             r"model: \S+ \((lora|full)\), [\d,]+ of [\d,]+ parameters trained$",
+            r"lora: adapters on (\w+ x\d+(, )?)+$",
             r"\[(before|after)\] (eval_loss=\S+  eval_ppl=\S+  eval_tokens=\d+$|sample: ')",
             r"(train|Loading weights): +\d+%\|.*\| \d+/\d+ \[",  # progress bars, main process only
             r"result: held-out (exact match|eval loss) \S+ -> \S+$",

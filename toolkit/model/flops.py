@@ -86,18 +86,28 @@ class ModelShape:
     def of(cls, model) -> ModelShape:
         frozen, trainable = moe.matmul_weights(model, moe.routing(model.config).active_share)
         text = model.config.get_text_config()
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         return cls(
             matmul_frozen=frozen,
             matmul_trainable=trainable,
             layers=text.num_hidden_layers,
-            attn_dim=text.num_attention_heads * head_dim,
+            attn_dim=round(text.num_attention_heads * mean_head_dim(text)),
         )
 
     def flops_per_token(self, seq_len: int) -> int:
         return training_flops_per_token(
             self.matmul_frozen, self.matmul_trainable, self.layers, seq_len, self.attn_dim
         )
+
+
+def mean_head_dim(text) -> float:
+    """The attention head width, averaged over the layers where a config sets it per layer (Gemma-4's
+    full-attention layers are wider than its sliding ones; reading `head_dim` whole raises there)."""
+    fallback = text.hidden_size // text.num_attention_heads
+    try:
+        return getattr(text, "head_dim", None) or fallback
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        widths = [getattr(layer, "head_dim", None) or fallback for layer in text.per_layer_config]
+        return sum(widths) / len(widths)
 
 
 def device_name(device: torch.device) -> str | None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from toolkit import console
@@ -34,8 +34,7 @@ def model_class(path: str):
     kind = vision.model_type(path)
     if vision.is_vision(kind):
         vision.check_family(kind, path)
-        return AutoModelForImageTextToText
-    return AutoModelForCausalLM
+    return vision.auto_class(kind)
 
 
 def with_pad_token(tokenizer):
@@ -205,6 +204,22 @@ def _with_adapter(model, lora: LoraConfig, parts: VisionConfig | None = None):
         return get_peft_model(model, peft_config(lora, model, parts))
     except ValueError as exc:  # peft's "target modules not found" and its kin
         raise UserError(f"lora.target_modules: {lora.target_modules}: {str(exc).splitlines()[0]}") from None
+
+
+def adapted_summary(wrapped) -> str:
+    """One line naming what the adapters sit on: each kind of layer (by its last name) with how many of it,
+    and the expert tensors adapted as parameters."""
+    tuner = wrapped.base_model
+    if not hasattr(tuner, "targeted_module_names"):
+        return "lora: adapters loaded"
+    counts: dict[str, int] = {}
+    for name in tuner.targeted_module_names:
+        leaf = name.rpartition(".")[2]
+        counts[leaf] = counts.get(leaf, 0) + 1
+    parts = [f"{leaf} x{count}" for leaf, count in sorted(counts.items())]
+    tensors = {name.split(".layers.")[-1].split(".", 1)[-1] for name in tuner.targeted_parameter_names}
+    parts += [f"{name} (tensor)" for name in sorted(tensors)]
+    return f"lora: adapters on {', '.join(parts) or 'nothing'}"
 
 
 def local_path(path: str) -> str:

@@ -16,6 +16,7 @@ import re
 import torch
 
 from toolkit.config import LoraConfig
+from toolkit.errors import UserError
 from toolkit.model import moe
 
 # Names of the experts' and router's former linear layers, which peft's conversion maps onto fused tensors
@@ -26,11 +27,17 @@ FUSED_GATE_UP = "gate_up_proj"
 (each half keeps rank r and the scale alpha / r), as peft gives it."""
 
 
+# Families whose Mamba mixers peft will not adapt by these layer names (its fused kernels read the weights
+# directly): peft refuses them by name, so "all-linear" leaves them out here.
+MAMBA_FAMILIES = frozenset({"falcon_h1", "falcon_mamba", "mamba", "mamba2", "nemotron_h"})
+MAMBA_REFUSED = frozenset({"out_proj", "conv1d"})
+
+
 def peft_targets(lora: LoraConfig, model) -> dict:
     """peft LoraConfig keywords naming what `lora` adapts on `model`: target_modules, and for a mixture of
     experts target_parameters and the fused gate/up tensor's rank and alpha."""
     if not moe.routing(model.config).experts:
-        return {"target_modules": lora.target_modules}
+        return {"target_modules": _dense_targets(model, lora.target_modules)}
     converted = _converted_by_peft(model.config.model_type)
     named, linears = _linear_names(model, lora.target_modules)
     wanted = [name for name in named if _wanted(lora, moe.part_of(name))]
@@ -53,21 +60,69 @@ def _wanted(lora: LoraConfig, part: str) -> bool:
     )
 
 
-def _linear_names(model, target_modules: str | list[str]) -> tuple[list[str], list[str]]:
-    """(the linear layers `target_modules` names, every linear layer but the output head), by peft's rules:
-    "all-linear" (all of them), a list of names (a layer's whole name or its last parts) or one regular
-    expression (whole name)."""
+def _dense_targets(model, target_modules: str | list[str]) -> str | list[str]:
+    """A dense model's target_modules: as written, but "all-linear" spelled out where peft's own reading
+    would take a layer it cannot adapt."""
+    if target_modules != "all-linear":
+        _linear_names(model, target_modules)  # refuses a named layer that cannot be adapted
+        return target_modules
+    names, linears = _linear_names(model, target_modules)
+    every = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     head = model.get_output_embeddings()
-    names = [
-        name
+    if len(names) == len([name for name in every if model.get_submodule(name) is not head]):
+        return target_modules
+    return _short_names(names, linears)
+
+
+def adaptable(model, name: str, module: torch.nn.Module) -> bool:
+    """Whether peft can adapt `module` (a linear layer called `name`) as what it is: a layer whose forward
+    is the plain x @ W.T + b (a model's subclass that reshapes its input, as DeepSeek-V4's grouped output
+    projection, would get an adapter of the wrong shape; a quantized layer is peft's to handle), and no
+    Mamba mixer's layer that peft refuses."""
+    if _refused_on_mamba(model, name):
+        return False
+    cls = type(module)
+    return not cls.__module__.startswith("transformers.models.") or cls.forward is torch.nn.Linear.forward
+
+
+def _refused_on_mamba(model, name: str) -> bool:
+    kind = getattr(model.config, "model_type", None)
+    return kind in MAMBA_FAMILIES and name.rpartition(".")[2] in MAMBA_REFUSED
+
+
+def _linear_names(model, target_modules: str | list[str]) -> tuple[list[str], list[str]]:
+    """(the linear layers `target_modules` names, every linear layer but the output head that peft can
+    adapt), by peft's rules: "all-linear" (all of them), a list of names (a layer's whole name or its last
+    parts) or one regular expression (whole name). A layer named explicitly that cannot be adapted is
+    refused in one line."""
+    head = model.get_output_embeddings()
+    linears = [
+        (name, module)
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.Linear) and module is not head
     ]
+    names = [name for name, module in linears if adaptable(model, name, module)]
     if target_modules == "all-linear":
         return names, names
+    blocked = [name for name, module in linears if name not in names and _named(name, target_modules)]
+    if blocked:
+        raise UserError(
+            f"lora.target_modules: {target_modules}: {blocked[0]} cannot carry a LoRA adapter on "
+            f"{model.config.model_type} ({_why_not(model, blocked[0])}); name other layers or use all-linear"
+        )
+    return [name for name in names if _named(name, target_modules)], names
+
+
+def _named(name: str, target_modules: str | list[str]) -> bool:
     if isinstance(target_modules, str):
-        return [name for name in names if re.fullmatch(target_modules, name)], names
-    return [name for name in names if any(name == t or name.endswith(f".{t}") for t in target_modules)], names
+        return re.fullmatch(target_modules, name) is not None
+    return any(name == t or name.endswith(f".{t}") for t in target_modules)
+
+
+def _why_not(model, name: str) -> str:
+    if _refused_on_mamba(model, name):
+        return "peft does not adapt a Mamba mixer's out_proj or conv1d"
+    return f"{type(model.get_submodule(name)).__name__} is not used as a plain linear layer"
 
 
 def _router_weights(model) -> list[str]:

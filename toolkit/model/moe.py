@@ -80,7 +80,10 @@ def expert_parameter_names(model) -> list[str] | None:
     """The routed experts' fused tensors as peft names parameter targets (`mlp.experts.gate_up_proj`, ...),
     or None for a dense model."""
     names = {
-        in_layer(unpacked_name(name)) for name, param in model.named_parameters() if is_routed_expert(param)
+        in_layer(unpacked_name(f"{owner}.{name}"))
+        for owner, module in model.named_modules()
+        for name, param in module.named_parameters(recurse=False)
+        if is_routed_expert(param, module)
     }
     return sorted(names) or None
 
@@ -103,7 +106,7 @@ def expert_modules(config, trust_remote_code: bool = False) -> list[str]:
     return [
         name
         for name, module in model.named_modules()
-        if any(is_routed_expert(p) for p in module.parameters(recurse=False))
+        if any(is_routed_expert(p, module) for p in module.parameters(recurse=False))
     ]
 
 
@@ -124,9 +127,10 @@ def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(shape or param.shape)
 
 
-def is_routed_expert(param: torch.Tensor) -> bool:
-    """Fused routed experts are the model's only 3-D weights."""
-    return len(full_shape(param)) == 3
+def is_routed_expert(param: torch.Tensor, module: torch.nn.Module) -> bool:
+    """Whether `param` of `module` is a fused routed-experts tensor: the model's 3-D weights other than a
+    convolution's (Mamba and short-convolution layers keep theirs 3-D)."""
+    return len(full_shape(param)) == 3 and not isinstance(module, torch.nn.modules.conv._ConvNd)
 
 
 def matmul_weights(model, share: float) -> tuple[int, int]:
@@ -134,7 +138,7 @@ def matmul_weights(model, share: float) -> tuple[int, int]:
     outside linear layers and embeddings), and `share` of the fused routed experts'."""
     frozen = trainable = 0.0
     for module in model.modules():
-        if isinstance(module, torch.nn.Embedding):
+        if isinstance(module, (torch.nn.Embedding, torch.nn.modules.conv._ConvNd)):
             continue
         for name, param in module.named_parameters(recurse=False):
             shape = full_shape(param)

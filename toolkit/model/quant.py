@@ -53,11 +53,30 @@ def layer_widths(model_config: Mapping) -> dict[str, int]:
     heads = model_config["num_attention_heads"]
     head_dim = model_config.get("head_dim") or model_config["hidden_size"] // heads
     kv_heads = model_config.get("num_key_value_heads") or heads
-    return {
+    widths = {
         "hidden_size": model_config["hidden_size"],
-        "intermediate_size": model_config["intermediate_size"],
+        "intermediate_size": model_config.get("intermediate_size"),  # DeepSeek-V4 has experts only
         "num_attention_heads x head_dim": heads * head_dim,
         "num_key_value_heads x head_dim": kv_heads * head_dim,
+    }
+    if model_config.get("kv_lora_rank"):  # multi-head latent attention: its projections' own widths
+        widths.update(_latent_attention_widths(model_config, heads))
+    return {name: width for name, width in widths.items() if width}
+
+
+def _latent_attention_widths(model_config: Mapping, heads: int) -> dict[str, int]:
+    """Multi-head latent attention's widths (DeepSeek-V3, Kimi, Mistral-4): compressed queries and keys,
+    expanded per head, and an output projection over the heads' values."""
+    rope = model_config.get("qk_rope_head_dim") or 0
+    nope = model_config.get("qk_nope_head_dim") or 0
+    return {
+        "num_attention_heads x head_dim": None,
+        "num_key_value_heads x head_dim": None,
+        "q_lora_rank": model_config.get("q_lora_rank"),
+        "kv_lora_rank": model_config["kv_lora_rank"],
+        "num_attention_heads x v_head_dim": heads * (model_config.get("v_head_dim") or 0),
+        "kv_lora_rank + qk_rope_head_dim": model_config["kv_lora_rank"] + rope,
+        "num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim)": heads * (nope + rope),
     }
 
 
@@ -68,7 +87,14 @@ def width_problem(widths: Mapping[str, int]) -> str | None:
     rows at a time: an input width BLOCK does not divide, or an output width CPU_TILE does not, raises a
     shape error at the first evaluation. It is refused on every machine, so a run checked on one behaves
     the same on another (real models meet it)."""
-    inputs = ("hidden_size", "intermediate_size", "num_attention_heads x head_dim")
+    inputs = (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads x head_dim",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "num_attention_heads x v_head_dim",
+    )
     for name, width in widths.items():
         if name in inputs and width % BLOCK:
             return f"{name} {width} is not a multiple of the 4-bit block size {BLOCK}"

@@ -66,7 +66,7 @@ def quantize(model, storage: torch.dtype, device: torch.device | None = None) ->
     stored = 0
     for module in list(model.modules()):
         for name, param in list(module.named_parameters(recurse=False)):
-            if not moe.is_routed_expert(param) or hasattr(param, "expert_shape"):
+            if not moe.is_routed_expert(param, module) or hasattr(param, "expert_shape"):
                 continue
             with _gathered(param):
                 packing = PackedExperts(param.shape, param.dtype, storage)
@@ -127,7 +127,7 @@ def round_trip(model) -> None:
     through, at full width (to merge an adapter into what training saw)."""
     for module in model.modules():
         for param in list(module.parameters(recurse=False)):
-            if moe.is_routed_expert(param):
+            if moe.is_routed_expert(param, module):
                 packing = PackedExperts(param.shape, param.dtype, torch.float32)
                 with torch.no_grad():
                     param.copy_(packing(packing.pack(param)))

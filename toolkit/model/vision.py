@@ -86,17 +86,25 @@ def model_type(path: str, download: bool = True) -> str | None:
 
 
 def is_vision(kind: str | None) -> bool:
-    """Whether `kind` (a model_type) is an image-text-to-text family transformers ships."""
+    """Whether `kind` (a model_type) is an image-text-to-text family transformers ships with a vision tower
+    (Mistral-4 is listed as image-text-to-text but its config has no vision part: a text model)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-    return kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    if kind not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return False
+    return "vision_config" in getattr(CONFIG_MAPPING[kind], "sub_configs", {"vision_config": None})
 
 
 def auto_class(kind: str | None):
-    """transformers' auto class that builds a `kind` model with its head."""
+    """transformers' auto class that builds a `kind` model with its head (a text model that transformers
+    lists only as image-text-to-text, as Mistral-4, through that class too)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    return AutoModelForImageTextToText if is_vision(kind) else AutoModelForCausalLM
+    if is_vision(kind) or (kind is not None and kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def attention_by_part(kind: str | None, attention: str) -> str | dict:
