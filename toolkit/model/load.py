@@ -86,8 +86,7 @@ def load_model(
         kwargs.update(_qlora_kwargs(cfg, local_rank, quant.storage_name(cfg.quant_storage, quant_cast)))
     model = _from_pretrained(model_class(cfg.path), cfg, "model", key, **kwargs)
     seeing = vision.is_vision(getattr(model.config, "model_type", None))
-    if seeing:
-        vision.keep_present_blocks(model)
+    vision.keep_present_blocks(model)  # Qwen3.5's text model lists its vision blocks too
     if cfg.method == "qlora":
         quant.keep_training_layout(model)
     if cfg.adapter:

@@ -369,7 +369,8 @@ def _projector_modules(model: nn.Module) -> list[str]:
 
 def keep_present_blocks(model: nn.Module) -> None:
     """Its `_no_split_modules` cut to the classes the model is built from. A vision-language model lists
-    its towers' whole families (CLIP's text embeddings beside its vision layers), and FSDP's wrapping by
+    its towers' whole families (CLIP's text embeddings beside its vision layers), a text model can list
+    its vision-language sibling's (Qwen3.5's causal LM names the vision block), and FSDP's wrapping by
     those classes stops at the first one it cannot find."""
     listed = getattr(model, "_no_split_modules", None)
     if listed:
