@@ -59,6 +59,7 @@ class Zygote:
     """One warm process, started with `env`; runs one command at a time."""
 
     def __init__(self, env: dict):
+        self.stamp = source_stamp()
         log, self.log = tempfile.mkstemp(prefix="zygote-", suffix=".log")
         self.proc = subprocess.Popen(
             [sys.executable, str(ZYGOTE)],
@@ -143,8 +144,17 @@ def decode(data: bytes) -> str:
 _zygotes: dict[tuple, Zygote] = {}
 
 
+def source_stamp() -> float:
+    """The newest change to the toolkit's or the recipes' code: a warm process older than it is replaced."""
+    root = ZYGOTE.parent.parent
+    files = [*root.glob("toolkit/**/*.py"), *root.glob("recipes/*.py")]
+    return max((f.stat().st_mtime for f in files), default=0.0)
+
+
 def zygote_for(env: dict) -> Zygote:
     key = tuple(sorted((k, v) for k, v in env.items() if k not in PER_TEST))
+    if key in _zygotes and _zygotes[key].stamp < source_stamp():
+        _zygotes.pop(key).close()
     if key not in _zygotes:
         if len(_zygotes) >= KEEP:
             _zygotes.pop(next(iter(_zygotes))).close()

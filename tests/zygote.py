@@ -72,10 +72,12 @@ a forked program starts with it, as a fresh one has it once it has imported the 
 def preload() -> None:
     before = dict(os.environ)
     for name in PRELOAD:
-        importlib.import_module(name)
+        # One that fails to import is left to each program, which then fails as a fresh one would.
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
     IMPORT_ENV.update({k: v for k, v in os.environ.items() if before.get(k) != v})
     # `python -m` runs it as __main__: its imports stay loaded, the module itself is not.
-    del sys.modules["accelerate.commands.launch"]
+    sys.modules.pop("accelerate.commands.launch", None)
 
 
 def reset_signals() -> None:
