@@ -175,7 +175,43 @@ def test_mistral4_is_a_text_model_it_loads():
     assert vision.is_vision("gemma4") and vision.is_vision("qwen3_5")
 
 
-def _config(family: str):
+def test_a_family_that_trains_with_dropout_says_losses_follow_the_random_stream(tmp_path):
+    """Seed-OSS ships attention and residual dropout 0.1: ftkit trains with it, as its config says, and
+    says once that a multi-process run then matches one process only in expectation (the launched
+    equality tests build their models with dropout 0, which the same check passes silently)."""
+    from toolkit.config import DataConfig, RecipeConfig, TrainConfig
+    from toolkit.launch import checks
+    from toolkit.launch.machine import Machine
+    from toolkit.launch.request import Launch
+    from toolkit.model.facts import read_model_facts
+
+    def notes(folder, launch, **overrides):
+        _config("seed_oss", **overrides).save_pretrained(folder)
+        cfg = RecipeConfig(
+            model=ModelConfig(path=str(folder)),
+            data=DataConfig(),
+            train=TrainConfig(global_batch_size=16, micro_batch_size=2),
+        )
+        return checks.check_launch(launch, cfg, read_model_facts(cfg.model), "r.yaml", Machine(), {})
+
+    ddp = Launch("ddp", 2, 2, on_cpu=True)
+    dropout = [
+        n for n in notes(tmp_path / "a", ddp, attention_dropout=0.1, residual_dropout=0.1) if "dropout" in n
+    ]
+    assert dropout == [
+        "the model's config trains with dropout (attention_dropout 0.1, residual_dropout 0.1): each process "
+        "draws its own masks, so per-step losses match one process's only in expectation (set the rates to 0 "
+        "in its config.json for an exact match)"
+    ]
+    assert not [
+        n
+        for n in notes(tmp_path / "b", Launch("single", 1, 1, on_cpu=True), attention_dropout=0.1)
+        if "dropout" in n
+    ]
+    assert not [n for n in notes(tmp_path / "c", ddp) if "dropout" in n]
+
+
+def _config(family: str, **overrides):
     from tiny_families import tiny_config
 
-    return tiny_config(family)
+    return tiny_config(family, **overrides)

@@ -158,6 +158,7 @@ def check_launch(
     if cfg.moe.expert_parallel > 1:
         _check_expert_parallel(launch, cfg, facts, recipe_source)
     notes = [*sp_notes, *families.kernel_notes(facts.family, not launch.on_cpu)]
+    notes += families.dropout_notes(facts.raw, launch.world_size)
     notes += _disable_nccl_p2p(machine, env)
     if cfg.train.activation_offload and launch.on_cpu:
         notes.append("train.activation_offload: the model computes in CPU memory already; nothing is moved")

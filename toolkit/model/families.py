@@ -173,6 +173,39 @@ def kernel_notes(family: Family | None, on_gpu: bool) -> list[str]:
     ]
 
 
+# Config keys of the dropout rates transformers applies while a model trains.
+DROPOUT_KEYS = (
+    "attention_dropout",
+    "hidden_dropout",
+    "residual_dropout",
+    "embedding_dropout",
+    "mlp_dropout",
+    "dropout",
+    "attn_pdrop",
+    "resid_pdrop",
+    "embd_pdrop",
+)
+
+
+def dropout_notes(raw: dict | None, processes: int) -> list[str]:
+    """A note where the model's config turns dropout on and more than one process trains: transformers
+    applies it as the config says, each process draws its own masks, so a step's loss depends on the
+    random stream and equals one process's only in expectation."""
+    text = (raw or {}).get("text_config") or raw or {}
+    rates = [
+        f"{key} {text[key]:g}"
+        for key in DROPOUT_KEYS
+        if isinstance(text.get(key), (int, float)) and not isinstance(text.get(key), bool) and text[key] > 0
+    ]
+    if not rates or processes < 2:
+        return []
+    return [
+        f"the model's config trains with dropout ({', '.join(rates)}): each process draws its own masks, so "
+        "per-step losses match one process's only in expectation (set the rates to 0 in its config.json for "
+        "an exact match)"
+    ]
+
+
 def family_of(config) -> Family:
     """The family description of a transformers config (a vision-language model's language model)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
