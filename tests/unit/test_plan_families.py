@@ -80,3 +80,19 @@ def test_deepseek_v3_from_the_built_in_table_caches_its_latent():
     counts = count_parameters(config, "full", 8)
     assert source == "built-in table" and counts.experts == 256
     assert counts.cache == ((512 + 64, 0),) * 61 and counts.latent_cache and not counts.state_per_sequence
+
+
+@pytest.mark.parametrize(
+    "model_type, refused", [("qwen3_next", True), ("nemotron_h", True), ("smollm3", False)]
+)
+def test_the_plan_offers_no_sequence_parallel_layout_to_a_recurrent_family(
+    model_type, refused, tmp_path, capsys
+):
+    """The launch refuses sequence parallelism where a layer carries state; the plan gives those rows no
+    numbers, with the reason, instead of recommending them."""
+    tiny_config(model_type).save_pretrained(tmp_path)
+    assert cli(["plan", "--model", str(tmp_path), "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    line = "zero2 + sp 2, zero3 + sp 2       no numbers: its "
+    assert (line in out) == refused, out[-3000:]
+    assert ("layers carry a state that a slice of the sequence cannot hand on" in out) == refused

@@ -62,6 +62,9 @@ class ModelCounts:
     """Each attention layer's generation cache as (elements per token, tokens kept; 0: all): K and V of
     every kv head, or multi-head latent attention's compressed cache (`latent_cache`); see
     toolkit/model/families.py."""
+    recurrent: str = ""
+    """The first layer kind that carries a state along the sequence ("": none): such a model's sequences
+    are never cut across processes."""
     latent_cache: bool = False
     """The cache is MLA's latent (kv_lora_rank + qk_rope_head_dim): tensor parallelism does not split it."""
     state_per_sequence: int = 0
@@ -277,6 +280,7 @@ def _counts(model, text, method: str, lora_r: int, source: str) -> ModelCounts:
         layer_kinds=family.describe(),
         cache=family.cache,
         latent_cache=bool(family.latent_kv),
+        recurrent=family.recurrent[0].name if family.recurrent else "",
         state_per_sequence=family.state_elements(text),
         positions=getattr(text, "max_position_embeddings", None) or 0,
         experts=routing.experts,

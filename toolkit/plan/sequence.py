@@ -47,6 +47,8 @@ def refusal(counts, mesh: Mesh, request: PlanRequest) -> str | None:
     """Why `mesh` cannot split this model's sequences, in one line; None when it can."""
     if request.objective == "grpo":
         return "sequence parallelism runs the SFT and preference recipes; grpo is refused"
+    if counts.recurrent:
+        return f"its {counts.recurrent} layers carry a state that a slice of the sequence cannot hand on"
     if counts.heads % mesh.sp:
         return f"sp {mesh.sp} does not divide num_attention_heads {counts.heads} (Ulysses splits the heads)"
     if counts.kv_heads % mesh.sp and mesh.sp % counts.kv_heads:
