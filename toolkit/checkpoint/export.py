@@ -9,11 +9,12 @@ import shutil
 from pathlib import Path
 
 import torch
+from accelerate.utils import DistributedType
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer
 
 from toolkit.checkpoint import split
-from toolkit.distributed import agreed_error
+from toolkit.distributed import agreed_error, unwrap
 from toolkit.errors import UserError
 from toolkit.model import quant, vision
 from toolkit.model.load import DTYPES, model_class
@@ -74,7 +75,9 @@ def full_state_dict(accelerator, model) -> dict[str, torch.Tensor]:
         options = StateDictOptions(full_state_dict=True, cpu_offload=False)
         state = get_model_state_dict(model, options=options)
         return runtime.whole_state_dict(accelerator, state) if stages.is_part(model) else state
-    return accelerator.get_state_dict(model)
+    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        return accelerator.get_state_dict(model)
+    return unwrap(accelerator, model).state_dict()  # accelerate's path for the others, without DeepSpeed
 
 
 def saver(accelerator, model) -> torch.nn.Module:
@@ -88,7 +91,7 @@ def saver(accelerator, model) -> torch.nn.Module:
     from peft import PeftModel, get_peft_model
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = unwrap(accelerator, model)
     renamed = isinstance(model, FullyShardedDataParallel) or stages.is_part(unwrapped)
     if not (renamed and isinstance(unwrapped, PeftModel)):
         return unwrapped

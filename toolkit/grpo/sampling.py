@@ -17,7 +17,7 @@ from accelerate.utils import DistributedType
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from toolkit.distributed import root_params_gathered
+from toolkit.distributed import root_params_gathered, unwrap
 from toolkit.model.speed import eager_blocks
 
 
@@ -110,7 +110,7 @@ def generating(accelerator, model, gather: bool):
     """The model to call `generate` on, and whether its calls are collective: under ZeRO-3 or FSDP2 (with
     `gather`) the whole model is gathered once here rather than layer by layer at every token; FSDP1 and
     ungathered sharded models generate in lockstep (synced)."""
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = unwrap(accelerator, model)
     sharded = _is_zero3(accelerator) or accelerator.distributed_type == DistributedType.FSDP
     synced = sharded and accelerator.num_processes > 1
     was_training = unwrapped.training

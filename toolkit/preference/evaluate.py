@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.distributed import data_shard
+from toolkit.distributed import data_shard, unwrap
 from toolkit.pipeline.generate import PipelineGenerator
 from toolkit.preference.config import DpoConfig
 from toolkit.preference.data import strided_batches
@@ -77,7 +77,7 @@ class PairEvaluator:
     def _report(self, step: int, label: str) -> None:
         results = self._metrics()
         if self.cfg.eval.exact_match_samples:
-            generator = self.accelerator.unwrap_model(self.model)
+            generator = unwrap(self.accelerator, self.model)
             if self.pipeline is not None:
                 generator = PipelineGenerator(self.pipeline)
             results["exact_match"] = pair_exact_match(

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from toolkit.checkpoint.rundir import REFERENCE_LOGPS
 from toolkit.config import LoraConfig, ModelConfig
-from toolkit.distributed import data_shard
+from toolkit.distributed import data_shard, unwrap
 from toolkit.errors import UserError
 from toolkit.model.load import load_model
 from toolkit.preference.config import precomputes_reference, uses_reference
@@ -42,7 +42,7 @@ def frozen(model):
 
 def adapter_off(accelerator, model):
     """The unwrapped PEFT model's adapters disabled (DDP, FSDP and DeepSpeed wrappers forward to it)."""
-    return accelerator.unwrap_model(model).disable_adapter()
+    return unwrap(accelerator, model).disable_adapter()
 
 
 def live_logps(accelerator, model, batch: dict, separate=None, pipeline=None) -> torch.Tensor:
@@ -69,7 +69,7 @@ def pipeline_logps(accelerator, model, batches: list[dict], pipeline) -> list[to
 
 
 def _adapter_off_if_any(accelerator, model, separate):
-    has_adapter = hasattr(accelerator.unwrap_model(model), "disable_adapter")
+    has_adapter = hasattr(unwrap(accelerator, model), "disable_adapter")
     return adapter_off(accelerator, model) if separate is None and has_adapter else contextlib.nullcontext()
 
 

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from toolkit.config import EvalConfig
-from toolkit.distributed import root_params_gathered, sum_over_data
+from toolkit.distributed import root_params_gathered, sum_over_data, unwrap
 from toolkit.evaluation import training
 from toolkit.model.speed import eager_blocks
 from toolkit.pipeline.generate import PipelineGenerator
@@ -63,7 +63,7 @@ class Evaluator:
         results = self._loss() if self.loader is not None else {}
         results |= self._benchmarks()
         cfg, synced = self.cfg, self.accelerator.num_processes > 1
-        generator = self.accelerator.unwrap_model(self.model)
+        generator = unwrap(self.accelerator, self.model)
         if self.pipeline is not None:
             generator = PipelineGenerator(self.pipeline)
         if self.dataset is not None and cfg.exact_match_samples:
@@ -101,7 +101,7 @@ class Evaluator:
             return {}
         scores = {}
         if self.accelerator.is_main_process:
-            model = self.accelerator.unwrap_model(self.model)
+            model = unwrap(self.accelerator, self.model)
             with eval_mode(self.model), eager_blocks(), self.accelerator.autocast():
                 scores = training.scores_now(
                     model, self.tokenizer, self.cfg.benchmarks, self.cfg.benchmark_limit
