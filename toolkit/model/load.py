@@ -199,6 +199,11 @@ def peft_config(lora: LoraConfig, model, parts: VisionConfig | None = None):
 def _with_adapter(model, lora: LoraConfig, parts: VisionConfig | None = None):
     from peft import get_peft_model
 
+    # The adapters' random initial weights come from the run's seed, not from wherever loading the base
+    # left the generator: building the model under ZeRO-3's zero.Init runs its modules' constructors on
+    # real tensors, and some (Qwen3.5's and Qwen3-Next's linear attention) draw random numbers there that
+    # a load onto the meta device does not, which would give each backend different adapters.
+    torch.manual_seed(torch.initial_seed())
     try:
         return get_peft_model(model, peft_config(lora, model, parts))
     except ValueError as exc:  # peft's "target modules not found" and its kin
