@@ -1,10 +1,10 @@
-"""Warm starts of the launched test runs: `python script.py ...` and `python -m accelerate.commands.launch
-... script.py ...` started by fork from a process (tests/zygote.py) that has already imported torch,
-transformers, peft, accelerate, DeepSpeed, datasets and the toolkit, one per pytest worker and
-environment. The launcher and every rank are still processes of their own, with the environment, console
-and exit status the real command gives (accelerate's and torchrun's own code computes them); what they
-skip is about 13 seconds of imports each. `FTKIT_TEST_LAUNCH=real` runs every launch for real, and a test
-or module marked `real_launch` does so by itself (where the launch itself is what it tests)."""
+"""Warm starts of the launched test runs: `python script.py ...` and `python -m accelerate.commands.launch ...
+script.py ...` started by fork from a process (tests/zygote.py) that has already imported torch, transformers,
+peft, accelerate, DeepSpeed, datasets and the toolkit, one per pytest worker and environment. The launcher and
+every rank are still processes of their own, with the environment, console and exit status the real command
+gives (accelerate's and torchrun's own code computes them); what they skip is the imports (5 to 13 seconds a
+process on two cores). `FTKIT_TEST_LAUNCH=real` runs every launch for real, and a test or module marked
+`real_launch` does so by itself (where the launch itself is what it tests)."""
 
 from __future__ import annotations
 
