@@ -380,16 +380,15 @@ def keep_present_blocks(model: nn.Module) -> None:
 
 def current_layout_only(model: nn.Module) -> None:
     """Save in the hub layout transformers writes today. Loaded under ZeRO-3, transformers records its
-    legacy renamings and prefix changes too (Llava's `language_model.model.model`, CLIP's `vision_model`),
-    and saving reverses every recorded one: the export's names came out doubled
-    (`language_model.model.model.layers...`). Elsewhere the recorded ones are right (and rebuilding them
-    fails on FSDP2's renamed class), so they stay."""
+    legacy renamings and prefix changes too (Llava's `language_model.model.model`, CLIP's `vision_model`,
+    Qwen3.5's text model's `model.language_model`), and saving reverses every recorded one: the export's
+    names came out doubled (`language_model.model.model.layers...`) or prefixed. Elsewhere the recorded
+    ones are right (and rebuilding them fails on FSDP2's renamed class), so they stay."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    kind = getattr(model.config, "model_type", None)
-    if is_vision(kind) and hasattr(model, "_weight_conversions") and is_deepspeed_zero3_enabled():
+    if hasattr(model, "_weight_conversions") and is_deepspeed_zero3_enabled():
         # What a model built from its config reverses when saving (export.verify_export's expectation).
         mapping = get_model_conversion_mapping(model, add_legacy=False)
         model._weight_conversions = [entry for entry in mapping if not isinstance(entry, PrefixChange)]
