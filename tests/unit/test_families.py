@@ -215,3 +215,24 @@ def _config(family: str, **overrides):
     from tiny_families import tiny_config
 
     return tiny_config(family, **overrides)
+
+
+def test_the_shipped_qwen3_5_config_passes_check_config_on_a_qwen3_5_model(tmp_path):
+    """recipes/configs/qwen3.5-35b-a3b-lora.yaml with a tiny Qwen3.5 (its text model) in place of the hub
+    checkpoint and the embedded data: its launch line's backend passes, and packing it would be refused."""
+    import yaml
+    from helpers import REPO
+
+    from toolkit.commands.check_config import check_config_cli
+
+    raw = yaml.safe_load((REPO / "recipes" / "configs" / "qwen3.5-35b-a3b-lora.yaml").read_text())
+    raw["model"]["path"] = str(tiny_family(tmp_path / "model", "qwen3_5_text"))
+    raw["data"].update(train=str(REPO / "toolkit" / "assets" / "demo" / "train.jsonl"), split="train")
+    config = tmp_path / "qwen3.5.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    accelerate = str(REPO / "accelerate_configs" / "zero3_offload.yaml")
+    assert "ok: " in check_config_cli(accelerate, str(config), 2, {})
+    raw["data"].update(packing=True, group_by_length=False)
+    config.write_text(yaml.safe_dump(raw))
+    with pytest.raises(UserError, match=r"data.packing .*\(qwen3_5_text\) has gated DeltaNet layers"):
+        check_config_cli(accelerate, str(config), 2, {})
