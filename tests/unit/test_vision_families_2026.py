@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import square_image
 from PIL import Image
+from test_vision_families import ANSWERS, ROWS
 from tiny_vision_families import tiny_gemma4, tiny_gemma4_moe, tiny_qwen3_5, tiny_qwen3_5_moe
 from transformers import AutoModelForImageTextToText
 
@@ -82,24 +83,6 @@ EXPECTED = {
         adapted=QWEN_ATTENTION | MLP | GEMMA4_PER_LAYER | {"experts"},
     ),
 }
-
-
-def user(images: int, text: str) -> dict:
-    return {
-        "role": "user",
-        "content": [*({"type": "image"} for _ in range(images)), {"type": "text", "text": text}],
-    }
-
-
-ROWS = [
-    {"messages": [user(1, "What colour?"), {"role": "assistant", "content": "red"}], "images": ["red.png"]},
-    {
-        "messages": [user(2, "Which colours?"), {"role": "assistant", "content": "red and blue"}],
-        "images": ["red.png", "blue.png"],
-    },
-    {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]},
-]
-ANSWERS = ["red", "red and blue", "hi"]
 
 
 @pytest.fixture(scope="module", params=sorted(EXPECTED))
