@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.model import moe
+from toolkit.model.families import layer_configs
 
 # Peak dense bf16 tensor-core FLOP/s (fp32 accumulate), never the 2:4-sparse figure vendors headline.
 # Each entry: substrings that must all appear in the upper-cased device name; the first match wins.
@@ -100,14 +101,11 @@ class ModelShape:
 
 
 def mean_head_dim(text) -> float:
-    """The attention head width, averaged over the layers where a config sets it per layer (Gemma-4's
-    full-attention layers are wider than its sliding ones; reading `head_dim` whole raises there)."""
+    """The attention head width, averaged over the layers (Gemma-4's full-attention layers are wider than
+    its sliding ones)."""
     fallback = text.hidden_size // text.num_attention_heads
-    try:
-        return getattr(text, "head_dim", None) or fallback
-    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
-        widths = [getattr(layer, "head_dim", None) or fallback for layer in text.per_layer_config]
-        return sum(widths) / len(widths)
+    widths = [getattr(c, "head_dim", None) or fallback for c in layer_configs(text, text.num_hidden_layers)]
+    return sum(widths) / len(widths)
 
 
 def device_name(device: torch.device) -> str | None:

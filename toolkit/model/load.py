@@ -214,8 +214,6 @@ def adapted_summary(wrapped) -> str:
     """One line naming what the adapters sit on: each kind of layer (by its last name) with how many of it,
     and the expert tensors adapted as parameters."""
     tuner = wrapped.base_model
-    if not hasattr(tuner, "targeted_module_names"):
-        return "lora: adapters loaded"
     counts: dict[str, int] = {}
     for name in tuner.targeted_module_names:
         leaf = name.rpartition(".")[2]

@@ -47,8 +47,14 @@ def peft_targets(lora: LoraConfig, model) -> dict:
         parameters += moe.expert_parameter_names(model) or []
     if lora.router:
         parameters += _router_weights(model)
-    kwargs = {"target_modules": _short_names(modules, linears), "target_parameters": parameters or None}
-    if lora.experts and any(name.endswith(FUSED_GATE_UP) for name in parameters):
+    return {"target_modules": _short_names(modules, linears), **parameter_targets(lora, parameters)}
+
+
+def parameter_targets(lora: LoraConfig, parameters: list[str]) -> dict:
+    """peft keywords adapting `parameters` (fused experts, routers' weights) as parameters: the fused gate
+    and up tensor gets twice the rank and alpha."""
+    kwargs = {"target_parameters": parameters or None}
+    if any(name.endswith(FUSED_GATE_UP) for name in parameters):
         pattern = rf".*\.{FUSED_GATE_UP}"
         kwargs.update(rank_pattern={pattern: 2 * lora.r}, alpha_pattern={pattern: 2 * lora.alpha})
     return kwargs
@@ -67,11 +73,9 @@ def _dense_targets(model, target_modules: str | list[str]) -> str | list[str]:
         _linear_names(model, target_modules)  # refuses a named layer that cannot be adapted
         return target_modules
     names, linears = _linear_names(model, target_modules)
-    every = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     head = model.get_output_embeddings()
-    if len(names) == len([name for name in every if model.get_submodule(name) is not head]):
-        return target_modules
-    return _short_names(names, linears)
+    every = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    return target_modules if len(names) == len(every) else _short_names(names, linears)
 
 
 def adaptable(model, name: str, module: torch.nn.Module) -> bool:

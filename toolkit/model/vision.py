@@ -22,7 +22,7 @@ from torch import nn
 from toolkit.config import LoraConfig, ModelConfig, VisionConfig
 from toolkit.errors import UserError
 from toolkit.model import moe
-from toolkit.model.lora_targets import FUSED_GATE_UP
+from toolkit.model.lora_targets import parameter_targets
 
 # Families this toolkit trains (model_type -> what users call it), each checked to build, train and
 # generate through the same code; others with a vision tower are refused by name.
@@ -345,11 +345,7 @@ def _expert_targets(model: nn.Module, lora: LoraConfig) -> dict:
             and name.endswith(".weight")
             and not isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear)
         }
-    targets = {"target_parameters": sorted(found) or None}
-    if any(name.endswith(FUSED_GATE_UP) for name in found):
-        pattern = rf".*\.{FUSED_GATE_UP}"
-        targets.update(rank_pattern={pattern: 2 * lora.r}, alpha_pattern={pattern: 2 * lora.alpha})
-    return targets
+    return parameter_targets(lora, sorted(found))
 
 
 def _named_by(name: str, wanted: str | list[str]) -> bool:
