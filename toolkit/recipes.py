@@ -1,5 +1,6 @@
 """The recipes ftkit ships and which one a config is for: the script, the config schema and the loader of
-each, told by the config's own sections (`dpo`: preference tuning, `grpo`: GRPO, neither: SFT).
+each, told by the config's own sections (`dpo`: preference tuning, `grpo`: GRPO, `reward`: a reward
+model, none of them: SFT).
 
 This sits above the schemas (toolkit/config.py and each recipe's section beside its code), so no schema
 imports another; `ftkit train`, `ftkit check-config`, `ftkit plan` and export all choose here."""
@@ -12,11 +13,17 @@ from toolkit.config import RecipeConfig, load_config
 from toolkit.errors import UserError
 from toolkit.grpo.config import GrpoRecipeConfig, load_grpo_config
 from toolkit.preference.config import PreferenceConfig, load_preference_config
+from toolkit.reward.config import RewardRecipeConfig, load_reward_config
 from toolkit.typed_yaml import read_yaml_mapping
 
-SCRIPTS = {"sft": "recipes/finetune_llm.py", "dpo": "recipes/dpo_llm.py", "grpo": "recipes/grpo_llm.py"}
+SCRIPTS = {
+    "sft": "recipes/finetune_llm.py",
+    "dpo": "recipes/dpo_llm.py",
+    "grpo": "recipes/grpo_llm.py",
+    "rm": "recipes/reward_llm.py",
+}
 """Each recipe's launchable script, relative to the checkout's root."""
-SCHEMAS = {"sft": RecipeConfig, "dpo": PreferenceConfig, "grpo": GrpoRecipeConfig}
+SCHEMAS = {"sft": RecipeConfig, "dpo": PreferenceConfig, "grpo": GrpoRecipeConfig, "rm": RewardRecipeConfig}
 
 
 def recipe_of(path: str | Path | None) -> str:
@@ -24,6 +31,8 @@ def recipe_of(path: str | Path | None) -> str:
     sections = read_yaml_mapping(Path(path), "config file") if path else {}
     if "dpo" in sections:
         return "dpo"
+    if "reward" in sections:
+        return "rm"
     return "grpo" if "grpo" in sections else "sft"
 
 
@@ -44,6 +53,8 @@ def load_recipe_config(name: str, path: str | Path | None, overrides: list[str])
         return load_preference_config(path, overrides)
     if name == "grpo":
         return load_grpo_config(path, overrides)
+    if name == "rm":
+        return load_reward_config(path, overrides)
     return load_config(path, overrides)
 
 

@@ -142,13 +142,14 @@ class Run:
         loaders choose their own."""
         return data.VisionCollator(pad_id, self.images) if self.images is not None else None
 
-    def load_model(self):
-        """The model to train, on this rank's device, announced; every forward pass counts as progress.
+    def load_model(self, scalar_head: bool = False):
+        """The model to train (a reward model's with `scalar_head`), on this rank's device, announced; every
+        forward pass counts as progress.
 
         Under a pipeline each process keeps only its stages, and the processes of a machine load in turn:
         its memory holds one whole model at a time, not one per process."""
         if self.launch.mesh.pp == 1:
-            return self._loaded()
+            return self._loaded(scalar_head)
         model = None
         for turn in range(self.launch.procs_per_node):
             if turn == self.accelerator.local_process_index:
@@ -157,7 +158,7 @@ class Run:
             self.accelerator.wait_for_everyone()
         return model
 
-    def _loaded(self):
+    def _loaded(self, scalar_head: bool = False):
         cfg = self.cfg
         cast = quant.cast_dtype(self.launch.backend, self.launch.fsdp_version, cfg.train.mixed_precision)
         model = models.load_model(
@@ -169,6 +170,7 @@ class Run:
             loss=cfg.loss,
             experts=cfg.moe,
             parts=cfg.vision,
+            scalar_head=scalar_head,
         )
         if cfg.moe.expert_parallel > 1:
             expert_parallel.keep_out_of_ddp(model, cfg.moe.expert_parallel)

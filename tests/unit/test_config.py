@@ -9,9 +9,12 @@ from toolkit.errors import UserError
 from toolkit.train.batches import grad_accum_steps
 from toolkit.typed_yaml import field_docs, flat_dict
 
-# Preference and GRPO configs have a section of their own: test_preference_config.py, test_grpo.py.
+# Preference, GRPO and reward-model configs have a section of their own: test_preference_config.py,
+# test_grpo.py, test_reward.py.
 SHIPPED = sorted(
-    p for p in (REPO / "recipes" / "configs").rglob("*.yaml") if not {"dpo", "grpo"} & set(p.stem.split("-"))
+    p
+    for p in (REPO / "recipes" / "configs").rglob("*.yaml")
+    if not {"dpo", "grpo", "rm"} & set(p.stem.split("-"))
 )
 
 

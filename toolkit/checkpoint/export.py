@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoTokenizer
 from toolkit.checkpoint import split
 from toolkit.distributed import agreed_error, unwrap
 from toolkit.errors import UserError
-from toolkit.model import quant, vision
+from toolkit.model import quant, scalar, vision
 from toolkit.model.load import DTYPES, model_class
 from toolkit.pipeline import runtime, stages
 
@@ -133,11 +133,16 @@ def keep_start_adapter(out_dir: Path, start: str) -> None:
 
 
 def adapted_base(adapter_dir: Path, trust_remote_code: bool = False, **kwargs):
-    """The model an exported adapter applies to: its base, with the run's start adapter folded in."""
+    """The model an exported adapter applies to: its base, with the run's start adapter folded in (and a
+    reward model's scalar head, which the adapter carries)."""
     from peft import PeftModel
 
     base_path = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
-    base = model_class(base_path).from_pretrained(base_path, trust_remote_code=trust_remote_code, **kwargs)
+    head = scalar.saved_scalar(adapter_dir)
+    if head:
+        kwargs = {**scalar.head_settings(adapter_dir), **kwargs}
+    cls = model_class(base_path, head)
+    base = cls.from_pretrained(base_path, trust_remote_code=trust_remote_code, **kwargs)
     if (adapter_dir / START_ADAPTER).is_dir():
         base = PeftModel.from_pretrained(base, str(adapter_dir / START_ADAPTER)).merge_and_unload()
     return base
@@ -212,8 +217,12 @@ def _expected_shapes(path: Path, trust_remote_code: bool) -> tuple[dict[str, tup
         )
     else:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    head = scalar.saved_scalar(path)
+    if head:
+        config.num_labels = 1
+    cls = scalar.auto_class() if head else vision.auto_class(config.model_type)
     with torch.device("meta"), outside_zero3():
-        model = vision.auto_class(config.model_type).from_config(config, trust_remote_code=trust_remote_code)
+        model = cls.from_config(config, trust_remote_code=trust_remote_code)
         if is_adapter:
             peft_config.inference_mode = False
             model = get_peft_model(model, peft_config).base_model.model

@@ -38,6 +38,14 @@ def main(argv: list[str] | None = None) -> int:
         "--trust-remote-code", action="store_true", help="run modelling code shipped with the model"
     )
 
+    score = commands.add_parser("score", help="a reward model's score of answers to a prompt")
+    score.add_argument("--model", required=True, help="a reward model's final/ or merged/ directory")
+    score.add_argument("--prompt", required=True)
+    score.add_argument("--answer", action="append", required=True, help="an answer to score (repeatable)")
+    score.add_argument(
+        "--trust-remote-code", action="store_true", help="run modelling code shipped with the model"
+    )
+
     evaluate = commands.add_parser(
         "eval", help="score a fine-tuned model and its base on benchmarks (lm-evaluation-harness)"
     )
@@ -232,6 +240,11 @@ def _run(args) -> int:
         from toolkit.commands.generate import generate_cli
 
         print(generate_cli(args.model, args.prompt, args.max_new_tokens, args.trust_remote_code, args.image))
+        return 0
+    if args.command == "score":
+        from toolkit.commands.score import score_cli
+
+        print("\n".join(score_cli(args.model, args.prompt, args.answer, args.trust_remote_code)))
         return 0
     if args.command == "eval":
         from toolkit.commands.eval import eval_cli, launch_processes

@@ -34,7 +34,7 @@ from toolkit.train.loss import IGNORE
 logger = logging.getLogger(__name__)
 COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 # Bump when the encoding of pairs changes, so rows cached by older code are not reused.
-ENCODING_VERSION = 2
+ENCODING_VERSION = 3
 CHUNK = 1000
 
 
@@ -50,7 +50,7 @@ class EncodedPairs:
     prompt holds images and is longer than the tokens a prompt keeps."""
 
     def __post_init__(self):
-        self.columns = {name: [] for name in (*COLUMNS, *(["images"] if self.with_images else []))}
+        self.columns = {name: [] for name in (*COLUMNS, "margin", *(["images"] if self.with_images else []))}
 
     def add(
         self,
@@ -60,9 +60,10 @@ class EncodedPairs:
         max_length: int,
         keep: int,
         images: list[str] | None = None,
+        margin: float = 0.0,
     ):
         """Add a pair, cut to `max_length` (the prompt's last `keep` tokens first); `images`: its image
-        references, when rows keep them."""
+        references, when rows keep them; `margin`: the record's."""
         if len(prompt) + max(len(chosen), len(rejected)) > max_length:
             if images and len(prompt) > keep:
                 # A left cut would go through an image or the tokens that frame it (Qwen's vision start
@@ -78,22 +79,28 @@ class EncodedPairs:
             return
         for name, ids in zip(COLUMNS, (prompt, chosen, rejected)):
             self.columns[name].append(ids)
+        self.columns["margin"].append(margin)
         if self.with_images:
             self.columns["images"].append(images or [])
 
 
 def render_pair(tokenizer, pair: Pair, where: str) -> tuple[str, str, str]:
     """(prompt text ending with the assistant header, chosen completion text, rejected completion text)."""
-    prompt = render(tokenizer, pair.prompt, where, generation_prompt=True, tools=pair.tools)
-    completions = []
-    for turns in (pair.chosen, pair.rejected):
-        full = render(tokenizer, pair.prompt + turns, where, tools=pair.tools)
-        if not full.startswith(prompt):
-            raise UserError(f"{where}: the chat template does not render the answer after the prompt")
-        # As in SFT's assistant spans, what a template writes after the end-of-turn text (ChatML's newline)
-        # is not part of the answer: scoring it would teach the model that text instead of stopping.
-        completions.append(full[len(prompt) :].rstrip())
-    return prompt, completions[0], completions[1]
+    prompt, chosen = render_answer(tokenizer, pair.prompt, pair.chosen, where, pair.tools)
+    return prompt, chosen, render_answer(tokenizer, pair.prompt, pair.rejected, where, pair.tools)[1]
+
+
+def render_answer(
+    tokenizer, prompt: list[dict], answer: list[dict], where: str, tools=None
+) -> tuple[str, str]:
+    """(prompt text ending with the assistant header, the answer's text after it)."""
+    prompt_text = render(tokenizer, prompt, where, generation_prompt=True, tools=tools)
+    full = render(tokenizer, prompt + answer, where, tools=tools)
+    if not full.startswith(prompt_text):
+        raise UserError(f"{where}: the chat template does not render the answer after the prompt")
+    # As in SFT's assistant spans, what a template writes after the end-of-turn text (ChatML's newline)
+    # is not part of the answer: scoring it would teach the model that text instead of stopping.
+    return prompt_text, full[len(prompt_text) :].rstrip()
 
 
 @dataclass
@@ -114,10 +121,12 @@ class PairEncoder:
             where = chunk.where(i)
             pair = to_pair(record, self.layout, where)
             if self.images is None:
-                out.add(*self._text_ids(pair, where), self.max_length, self.keep_prompt)
+                out.add(*self._text_ids(pair, where), self.max_length, self.keep_prompt, margin=pair.margin)
                 continue
             refs = [resolve_image(ref, folder, where) for ref in pair.images]
-            out.add(*self._vision_ids(pair, refs, where), self.max_length, self.keep_prompt, refs)
+            out.add(
+                *self._vision_ids(pair, refs, where), self.max_length, self.keep_prompt, refs, pair.margin
+            )
         return out.columns, {"truncated": out.truncated, "dropped": out.dropped}
 
     def _text_ids(self, pair: Pair, where: str) -> list[list[int]]:
@@ -223,7 +232,8 @@ def pair_lengths(dataset) -> np.ndarray:
 
 class PairCollator:
     """Pairs to one batch of 2B right-padded rows, the B chosen then the B rejected: input_ids, labels
-    (IGNORE on prompt and padding), attention_mask, and `pair_index` (each pair's row in its dataset).
+    (IGNORE on prompt and padding), attention_mask, `margin` (each pair's, as a float tensor) and
+    `pair_index` (each pair's row in its dataset).
     With `images` (a vision-language model's), also the image inputs, each pair's images given to both its
     rows (data.VisionCollator: a batch without any image gets its masked stand-in)."""
 
@@ -242,6 +252,7 @@ class PairCollator:
             for r in rows
         ]
         batch = self.rows(stacked)
+        batch["margin"] = torch.tensor([float(r.get("margin", 0.0)) for r in rows])
         if "pair_index" in rows[0]:
             batch["pair_index"] = torch.tensor([r["pair_index"] for r in rows], dtype=torch.long)
         return batch

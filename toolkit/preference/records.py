@@ -10,6 +10,9 @@ Two published layouts are read, told apart by their keys:
   turn, with optional `system` and `tools` columns (LLaMA-Factory).
 Turns may carry tool calls, tool results and reasoning, as in SFT data (see toolkit/data/formats.py).
 
+Any layout may carry a `margin` column: how much better the chosen answer is, a number (a reward model
+wants its scores that far apart; rows without one: 0).
+
 Images belong to the prompt, given as SFT data gives them: image parts with their own source, bare image
 parts (TRL's image pairs) or `<image>` placeholders, the last two filled in order from the record's
 `images` column. Both answers follow the same images, so an image after the prompt is refused.
@@ -42,6 +45,8 @@ class Pair:
     """JSON schemas of the tools the conversation may call."""
     images: list[str] = field(default_factory=list)
     """The prompt's image references, one per image part in order, as the record gave them."""
+    margin: float = 0.0
+    """How much better the chosen answer is (the record's `margin`; 0 without one)."""
 
 
 def detect_layout(record: dict, where: str) -> str:
@@ -85,13 +90,22 @@ def to_pair(record: dict, layout: str, where: str) -> Pair:
         side = "chosen" if not chosen else "rejected"
         raise UserError(f"{where}: '{side}' has no turn after the prompt")
     images = _prompt_images(chosen, rejected, sources, column, where)
-    return _checked(Pair(prompt, chosen, rejected, tools_of(record, where), images), where)
+    return _checked(
+        Pair(prompt, chosen, rejected, tools_of(record, where), images, _margin(record, where)), where
+    )
 
 
 def _checked(pair: Pair, where: str) -> Pair:
     if pair.chosen == pair.rejected:
         raise UserError(f"{where}: 'chosen' is identical to 'rejected'")
     return pair
+
+
+def _margin(record: dict, where: str) -> float:
+    value = record.get("margin", 0.0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise UserError(f"{where}: 'margin' must be a number, got {value!r}")
+    return float(value)
 
 
 def _ranking(record: dict, column: list[str] | None, where: str) -> Pair:
@@ -109,7 +123,10 @@ def _ranking(record: dict, column: list[str] | None, where: str) -> Pair:
             raise UserError(f"{where}: '{key}' must be one {{from, value}} turn, got {type(value).__name__}")
         answers.append(_read_turns([value], "sharegpt", key, where, column is not None)[0])
     images = _prompt_images(answers[0], answers[1], sources, column, where)
-    return _checked(Pair(prompt + turns, answers[0], answers[1], tools_of(record, where), images), where)
+    pair = Pair(
+        prompt + turns, answers[0], answers[1], tools_of(record, where), images, _margin(record, where)
+    )
+    return _checked(pair, where)
 
 
 def _turns(value, key: str, role: str, placeholders: bool, where: str) -> tuple[list[dict], list[str | None]]:

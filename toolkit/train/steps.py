@@ -8,6 +8,7 @@ from pathlib import Path
 
 from toolkit import distributed
 from toolkit.checkpoint import export
+from toolkit.model import scalar
 from toolkit.train.nonfinite import NonFiniteGuard
 
 
@@ -56,18 +57,23 @@ def export_final(accelerator, model, tokenizer, cfg, output_dir: Path) -> Path:
 def closing_lines(
     shown: dict[str, dict], final_dir: Path, prompt: str | None, image: str | None = None
 ) -> list[str]:
-    """The three lines every run ends with: the task metric before and after training (exact match where
-    measured, else the eval loss), where the result went, and the command that tries it (on `image`, for
-    a vision-language model)."""
+    """The three lines every run ends with: the task metric before and after training (exact match or a
+    reward model's pairwise accuracy where measured, else the eval loss), where the result went, and the
+    command that tries it (on `image`, for a vision-language model)."""
     after, before = shown.get("after", {}), shown.get("before", {})
-    key = next((k for k in ("exact_match", "eval_loss") if k in after), None)
+    reward_model = scalar.saved_scalar(final_dir)
+    keys = ("eval_reward_accuracy",) if reward_model else ("exact_match", "eval_loss")
+    key = next((k for k in keys if k in after), None)
     if key is None:
         result = "result: no held-out evaluation (data.eval)"
     else:
-        fmt = "{:.1%}" if key == "exact_match" else "{:.4g}"
+        fmt = "{:.4g}" if key == "eval_loss" else "{:.1%}"
         start = f"{fmt.format(before[key])} -> " if key in before else "(resumed) "
-        result = f"result: held-out {key.replace('_', ' ')} {start}{fmt.format(after[key])}"
+        name = "pairwise accuracy" if key == "eval_reward_accuracy" else key.replace("_", " ")
+        result = f"result: held-out {name} {start}{fmt.format(after[key])}"
     command = f"ftkit generate --model {final_dir} --prompt {shlex.quote(prompt or '...')}"
+    if reward_model:
+        command = command.replace("generate", "score", 1) + " --answer ..."
     if image:
         command += f" --image {shlex.quote(image)}"
     return [result, f"saved: {final_dir.resolve()}", f"try: {command}"]
