@@ -1,6 +1,12 @@
 """`make gpu-check`: ftkit on a real GPU, in parts that each run in a few minutes on one H100.
 
-    python bench/gpu_check.py [plan] [speed] [compile] [paths] [multi] [--smoke] [--work DIR] [--report FILE]
+    python bench/gpu_check.py [startup] [large] [plan] [speed] [compile] [paths] [multi] [--smoke]
+                              [--work DIR] [--report FILE]
+
+- startup: time to the first step with the evaluation before training, cold (empty compiler caches) and
+         warm (a relaunch where only the run's own compile cache is left), steady tokens/s and MFU of the
+         1B shape under the defaults; the chunked head's per-chunk math eager against fused, alone.
+- large: the Llama-3.1-8B shape under the defaults (LoRA r16, 2,048 tokens x 1): tokens/s and MFU.
 
 - plan:  `ftkit plan`'s per-GPU prediction against the memory a run really used (single GPU; LoRA, QLoRA
          and full fine-tuning of a Llama-3.2-1B-shaped model at two sequence lengths and two micro-batches;
@@ -41,6 +47,7 @@ import torch
 from gpu_models import build, write_chats
 from gpu_report import render
 from gpu_speed import against_base, part_compile, part_speed, quiet_env, speed_values
+from gpu_startup import part_large, part_startup
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -102,11 +109,17 @@ class Kit:
         return row
 
     def ftkit(
-        self, case: str, model: Path, *overrides: str, launch: list[str] | None = None, logs: str = ""
+        self,
+        case: str,
+        model: Path,
+        *overrides: str,
+        launch: list[str] | None = None,
+        logs: str = "",
+        env: dict | None = None,
     ) -> dict:
         """One run of the SFT recipe; its steps after the first, summarised from its own metrics.jsonl
         ({"error": last line of stderr} when it fails). `logs`: torch's log switches (TORCH_LOGS) for the
-        run, whose recompilation and graph-break entries are then counted."""
+        run, whose recompilation and graph-break entries are then counted; `env`: more variables."""
         out = self.work / "runs" / case.replace(" ", "_").replace("/", "-")
         smoke = ["model.dtype=float32", "train.mixed_precision=no", "train.max_steps=3"] if self.smoke else []
         command = [*(launch or [PY]), str(RECIPE), "--config", str(BENCH / "gpu-check.yaml")]
@@ -117,9 +130,9 @@ class Kit:
             *smoke,
             *overrides,
         ]
-        started = time.monotonic()
+        started, started_at = time.monotonic(), time.time()
         try:
-            env = quiet_env() | ({"TORCH_LOGS": logs} if logs else {})
+            env = quiet_env() | ({"TORCH_LOGS": logs} if logs else {}) | (env or {})
             done = subprocess.run(
                 command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=self.run_limit_s
             )
@@ -130,7 +143,7 @@ class Kit:
             _keep_stderr(out, done.stderr)
             lines = [line for line in done.stderr.splitlines() if line.strip()] or [f"exit {done.returncode}"]
             return {"error": lines[-1][-300:]}
-        summary = summarise(out / "metrics.jsonl", time.monotonic() - started)
+        summary = summarise(out / "metrics.jsonl", time.monotonic() - started, started_at)
         if logs:
             summary["recompiles"] = done.stderr.count("Recompiling function")
             summary["graph_breaks"] = done.stderr.count("Graph break")
@@ -139,16 +152,19 @@ class Kit:
 
 
 def _keep_stderr(out: Path, text: str | bytes) -> None:
-    """A failed or stopped run's whole stderr, beside its output (`runs/<case>/stderr.txt`)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "stderr.txt").write_text(text.decode(errors="replace") if isinstance(text, bytes) else text)
+    """A run's whole stderr, beside its output folder (`runs/<case>.stderr.txt`): inside it, the folder
+    would hold a file ftkit did not write, which a relaunch into it refuses."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_name(out.name + ".stderr.txt").write_text(text.decode(errors="replace") if isinstance(text, bytes) else text)
 
 
-def summarise(metrics: Path, wall_s: float) -> dict:
+def summarise(metrics: Path, wall_s: float, started_at: float | None = None) -> dict:
     """Median tokens/s and MFU over the steps after the first (compilation and warm-up), the highest
-    memory figures, the last loss and every step's loss."""
+    memory figures, the last loss and every step's loss; with `started_at` (the launch's wall clock), the
+    seconds from the launch to the end of the first step; the compile cache's counters where logged."""
     lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     steps = [line for line in lines if "tokens_per_s" in line]
+    cache = [line for line in lines if "compile_cache_hits" in line]
     if not steps:
         return {"error": f"{metrics}: no training step was logged"}
     timed = steps[1:] or steps
@@ -160,6 +176,11 @@ def summarise(metrics: Path, wall_s: float) -> dict:
         "first_step_s": steps[0].get("step_time_s"),
         "wall_s": round(wall_s, 1),
     }
+    if started_at is not None:
+        summary["to_first_step_s"] = round(steps[0]["time"] - started_at, 1)
+    for key in ("compile_cache_hits", "compile_cache_misses"):
+        if cache:
+            summary[key] = cache[0][key]
     if any("mfu" in s for s in timed):
         summary["mfu"] = statistics.median(s["mfu"] for s in timed if "mfu" in s)
     for key in ("peak_reserved_mb", "outside_allocator_mb"):
@@ -327,6 +348,8 @@ def part_multi(kit: Kit) -> None:
 
 
 PARTS = {
+    "startup": part_startup,
+    "large": part_large,
     "plan": part_plan,
     "speed": part_speed,
     "compile": part_compile,

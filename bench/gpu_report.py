@@ -5,6 +5,8 @@ from __future__ import annotations
 HEAD_KEYS = ("device", "gpus", "memory_gib", "driver", "cuda", "torch", "date", "smoke")
 SKIPPED = set(HEAD_KEYS) | {"part", "case", "losses"}
 TITLES = {
+    "startup": "Time to the first step, evaluation first: cold, and warm from the run's compile cache",
+    "large": "The 8B shape under the defaults (LoRA r16, 2,048 tokens x 1, compiled blocks, fused head)",
     "plan": "The plan against the run (predicted / measured per-GPU memory; target 0.95-1.10)",
     "speed": "ftkit against TRL's SFTTrainer (LoRA r16, packing; bf16 on a GPU, fp32 in smoke mode)",
     "compile": "Compiled blocks and flex attention (the defaults) against the eager forward on SDPA",

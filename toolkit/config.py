@@ -63,6 +63,9 @@ class ModelConfig:
     compile: Switch = "auto"
     """torch.compile each decoder block, in place (checkpoint and export names are unchanged); auto: on
     CUDA for one process, DDP and FSDP with LoRA or full fine-tuning, off on CPU where it does not pay."""
+    compile_cache: str = ""
+    """Where compiled code is kept for the next start of a compiled run: "" the run's own
+    output_dir/compile-cache, a folder to share between runs of the same shapes, or "off"."""
     trust_remote_code: bool = False
     """Allow modelling code shipped with the checkpoint to run."""
     quant_storage: QuantStorage = "auto"

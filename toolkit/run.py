@@ -17,20 +17,20 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from toolkit import checkpoint, console, data, distributed
-from toolkit.checkpoint import rundir
+from toolkit.checkpoint import compile_cache, rundir
 from toolkit.checkpoint.resume import Resume
 from toolkit.errors import UserError, leave_at_once, run_main
 from toolkit.launch import backend, checks, machine
 from toolkit.launch.deepspeed import fill_width_settings
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE, StopRequest
-from toolkit.model import expert_parallel, flops, moe, quant, quant_experts, speed, tensor_parallel, vision
+from toolkit.model import expert_parallel, flops, moe, quant, speed, tensor_parallel, vision
 from toolkit.model import load as models
 from toolkit.model.facts import read_model_facts
 from toolkit.pipeline import runtime as pipeline_runtime
 from toolkit.train import batches, metrics, optim, sequence_parallel
 from toolkit.train.nonfinite import NonFiniteGuard
 from toolkit.train.offload import activation_offload
-from toolkit.train.router import RouterBalance, router_coef
+from toolkit.train.router import RouterBalance, experts_line, router_coef
 from toolkit.train.steps import apply_update, closing_lines, every, export_final, first_image
 from toolkit.train.watchdog import Watchdog
 from toolkit.typed_yaml import flat_dict
@@ -55,6 +55,8 @@ class Run:
         """A vision-language model's processor (images to pixels), once the data is read; else None."""
         self.images = None
         """A vision-language model's image handling (data.ImageInputs), once the data is read; else None."""
+        self.compiled = compile_cache.CompileCache(None)
+        """The compiled code kept with the run (checkpoint/compile_cache.py), once the model is loaded."""
 
     def __enter__(self) -> Run:
         return self
@@ -172,6 +174,11 @@ class Run:
             parts=cfg.vision,
             scalar_head=scalar_head,
         )
+        self.compiled = compile_cache.open_cache(
+            cfg.model.compile_cache, self.output_dir, self.features.compile
+        )
+        if self.compiled.note:
+            self.accelerator.print(self.compiled.note)
         if cfg.moe.expert_parallel > 1:
             expert_parallel.keep_out_of_ddp(model, cfg.moe.expert_parallel)
         if self.launch.mesh.tp > 1:
@@ -198,17 +205,7 @@ class Run:
         """A mixture of experts' router balance (inert for a dense model), announced with what is trained."""
         routing, coef = moe.routing(model.config), router_coef(self.cfg.moe, model.config)
         if routing.experts:
-            parts = ", ".join(f"{part} {count:,}" for part, count in moe.trained_parts(model).items())
-            packed = quant_experts.stored_bytes(model)
-            stored = f"; experts stored in 4-bit, {packed / 2**20:,.2f} MiB" if packed else ""
-            if self.cfg.moe.expert_parallel > 1:
-                stored += f"; experts split over {self.cfg.moe.expert_parallel} processes"
-            self.accelerator.print(
-                f"experts: {routing.experts} a layer, {routing.per_token} per token, "
-                f"{getattr(model.config, '_experts_implementation', None) or 'eager'} kernel; router balance "
-                f"{coef:g} x the load-balancing loss, pooled over {self.data_parallel} data-parallel "
-                f"rank(s); trained: {parts}{stored}"
-            )
+            self.accelerator.print(experts_line(model, routing, coef, self.cfg.moe, self.data_parallel))
         return RouterBalance(model, routing, coef, self.global_sum, self.data_parallel)
 
     def pipeline(self, model, pad_id: int, loss_fn, rows_per_example: int = 1, uniform: bool = True):
@@ -348,6 +345,8 @@ class Run:
         """Count the step's tokens; on logging steps write `values` with the learning rate, speed and
         throughput (`per_second`: {"pairs": n} logs pairs_per_s) to metrics.jsonl and the progress bar."""
         self.tokens_seen += tokens
+        if cached := self.compiled.after_step(self.accelerator.is_main_process):
+            self.log.write(step, **cached)
         values = {**values, **self.router.step_metrics()}
         train = self.cfg.train
         if not every(step, train.log_every_steps, train.max_steps):
@@ -424,6 +423,8 @@ class Run:
         self.watchdog.beat(f"the checkpoint of step {step}")
         extra = self.recipe_state() if self.recipe_state is not None else None
         checkpoint.save_checkpoint(self.accelerator, self.output_dir, step, state, self.cfg, extra)
+        if self.accelerator.is_main_process:
+            self.compiled.save()  # graphs compiled since the first step
         self.schedule.saved(step)
 
 

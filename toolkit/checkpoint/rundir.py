@@ -23,10 +23,13 @@ LOCK = ".ftkit-run.lock"
 CONFIG = "config.yaml"
 # The preference recipe's precomputed reference log-probs and what they were computed from.
 REFERENCE_LOGPS = ("reference_logps.safetensors", "reference_logps.json")
+# Compiled code (checkpoint/compile_cache.py): kept when a fresh run replaces the last, for the same shapes.
+COMPILE_CACHE = "compile-cache"
 # What a run (and `ftkit plot`) writes at the top of output_dir; trackers' folders are recorded in MARKER.
 OUTPUTS = frozenset(
     {MARKER, LOCK, CONFIG, STALL_DIR, "metrics.jsonl", "metrics.png", "checkpoints", "final", "final.tmp"}
     | set(REFERENCE_LOGPS)
+    | {COMPILE_CACHE}
 )
 CHECKPOINT_NAME = re.compile(r"^(step-\d+|\.step-\d+\.tmp)$")
 
@@ -163,8 +166,8 @@ def prepare_output_dir(accelerator, output_dir: Path, cfg: RecipeConfig, fresh: 
 
 
 def clear_output_dir(output_dir: Path) -> None:
-    """Delete ftkit's outputs from output_dir (not the lock this run holds); refuse a directory holding
-    anything else, or one ftkit did not create."""
+    """Delete ftkit's outputs from output_dir (not the lock this run holds, nor the compile cache); refuse a
+    directory holding anything else, or one ftkit did not create."""
     entries = _entries(output_dir)
     if entries and not (output_dir / MARKER).is_file():
         raise UserError(f"output_dir: {output_dir} was not created by ftkit; refusing to clear it")
@@ -173,7 +176,7 @@ def clear_output_dir(output_dir: Path) -> None:
         raise UserError(
             f"output_dir: {output_dir} holds files ftkit did not write ({', '.join(foreign[:3])})"
         )
-    for name in sorted(entries - {MARKER}) + [MARKER] * (MARKER in entries):
+    for name in sorted(entries - {MARKER, COMPILE_CACHE}) + [MARKER] * (MARKER in entries):
         path = output_dir / name
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 

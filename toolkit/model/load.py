@@ -128,20 +128,21 @@ def load_model(
             # Frozen embeddings give checkpointed blocks inputs without grad; the adapters need one.
             model.enable_input_require_grads()
     if loss is not None and loss.head != "full" and not scalar_head:
-        _chunked_head(model, loss)
+        _chunked_head(model, loss, fused=bool(features and features.compile))
     if features and features.compile:
         speed.compile_blocks(model)
     return model
 
 
-def _chunked_head(model, loss: LossConfig) -> None:
+def _chunked_head(model, loss: LossConfig, fused: bool = False) -> None:
     """The chunked head in place of the output layer; under `auto`, where it cannot reproduce the model's
-    logits, the model's own head stays (the same loss), said once."""
+    logits, the model's own head stays (the same loss), said once. `fused`: its per-chunk math compiled
+    with the blocks."""
     reason = head.not_chunkable(model)
     if reason and loss.head == "auto":
         console.say_once(f"loss.head auto: full logits ({reason})")
         return
-    head.install(model, loss.chunk_tokens)
+    head.install(model, loss.chunk_tokens, fused)
 
 
 def merge_start_adapter(model, adapter: str):

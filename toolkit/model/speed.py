@@ -143,6 +143,9 @@ def compile_blocks(model) -> int:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(base, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in names]
+    # Float arguments (attention's scale) are the model's constants: traced as dynamic, they restart the
+    # first compilation once to specialise them.
+    torch._dynamo.config.specialize_float = True
     for block in blocks:
         block.compile(dynamic=True)
     base.config.use_cache = False

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from toolkit.distributed import data_shard, unwrap
+from toolkit.model.speed import eager_blocks
 from toolkit.pipeline.generate import PipelineGenerator
 from toolkit.preference.config import DpoConfig
 from toolkit.preference.data import strided_batches
@@ -19,7 +20,13 @@ def evaluate_pairs(
     model, dataset, collate, accelerator, cfg: DpoConfig, reference, batch_size: int, pipeline=None
 ) -> dict:
     """Collective: eval_* metrics over every pair of `dataset`; `reference(batch)` gives the reference
-    log-probs of a stacked batch (None for reference-free losses); through `pipeline`'s stages if any."""
+    log-probs of a stacked batch (None for reference-free losses); through `pipeline`'s stages if any.
+    Compiled blocks run eagerly here (`eager_blocks`): an eval-mode graph would be one more compilation."""
+    with eager_blocks():
+        return _evaluate_pairs(model, dataset, collate, accelerator, cfg, reference, batch_size, pipeline)
+
+
+def _evaluate_pairs(model, dataset, collate, accelerator, cfg, reference, batch_size, pipeline) -> dict:
     was_training = getattr(model, "module", model).training  # DeepSpeed's engine keeps a stale flag
     model.eval()
     sums = PairSums(accelerator.device)

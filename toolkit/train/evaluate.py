@@ -152,21 +152,19 @@ def eval_mode(model):
 
 @torch.no_grad()
 def eval_loss(model, loader: DataLoader, accelerator, max_batches: int = 0) -> dict:
-    """Collective: mean token loss over the whole eval set (all ranks) and its perplexity."""
+    """Collective: mean token loss over the whole eval set (all ranks) and its perplexity. Compiled blocks
+    run eagerly here (`eager_blocks`): an eval-mode graph would be one more compilation before the first
+    step, and costs more than it saves over the default before/after evaluations (docs/recipes.md)."""
     was_training = getattr(model, "module", model).training  # DeepSpeed's engine keeps a stale flag
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    for i, batch in enumerate(loader):
-        if max_batches and i >= max_batches:
-            break
-        batch = {key: value.to(accelerator.device) for key, value in batch.items()}
-        labels = batch["labels"]
-        totals += torch.stack(
-            [
-                batch_loss(model, batch).double(),
-                torch.tensor(float(count_targets(labels)), dtype=torch.float64, device=totals.device),
-            ]
-        )
+    with eager_blocks():
+        for batch in itertools.islice(loader, max_batches or None):
+            batch = {key: value.to(accelerator.device) for key, value in batch.items()}
+            count = torch.tensor(
+                float(count_targets(batch["labels"])), dtype=torch.float64, device=totals.device
+            )
+            totals += torch.stack([batch_loss(model, batch).double(), count])
     model.train(was_training)
     return _loss_result(accelerator, totals)
 

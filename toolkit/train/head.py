@@ -25,6 +25,7 @@ from toolkit.data.collate import model_inputs
 from toolkit.data.encode import IGNORE
 from toolkit.errors import UserError
 from toolkit.model.speed import eager_blocks
+from toolkit.train.fused_head import chunk_bounds, chunk_math
 
 # Config keys of models whose forward changes the logits after the head in a way the chunked head cannot
 # reproduce; each is refused by name rather than scored wrongly.
@@ -39,7 +40,14 @@ class TargetHead(nn.Linear):
         if self.targets is None:
             return super().forward(hidden)
         return score(
-            hidden, self.weight, self.bias, self.targets, self.chunk_tokens, self.uniform, self.shape
+            hidden,
+            self.weight,
+            self.bias,
+            self.targets,
+            self.chunk_tokens,
+            self.uniform,
+            self.shape,
+            self.fused,
         )
 
 
@@ -58,8 +66,9 @@ def not_chunkable(model) -> str | None:
     return None
 
 
-def install(model, chunk_tokens: int) -> None:
-    """Make `model`'s output layer a TargetHead in place (one line naming what stands in the way)."""
+def install(model, chunk_tokens: int, fused: bool = False) -> None:
+    """Make `model`'s output layer a TargetHead in place (one line naming what stands in the way).
+    `fused`: its per-chunk math compiled into fused kernels (`fused_head`), as compiled blocks have it."""
     reason = not_chunkable(model)
     if reason:
         raise UserError(f"loss.head: chunked: {reason}; set loss.head: full")
@@ -70,6 +79,7 @@ def install(model, chunk_tokens: int) -> None:
     layer.uniform = False
     layer.chunk_tokens = chunk_tokens
     layer.shape = LogitShape.of(model.config)
+    layer.fused = chunk_math(layer.shape.scale, layer.shape.softcap) if fused else None
 
 
 def logit_change_problem(config) -> str | None:
@@ -207,13 +217,19 @@ def verify(model, layer: TargetHead, batch: dict) -> None:
         )
 
 
-def score(hidden, weight, bias, targets, chunk_tokens: int, uniform: bool, shape: LogitShape) -> torch.Tensor:
+def score(
+    hidden, weight, bias, targets, chunk_tokens: int, uniform: bool, shape: LogitShape, fused=None
+) -> torch.Tensor:
     """Log-probabilities of `targets` (the shape of `hidden` less its last dimension) under the head, 0
     where a target is IGNORE; only the label positions go through the head. The result is a tensor of its
-    own, not a view (FSDP2 hooks a module's outputs, which an in-place op on a view would bypass)."""
+    own, not a view (FSDP2 hooks a module's outputs, which an in-place op on a view would bypass).
+    `fused`: the compiled per-chunk math (`fused_head.chunk_math`), else the eager passes."""
     picked = (targets != IGNORE).nonzero(as_tuple=True)
     out_dtype = torch.promote_types(hidden.dtype, torch.float32)
-    logps = _TargetLogps.apply(hidden[picked], weight, bias, targets[picked], chunk_tokens, uniform, shape)
+    picked_hidden, picked_targets = hidden[picked], targets[picked]
+    logps = _TargetLogps.apply(
+        picked_hidden, weight, bias, picked_targets, chunk_tokens, uniform, shape, fused
+    )
     full = torch.zeros(targets.shape, dtype=out_dtype, device=hidden.device)
     return full.index_put(picked, logps.to(out_dtype))
 
@@ -229,11 +245,11 @@ class _TargetLogps(torch.autograd.Function):
     (LoRA) is thus never recomputed."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_tokens, uniform, shape):
+    def forward(ctx, hidden, weight, bias, targets, chunk_tokens, uniform, shape, fused):
         device = hidden.device.type
         autocast = torch.is_autocast_enabled(device)
         ctx.dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
-        ctx.chunk_tokens, ctx.shape = chunk_tokens, shape
+        ctx.chunk_tokens, ctx.shape, ctx.fused = chunk_tokens, shape, fused
         ctx.save_for_backward(hidden, weight, bias, targets)
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         early = (need_hidden, need_weight and uniform, need_bias and uniform)
@@ -242,8 +258,13 @@ class _TargetLogps(torch.autograd.Function):
         out = torch.empty(len(targets), dtype=out_dtype, device=hidden.device)
         with torch.autocast(device, enabled=False):
             w, b = _cast(weight, ctx.dtype), _cast(bias, ctx.dtype)
-            for rows in _chunks(len(targets), chunk_tokens):
+            for rows in chunk_bounds(len(targets), chunk_tokens, fused is not None):
                 h = hidden[rows].to(ctx.dtype)
+                if fused is not None:
+                    out[rows], dz = fused(F.linear(h, w, b), targets[rows], out_dtype, None, any(early))
+                    if dz is not None:
+                        _accumulate(grads, dz, h, w, rows)
+                    continue
                 logits = shape.apply(_head(h, w, b, out_dtype))
                 lse = torch.logsumexp(logits, dim=-1)
                 out[rows] = logits.gather(1, targets[rows, None]).squeeze(1) - lse
@@ -265,7 +286,7 @@ class _TargetLogps(torch.autograd.Function):
         else:
             factor = grad_out[0] if len(grad_out) else 0.0
             param_grads = [g.mul_(factor) if g is not None else None for g in param_grads]
-        return (grad_hidden, *param_grads, None, None, None, None)
+        return (grad_hidden, *param_grads, None, None, None, None, None)
 
 
 def _recomputed_param_grads(ctx, hidden, weight, bias, targets, grad_out, needs) -> list:
@@ -275,17 +296,17 @@ def _recomputed_param_grads(ctx, hidden, weight, bias, targets, grad_out, needs)
         return grads[1:]
     with torch.autocast(hidden.device.type, enabled=False):
         w, b = _cast(weight, ctx.dtype), _cast(bias, ctx.dtype)
-        for rows in _chunks(len(targets), ctx.chunk_tokens):
+        for rows in chunk_bounds(len(targets), ctx.chunk_tokens, ctx.fused is not None):
             h = hidden[rows].to(ctx.dtype)
+            if ctx.fused is not None:
+                _, dz = ctx.fused(F.linear(h, w, b), targets[rows], grad_out.dtype, grad_out[rows], True)
+                _accumulate(grads, dz, h, w, rows)
+                continue
             logits = ctx.shape.apply(_head(h, w, b, grad_out.dtype))
             lse = torch.logsumexp(logits, dim=-1)
             dz = _dlogp(logits, lse, targets[rows], ctx.shape).mul_(grad_out[rows, None])
             _accumulate(grads, dz.to(ctx.dtype), h, w, rows)
     return grads[1:]
-
-
-def _chunks(n: int, size: int):
-    return (slice(start, min(start + size, n)) for start in range(0, n, size))
 
 
 def _cast(tensor, dtype):

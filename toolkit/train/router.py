@@ -102,3 +102,21 @@ class RouterBalance:
         }
         self._values, self._load = [], []
         return metrics
+
+
+def experts_line(model, routing, coef: float, cfg, data_parallel: int) -> str:
+    """The start-up line of a mixture of experts: its routing, kernel, router balance and what is trained
+    (`cfg`: the moe section)."""
+    from toolkit.model import moe, quant_experts
+
+    parts = ", ".join(f"{part} {count:,}" for part, count in moe.trained_parts(model).items())
+    packed = quant_experts.stored_bytes(model)
+    stored = f"; experts stored in 4-bit, {packed / 2**20:,.2f} MiB" if packed else ""
+    if cfg.expert_parallel > 1:
+        stored += f"; experts split over {cfg.expert_parallel} processes"
+    kernel = getattr(model.config, "_experts_implementation", None) or "eager"
+    return (
+        f"experts: {routing.experts} a layer, {routing.per_token} per token, {kernel} kernel; router balance "
+        f"{coef:g} x the load-balancing loss, pooled over {data_parallel} data-parallel rank(s); "
+        f"trained: {parts}{stored}"
+    )
