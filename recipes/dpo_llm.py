@@ -1,4 +1,4 @@
-"""Preference tuning of a causal language model (DPO, IPO, SimPO, ORPO): full or LoRA, on any backend.
+"""Preference tuning of a causal language model (DPO, IPO, SimPO, ORPO, KTO): full or LoRA, on any backend.
 
     accelerate launch [--config_file accelerate_configs/<backend>.yaml] recipes/dpo_llm.py \\
         [--config recipes/configs/<run>.yaml] [dotted.key=value ...]
@@ -13,7 +13,7 @@ from __future__ import annotations
 from toolkit import data
 from toolkit.preference import config as pref
 from toolkit.preference import data as pairs
-from toolkit.preference import evaluate, reference
+from toolkit.preference import evaluate, kto, reference, unpaired
 from toolkit.preference import loss as pref_loss
 from toolkit.preference import pipeline as pref_pipeline
 from toolkit.run import Run, exit_with, recipe_args
@@ -33,7 +33,10 @@ def train(run: Run, cfg) -> int:
     # Pairs and model: a stop here ends the run at once.
     with run.interruptible():
         tokenizer = run.chat_tokenizer()
-        train_set, eval_set, stats = pairs.build_pairs(
+        # KTO reads rows of one completion flagged desirable or not (pairs split into both kinds).
+        rows_of_one = cfg.dpo.loss == "kto"
+        build = unpaired.build_rows if rows_of_one else pairs.build_pairs
+        train_set, eval_set, stats = build(
             cfg.data, tokenizer, pref.prompt_budget(cfg), cfg.seed, accelerator.main_process_first, run.images
         )
         accelerator.print(stats.summary())
@@ -62,9 +65,12 @@ def train(run: Run, cfg) -> int:
         fresh=run.resume.checkpoint is None,
         pipeline=pipeline,
     )
-    evaluator = evaluate.PairEvaluator(
-        accelerator, model, tokenizer, eval_set, collate, cfg, ref, run.log, pipeline
-    )
+    if rows_of_one:
+        evaluator = kto.RowEvaluator(accelerator, model, tokenizer, eval_set, collate, cfg, ref, run.log)
+    else:
+        evaluator = evaluate.PairEvaluator(
+            accelerator, model, tokenizer, eval_set, collate, cfg, ref, run.log, pipeline
+        )
     start_step = run.begin(model, evaluator)  # a checkpoint's state, or the starting point measured
 
     # The loop: one iteration per optimizer step, `grad_accum` micro-batches of pairs each; pair terms are
@@ -82,6 +88,8 @@ def train(run: Run, cfg) -> int:
         token_scale = loss.backward_scale(chosen_tokens, run.grad_accum, run.gradient_ranks)
         if pipeline is not None:
             sums = pref_pipeline.pair_step(pipeline, micro_batches, ref, cfg.dpo, pair_scale, token_scale)
+        elif rows_of_one:
+            sums = kto.row_step(run, model, micro_batches, ref, cfg, pair_scale)
         else:
             sums = pref_loss.PairSums(accelerator.device)
             for batch in micro_batches:
@@ -94,7 +102,7 @@ def train(run: Run, cfg) -> int:
                     sums.add(terms, logps, counts)
         step_metrics = sums.reduce(accelerator).metrics()
         grad_norm = run.update(model, optimizer, scheduler, step, step_metrics["loss"])
-        rows, per_second = 2 * step_pairs, {"pairs": step_pairs}
+        rows, per_second = 2 * step_pairs, {"rows" if rows_of_one else "pairs": step_pairs}
         run.log_step(step, scheduler, step_tokens, rows, per_second, **step_metrics, grad_norm=grad_norm)
         eval_result = evaluator.evaluate(step) if run.evaluating(step) else {}
         run.maybe_checkpoint(step, eval_result)

@@ -15,7 +15,12 @@ from toolkit.recipes import recipe_of
 
 CONFIGS = sorted((REPO / "recipes" / "configs").rglob("*.yaml"))
 ASSETS = REPO / "toolkit" / "assets"
-EMBEDDED_DATA = {"sft": "demo/train.jsonl", "grpo": "demo/train.jsonl", "dpo": "demo/pairs_train.jsonl"}
+EMBEDDED_DATA = {
+    "sft": "demo/train.jsonl",
+    "grpo": "demo/train.jsonl",
+    "dpo": "demo/pairs_train.jsonl",
+    "rm": "demo/pairs_train.jsonl",
+}
 
 
 def local(path: str) -> bool:
@@ -54,7 +59,7 @@ def test_every_shipped_recipe_config_passes_check_config_with_its_own_recipe(pat
     )
     assert f"ok: ddp on 2 process(es) as gloo CPU processes (no GPU here) for the {recipe} recipe" in report
     data_line = report.splitlines()[-1]
-    if recipe == "dpo":
+    if recipe in ("dpo", "rm"):
         assert data_line.startswith("preference pairs: the opening 8 records of each source read as")
     else:
         assert data_line.startswith("chat template: generation prompts agree"), data_line
@@ -68,6 +73,19 @@ def test_the_recipe_is_told_by_the_configs_sections():
         "grpo",
     ]
     assert recipe_of(configs / "llama3-8b-dpo-lora.yaml") == "dpo" and recipe_of(None) == "sft"
+
+
+def test_kto_reads_pairs_as_its_rows(tmp_path):
+    config = tmp_path / "kto.yaml"
+    demo = yaml.safe_load((REPO / "recipes" / "configs" / "demo-dpo.yaml").read_text())
+    demo["model"].update(path=str(ASSETS / "tiny-llama"), adapter=None)
+    demo["dpo"].update(loss="kto", sft_weight=None)
+    demo["data"].update(train=str(ASSETS / "demo" / "pairs_train.jsonl"), eval=None)
+    config.write_text(yaml.safe_dump(demo))
+    report = check_config_cli(str(REPO / "accelerate_configs" / "ddp.yaml"), str(config), 2, {})
+    assert report.splitlines()[-1].startswith(
+        "preference pairs: the opening 8 records of each source read as explicit rows"
+    )
 
 
 def test_sft_data_given_to_the_dpo_recipe_is_one_line_naming_the_record(tmp_path):

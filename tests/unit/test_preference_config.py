@@ -47,7 +47,9 @@ def test_every_dpo_key_is_documented():
     ("overrides", "message"),
     [
         (["dpo.los=ipo"], "unknown key dpo.los (did you mean dpo.loss?)"),
-        (["dpo.loss=kto"], "dpo.loss: 'kto' is not one of sigmoid, ipo, simpo, orpo"),
+        (["dpo.loss=cpo"], "dpo.loss: 'cpo' is not one of sigmoid, ipo, simpo, orpo, kto"),
+        (["dpo.loss=kto"], "dpo.sft_weight: KTO's rows are desirable or not"),
+        (["dpo.loss=kto", "dpo.sft_weight=null", "pipeline.size=2"], "pipeline.size: dpo.loss kto"),
         (["dpo.beta=0"], "dpo.beta: must be positive"),
         (["dpo.beta=high"], "dpo.beta has the wrong type"),
         (["dpo.max_prompt_length=64"], "dpo.max_prompt_length: must be in [0, data.max_length=64)"),

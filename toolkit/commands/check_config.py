@@ -1,6 +1,7 @@
 """`ftkit check-config`: an accelerate YAML checked against a recipe config before anything starts. The
 recipe is the one the config is for (`toolkit.recipes`, the choice `ftkit train` makes), so its data is read
-by that recipe's own reader: SFT and GRPO rows through the chat template, DPO records as pairs."""
+by that recipe's own reader: SFT and GRPO rows through the chat template, DPO and reward-model records as
+pairs (KTO's as its rows)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from toolkit.launch.request import backend_name, batch_split
 from toolkit.model import vision
 from toolkit.model.facts import read_model_facts
 from toolkit.model.load import load_tokenizer
-from toolkit.preference.data import render_pair
+from toolkit.preference.data import render_answer, render_pair
 from toolkit.preference.records import detect_layout, to_pair
+from toolkit.preference.unpaired import to_rows
 from toolkit.recipes import load_any_recipe_config, recipe_name
 from toolkit.train.batches import grad_accum_steps
 
@@ -55,7 +57,8 @@ def check_config_cli(
         f"{recipe} recipe, global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} "
         f"x GA {ga} x {batch_split(launch)}"
     )
-    data_line = check_pairs(cfg) if recipe == "dpo" else check_chat_rows(cfg)
+    rows_of_one = recipe == "dpo" and cfg.dpo.loss == "kto"
+    data_line = check_pairs(cfg, rows_of_one) if recipe in ("dpo", "rm") else check_chat_rows(cfg)
     return "\n".join([summary, *notes, data_line])
 
 
@@ -73,9 +76,10 @@ def check_chat_rows(cfg) -> str:
     return f"chat template: generation prompts agree with the training text ({SAMPLE} records per source)"
 
 
-def check_pairs(cfg) -> str:
-    """DPO data: the opening records of each source read as pairs and rendered by the chat template, as
-    the recipe will read them (a mistake is one line naming the file and record)."""
+def check_pairs(cfg, rows_of_one: bool = False) -> str:
+    """Preference data: the opening records of each source read as pairs (`rows_of_one`: as KTO's rows) and
+    rendered by the chat template, as the recipe will read them (a mistake is one line naming the file and
+    record)."""
     tokenizer = load_tokenizer(cfg.model)
     layouts = []
     for name in train_sources(cfg.data):
@@ -84,10 +88,16 @@ def check_pairs(cfg) -> str:
             records = list(chunk.records())
             layout = detect_layout(records[0], chunk.where(0))
             for i, record in enumerate(records):
-                render_pair(tokenizer, to_pair(record, layout, chunk.where(i)), chunk.where(i))
+                where = chunk.where(i)
+                if rows_of_one:
+                    for prompt, completion, _ in to_rows(record, layout, where):
+                        render_answer(tokenizer, prompt, completion, where)
+                else:
+                    render_pair(tokenizer, to_pair(record, layout, where), where)
             layouts.append(layout)
             break
     return (
         f"preference pairs: the opening {SAMPLE} records of each source read as "
-        f"{', '.join(sorted(set(layouts)))} pairs and render through the chat template"
+        f"{', '.join(sorted(set(layouts)))} {'rows' if rows_of_one else 'pairs'} and render through the chat "
+        "template"
     )

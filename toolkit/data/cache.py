@@ -20,8 +20,8 @@ from toolkit.data.parallel import ordered_map
 from toolkit.errors import UserError
 
 TOKENS = pa.list_(pa.int32())
-COLUMN_TYPES = {"images": pa.list_(pa.string()), "margin": pa.float64()}
-"""Columns that are not token ids: a row's image references, a preference pair's margin."""
+COLUMN_TYPES = {"images": pa.list_(pa.string()), "margin": pa.float64(), "label": pa.bool_()}
+"""Columns that are not token ids: a row's image references, a preference pair's margin, a KTO row's flag."""
 # Bump when encoding changes, so rows cached by older code are not reused.
 CACHE_VERSION = 2
 

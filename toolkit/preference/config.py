@@ -8,7 +8,7 @@ from typing import Literal
 
 from toolkit.config import RecipeConfig, check_local_path, load_config
 from toolkit.errors import UserError
-from toolkit.fields import NonNegativeFloat
+from toolkit.fields import NonNegativeFloat, PositiveFloat
 
 DEMO_DPO_CONFIG = Path(__file__).resolve().parents[1] / "assets" / "demo-dpo.yaml"
 REFERENCE_FREE = ("simpo", "orpo")
@@ -16,11 +16,13 @@ REFERENCE_FREE = ("simpo", "orpo")
 
 @dataclass
 class DpoConfig:
-    loss: Literal["sigmoid", "ipo", "simpo", "orpo"] = "sigmoid"
+    loss: Literal["sigmoid", "ipo", "simpo", "orpo", "kto"] = "sigmoid"
     """Objective: sigmoid (DPO) | ipo | simpo (reference-free, length-normalised) | orpo (reference-free,
-    odds ratio plus NLL of the chosen completion)."""
+    odds ratio plus NLL of the chosen completion) | kto (rows of one completion flagged desirable or not;
+    pairs are split into both)."""
     beta: float = 0.1
-    """Strength of the preference term: DPO/SimPO temperature, IPO regulariser, ORPO's odds-ratio weight."""
+    """Strength of the preference term: DPO/SimPO/KTO temperature, IPO regulariser, ORPO's odds-ratio
+    weight."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin gamma (used by loss simpo only)."""
     sft_weight: NonNegativeFloat | None = None
@@ -37,10 +39,20 @@ class DpoConfig:
 
 
 @dataclass
+class KtoConfig:
+    desirable_weight: PositiveFloat = 1.0
+    """Weight of each desirable row's loss (raise it when desirable rows are the fewer: the KTO paper keeps
+    desirable_weight x desirable rows / (undesirable_weight x undesirable rows) within [1, 4/3])."""
+    undesirable_weight: PositiveFloat = 1.0
+    """Weight of each undesirable row's loss."""
+
+
+@dataclass
 class PreferenceConfig(RecipeConfig):
     output_dir: str = "runs/demo-dpo"
     """Where config.yaml, metrics.jsonl, checkpoints/, reference log-probs and final/ are written."""
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    kto: KtoConfig = field(default_factory=KtoConfig)
 
 
 def load_preference_config(path: str | Path | None, overrides: list[str]) -> PreferenceConfig:
@@ -64,6 +76,10 @@ def validate_preference(cfg: PreferenceConfig) -> None:
         raise UserError("data.format: preference layouts are detected from the records; leave it auto")
     if cfg.dpo.loss in REFERENCE_FREE and (cfg.dpo.reference_model or cfg.dpo.precompute_reference):
         raise UserError(f"dpo.loss {cfg.dpo.loss} uses no reference model; unset dpo.reference_model")
+    if cfg.dpo.loss == "kto" and cfg.dpo.sft_weight:
+        raise UserError("dpo.sft_weight: KTO's rows are desirable or not, no chosen answer; leave it unset")
+    if cfg.dpo.loss == "kto" and cfg.pipeline.size > 1:
+        raise UserError("pipeline.size: dpo.loss kto does not run on a pipeline; use fsdp or zero3")
     if cfg.dpo.reference_model:
         check_local_path(cfg.dpo.reference_model, "dpo.reference_model")
 

@@ -153,11 +153,13 @@ class PairStats:
     eval_pairs: int
     truncated: int
     dropped: int
+    unit: str = "pairs"
+    """What a row of the sets is (KTO's are rows of one completion)."""
 
     def summary(self) -> str:
         sources = ", ".join(f"{name}: {count}" for name, count in self.train_pairs.items())
         return (
-            f"data: {sum(self.train_pairs.values())} train pairs ({sources}), {self.eval_pairs} eval, "
+            f"data: {sum(self.train_pairs.values())} train {self.unit} ({sources}), {self.eval_pairs} eval, "
             f"{self.truncated} truncated, {self.dropped} dropped"
         )
 
@@ -169,16 +171,19 @@ def build_pairs(
     seed: int,
     main_process_first=contextlib.nullcontext,
     images: ImageInputs | None = None,
+    encoder=None,
 ):
     """(train, eval or None, stats): datasets of token pairs, held out and mixed as SFT data is; `images`
-    (a vision-language model's) encodes prompts with their images (rows get an `images` column)."""
+    (a vision-language model's) encodes prompts with their images (rows get an `images` column);
+    `encoder`: what a chunk of records becomes (PairEncoder's arguments; default PairEncoder)."""
+    encoder = encoder or PairEncoder
     names = train_sources(cfg)
     if not names:
         raise UserError("data.train: no training source given")
     ensure_chat_template(tokenizer)
     with main_process_first():
-        parts = [_prepare(name, cfg, tokenizer, keep_prompt, images) for name in names]
-        held = _prepare(cfg.eval, cfg, tokenizer, keep_prompt, images) if cfg.eval else None
+        parts = [_prepare(name, cfg, tokenizer, keep_prompt, images, encoder) for name in names]
+        held = _prepare(cfg.eval, cfg, tokenizer, keep_prompt, images, encoder) if cfg.eval else None
     held_set = held.dataset if held else None
     rng = np.random.default_rng(seed)
     split = split_sources([p.dataset for p in parts], held_set, cfg.eval_fraction, cfg.weights, rng)
@@ -203,7 +208,9 @@ class _Part:
     dropped: int
 
 
-def _prepare(name: str, cfg: DataConfig, tokenizer, keep_prompt: int, images: ImageInputs | None) -> _Part:
+def _prepare(
+    name: str, cfg: DataConfig, tokenizer, keep_prompt: int, images: ImageInputs | None, encoder
+) -> _Part:
     source = read_source(name, cfg.split)
     first = source.first()
     if first is None:
@@ -211,11 +218,11 @@ def _prepare(name: str, cfg: DataConfig, tokenizer, keep_prompt: int, images: Im
     layout = detect_layout(*first)
     # Rows keep their images' resolved paths: the same file elsewhere is other rows.
     seen = [image_fingerprint(images), str(source_folder(name))] if images is not None else []
-    key = cache_key("pairs", ENCODING_VERSION, source.identity, cfg.max_length, keep_prompt, *seen)
+    key = cache_key(encoder.__name__, ENCODING_VERSION, source.identity, cfg.max_length, keep_prompt, *seen)
     dataset, counts = encode_to_cache(
         cache_key(key, tokenizer_fingerprint(tokenizer)),
         source.read(CHUNK),
-        PairEncoder(layout, tokenizer, cfg.max_length, keep_prompt, images),
+        encoder(layout, tokenizer, cfg.max_length, keep_prompt, images),
         1,
         desc=f"encoding {name}",
         empty_error=lambda counts: f"{name}: no pair left after cutting to data.max_length={cfg.max_length}",
@@ -253,6 +260,8 @@ class PairCollator:
         ]
         batch = self.rows(stacked)
         batch["margin"] = torch.tensor([float(r.get("margin", 0.0)) for r in rows])
+        if "label" in rows[0]:  # KTO's rows (toolkit/preference/unpaired.py)
+            batch["label"] = torch.tensor([bool(r["label"]) for r in rows])
         if "pair_index" in rows[0]:
             batch["pair_index"] = torch.tensor([r["pair_index"] for r in rows], dtype=torch.long)
         return batch

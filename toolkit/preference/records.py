@@ -1,13 +1,15 @@
 """Preference records to (prompt, chosen, rejected) conversations.
 
-Two published layouts are read, told apart by their keys:
+The published layouts are read, told apart by their keys:
 - explicit prompt: `prompt`, `chosen`, `rejected`, each text or a list of {role, content} turns (a text
   prompt is one user turn, a text answer one assistant turn; answers that repeat the prompt's turns, as
   in UltraFeedback-binarized, have them removed);
 - implicit prompt: `chosen` and `rejected` only, two whole conversations whose shared opening turns are the
   prompt (HH-RLHF style);
 - ranking: `conversations` (sharegpt turns) as the prompt, `chosen` and `rejected` each one {from, value}
-  turn, with optional `system` and `tools` columns (LLaMA-Factory).
+  turn, with optional `system` and `tools` columns (LLaMA-Factory);
+- unpaired: `prompt`, `completion` and a `label`, one answer flagged desirable or not (TRL's KTO layout),
+  read by toolkit/preference/unpaired.py: it is no pair.
 Turns may carry tool calls, tool results and reasoning, as in SFT data (see toolkit/data/formats.py).
 
 Any layout may carry a `margin` column: how much better the chosen answer is, a number (a reward model
@@ -30,6 +32,7 @@ LAYOUTS = {
     "ranking": ("conversations", "chosen", "rejected"),
     "explicit": ("prompt", "chosen", "rejected"),
     "implicit": ("chosen", "rejected"),
+    "unpaired": ("prompt", "completion"),
 }
 
 
@@ -68,6 +71,12 @@ def detect_layout(record: dict, where: str) -> str:
 
 def to_pair(record: dict, layout: str, where: str) -> Pair:
     """The record's pair; a missing side, identical answers or no shared prompt is an error at `where`."""
+    if layout == "unpaired":
+        raise UserError(
+            f"{where}: keys prompt and completion are one answer, not a pair: SFT data "
+            "(recipes/finetune_llm.py)"
+            " or, flagged by a 'label', KTO's (dpo.loss: kto)"
+        )
     for key in LAYOUTS[layout]:
         if record.get(key) in (None, "", []):
             raise UserError(f"{where}: missing or empty '{key}'")
