@@ -13,6 +13,7 @@ import torch
 from helpers import REPO, run_script, train_lines
 from transformers import AutoModelForSequenceClassification
 
+from toolkit.commands import cli
 from toolkit.commands.score import score_cli
 from toolkit.train.metrics import read_metrics
 
@@ -57,7 +58,7 @@ def single(tmp_path_factory, pair_files):
     return out, result
 
 
-def test_run_logs_reward_metrics_and_exports_a_scorer(single):
+def test_run_logs_reward_metrics_and_exports_a_scorer(single, tmp_path):
     out, result = single
     lines = train_lines(out)
     assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
@@ -76,6 +77,13 @@ def test_run_logs_reward_metrics_and_exports_a_scorer(single):
     for a, b in zip(by_adapter, by_merged, strict=True):
         assert float(a.split("\t")[0]) == pytest.approx(float(b.split("\t")[0]), abs=1e-4)
     assert by_adapter[0].endswith("\t85")
+    # A checkpoint exported on one CPU, merged, scores as the run's own export.
+    exported = tmp_path / "exported"
+    checkpoint = out / "checkpoints" / f"step-{STEPS}"
+    assert cli.main(["export", str(checkpoint), "--out", str(exported), "--merge-lora"]) == 0
+    by_checkpoint = score_cli(str(exported), "What is 38 + 47?", answers)
+    for a, b in zip(by_adapter, by_checkpoint, strict=True):
+        assert float(a.split("\t")[0]) == pytest.approx(float(b.split("\t")[0]), abs=1e-4)
 
 
 def test_resume_continues_exactly(single, pair_files, tmp_path):

@@ -16,8 +16,8 @@ from toolkit.checkpoint.rundir import MARKER as RUN_MARKER
 from toolkit.config import RecipeConfig
 from toolkit.errors import UserError
 from toolkit.model import load as models
-from toolkit.model import quant, vision
-from toolkit.recipes import load_any_recipe_config
+from toolkit.model import quant, scalar, vision
+from toolkit.recipes import load_any_recipe_config, recipe_name
 
 EXPORT_MARKER = ".ftkit-export"
 """Left in every export, so that a later export may replace it (and nothing else)."""
@@ -154,10 +154,12 @@ def model_skeleton(cfg: RecipeConfig) -> torch.nn.Module:
     except ValueError as exc:
         raise UserError(f"model.path: {cfg.model.path}: {models.remote_code_refusal(exc)}") from None
     dtype = config.dtype if cfg.model.dtype == "auto" else models.DTYPES[cfg.model.dtype]
+    scalar_head = recipe_name(cfg) == "rm"
+    if scalar_head:  # a reward model: one label, pooled at the pad token its run batched with
+        config.num_labels, config.pad_token_id = 1, models.load_tokenizer(cfg.model).pad_token_id
+    auto_class = scalar.auto_class() if scalar_head else vision.auto_class(config.model_type)
     with torch.device("meta"):
-        model = vision.auto_class(config.model_type).from_config(
-            config, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code
-        )
+        model = auto_class.from_config(config, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
         parts = cfg.vision if vision.is_vision(config.model_type) else None
         if cfg.model.method != "full":
             from peft import get_peft_model
