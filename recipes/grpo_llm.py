@@ -33,11 +33,13 @@ def main(argv: list[str]) -> int:
 def train(run: Run, cfg) -> int:
     accelerator = run.accelerator
 
-    rewards = Rewards.build(cfg.grpo)  # a user's reward function is imported before anything loads
+    # A user's reward function is imported, and a reward model loaded, before anything else loads.
+    rewards = Rewards.build(cfg.grpo, accelerator.device)
 
     # Prompts (every SFT layout: the last assistant turn is the reference answer) and model.
     with run.interruptible():
         tokenizer, train_set, eval_set = run.chat_data()
+        rewards.check_tokenizer(tokenizer)
         prompts = prompt_sets.prompt_set(train_set, tokenizer)
         eval_loader = run.eval_loader(eval_set, tokenizer.pad_token_id)
         model = run.load_model()

@@ -122,3 +122,23 @@ def test_backend_gives_one_process_loss(config, single, pair_files, tmp_path):
     start = [r for r in read_metrics(run / "metrics.jsonl") if r["step"] == 0][0]
     first = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] == 0][0]
     assert start["eval_loss"] == pytest.approx(first["eval_loss"], rel=1e-5), config
+
+
+def test_start_from_an_sft_adapter(pair_files, tmp_path):
+    """The SFT adapter (trained on the causal LM) folds into the base under the scalar head, and the
+    exported adapter, which carries it, scores as the trained model did."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(REPO / "toolkit" / "assets" / "tiny-llama")
+    sft = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    sft.save_pretrained(tmp_path / "sft")
+    out = tmp_path / "run"
+    run_rm(out, pair_files, f"model.adapter={tmp_path / 'sft'}", "train.max_steps=1", "export.merge=true")
+    assert (out / "final" / "start_adapter" / "adapter_config.json").is_file()
+    answers = ["85", "58"]
+    by_adapter = score_cli(str(out / "final"), "What is 38 + 47?", answers)
+    by_merged = score_cli(str(out / "final" / "merged"), "What is 38 + 47?", answers)
+    for a, b in zip(by_adapter, by_merged, strict=True):
+        assert float(a.split("\t")[0]) == pytest.approx(float(b.split("\t")[0]), abs=1e-4)

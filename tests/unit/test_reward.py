@@ -118,3 +118,39 @@ def test_scalar_folders_are_recognised(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"]}))
     assert scalar.saved_scalar(tmp_path)
     assert not scalar.saved_scalar(TINY)
+
+
+@pytest.fixture
+def reward_folder(tmp_path):
+    """A reward model folder as recipes/reward_llm.py exports one: the embedded model with a scalar head."""
+    torch.manual_seed(0)
+    folder = tmp_path / "rm"
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    model = LlamaForSequenceClassification.from_pretrained(TINY, num_labels=1)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, tokenizer
+
+
+def test_a_reward_model_is_a_grpo_reward(reward_folder, tmp_path):
+    from toolkit.grpo.config import GrpoConfig, GrpoRecipeConfig, validate_grpo
+    from toolkit.grpo.rewards import Rewards
+    from toolkit.reward.score import answer_ids, score_rows
+
+    folder, tokenizer = reward_folder
+    rewards = Rewards.build(GrpoConfig(rewards=[str(folder), "exact_answer"], reward_weights=[0.5, 1.0]))
+    rewards.check_tokenizer(tokenizer)
+    prompt = [{"role": "user", "content": "What is 2 + 3?"}]
+    rows = [answer_ids(tokenizer, prompt, answer, "test") for answer in ("5", "23")]
+    scores = rewards.score(["q", "q"], ["5", "23"], ["5", "5"], [2, 3], rows)
+    model = LlamaForSequenceClassification.from_pretrained(folder)
+    expected = score_rows(model, rows, tokenizer.pad_token_id)
+    assert scores["model"] == pytest.approx(expected, abs=1e-5)
+    assert scores["total"] == pytest.approx([0.5 * expected[0] + 1.0, 0.5 * expected[1]], abs=1e-5)
+    other = AutoTokenizer.from_pretrained(TINY)
+    other.add_tokens(["<extra>"])
+    with pytest.raises(UserError, match=r"grpo.rewards: .*rm: the reward model's tokenizer differs"):
+        rewards.check_tokenizer(other)
+    not_rm = GrpoRecipeConfig(grpo=GrpoConfig(rewards=[str(TINY)]))
+    with pytest.raises(UserError, match="is a folder but not a reward model"):
+        validate_grpo(not_rm)

@@ -144,7 +144,10 @@ def adapted_base(adapter_dir: Path, trust_remote_code: bool = False, **kwargs):
     cls = model_class(base_path, head)
     base = cls.from_pretrained(base_path, trust_remote_code=trust_remote_code, **kwargs)
     if (adapter_dir / START_ADAPTER).is_dir():
-        base = PeftModel.from_pretrained(base, str(adapter_dir / START_ADAPTER)).merge_and_unload()
+        start = adapter_dir / START_ADAPTER
+        base = PeftModel.from_pretrained(
+            base, str(start), **scalar.adapter_settings(base, start)
+        ).merge_and_unload()
     return base
 
 

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 from toolkit.config import RecipeConfig, check_local_path, load_config
 from toolkit.errors import UserError
 from toolkit.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Range
+from toolkit.model import scalar
 
 DEMO_GRPO_CONFIG = Path(__file__).resolve().parents[1] / "assets" / "demo-grpo.yaml"
 
@@ -49,7 +50,8 @@ class GrpoConfig:
     rewards: list[str] = field(default_factory=lambda: ["exact_answer"])
     """Reward functions, summed: exact_answer (the completion equals the data's answer) | format (it
     matches grpo.format_pattern) | length (minus its share of max_new_tokens) | module:function or
-    path/to/file.py:function (yours: f(prompts, completions, answers) -> list of floats)."""
+    path/to/file.py:function (yours: f(prompts, completions, answers) -> list of floats) | a reward model's
+    folder (recipes/reward_llm.py's final/ or merged/, with the policy's tokenizer)."""
     reward_weights: list[float] = field(default_factory=list)
     """One weight per reward function (empty: 1 each)."""
     format_pattern: str = r"\S.*"
@@ -97,10 +99,14 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
     if not grpo.rewards:
         raise UserError("grpo.rewards: name at least one reward function")
     for name in grpo.rewards:
-        if name not in BUILT_IN_REWARDS and ":" not in name:
+        if Path(name).expanduser().is_dir() and not scalar.saved_scalar(name):
+            raise UserError(
+                f"grpo.rewards: {name} is a folder but not a reward model (recipes/reward_llm.py's)"
+            )
+        if name not in BUILT_IN_REWARDS and ":" not in name and not Path(name).expanduser().is_dir():
             raise UserError(
                 f"grpo.rewards: unknown reward {name!r}; built in: {', '.join(BUILT_IN_REWARDS)}, "
-                "or yours as module:function"
+                "yours as module:function, or a reward model's folder"
             )
     try:
         re.compile(grpo.format_pattern)

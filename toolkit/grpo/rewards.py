@@ -1,9 +1,11 @@
-"""Reward functions: the built-ins and the user's own, named in the grpo section, weighted and summed.
+"""Reward functions: the built-ins, the user's own and a trained reward model, named in the grpo section,
+weighted and summed.
 
 A user's function takes (prompts, completions, answers), three lists of strings of one length, and returns
 one float per completion; the built-ins also get each completion's token count. A user's function
 (`module:function` or `path/to/file.py:function`) is imported only because the user's own config or command
-line names it: that is the user running their own code.
+line names it: that is the user running their own code. A reward model (a folder `recipes/reward_llm.py`
+exported) scores each completion's tokens after its prompt's, on every process.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 
 from toolkit.errors import UserError
+from toolkit.model import scalar
 
 
 def exact_answer(prompts, completions, answers, lengths) -> list[float]:
@@ -41,6 +44,39 @@ def length_penalty(max_new_tokens: int):
     return penalty
 
 
+class ModelReward:
+    """A trained reward model at `path`, whole on this process's `device` (a frozen scorer, outside any
+    sharding): the score of each row of token ids. It reads the policy's tokens as its own, so their
+    tokenizers must be the same (`check_tokenizer`)."""
+
+    def __init__(self, path: str, device=None, batch_size: int = 32):
+        from toolkit.checkpoint.export import outside_zero3
+        from toolkit.commands.generate import load_for_generation
+
+        self.path, self.device, self.batch_size = path, device, batch_size
+        with outside_zero3():  # whole on each process: a ZeRO-3 run would partition it as it loads
+            self.model, self.tokenizer = load_for_generation(Path(path))
+        self.model.to(device).requires_grad_(False)
+
+    def check_tokenizer(self, tokenizer) -> None:
+        if self.tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise UserError(
+                f"grpo.rewards: {self.path}: the reward model's tokenizer differs from the policy's "
+                "(model.path); it scores the policy's tokens, so train it from the same tokenizer"
+            )
+
+    def score(self, rows: list[list[int]]) -> list[float]:
+        from toolkit.reward.score import score_rows
+
+        return [
+            value
+            for start in range(0, len(rows), self.batch_size)
+            for value in score_rows(
+                self.model, rows[start : start + self.batch_size], self.tokenizer.pad_token_id, self.device
+            )
+        ]
+
+
 class Rewards:
     """The configured functions, by name; `score` gives each one's values and their weighted sum."""
 
@@ -48,11 +84,16 @@ class Rewards:
         self.functions, self.weights = functions, weights
 
     @classmethod
-    def build(cls, cfg) -> Rewards:
-        """From the grpo section; a user's function is imported here, before the model loads."""
+    def build(cls, cfg, device=None) -> Rewards:
+        """From the grpo section; a user's function is imported here, before the model loads, and a
+        reward model loaded onto `device`."""
         functions = {}
         for name in cfg.rewards:
-            if name == "exact_answer":
+            if scalar.saved_scalar(name):
+                if "model" in functions:
+                    raise UserError("grpo.rewards: name one reward model (its metric is reward_model)")
+                functions["model"] = ModelReward(name, device)
+            elif name == "exact_answer":
                 functions[name] = exact_answer
             elif name == "format":
                 functions[name] = format_reward(cfg.format_pattern)
@@ -66,12 +107,24 @@ class Rewards:
                 functions[short] = lambda p, c, a, lengths, user=user: user(p, c, a)
         return cls(functions, cfg.reward_weights or [1.0] * len(functions))
 
-    def score(self, prompts: list[str], completions: list[str], answers: list[str], lengths: list[int]):
+    def check_tokenizer(self, tokenizer) -> None:
+        """Refuse a reward model that reads tokens other than the policy's `tokenizer` writes."""
+        for function in self.functions.values():
+            if isinstance(function, ModelReward):
+                function.check_tokenizer(tokenizer)
+
+    def score(
+        self, prompts: list[str], completions: list[str], answers: list[str], lengths: list[int], rows=None
+    ):
         """{name: values} for every function, and "total": their weighted sum; `lengths`: each
-        completion's tokens."""
+        completion's tokens; `rows`: each prompt's token ids followed by its completion's (what a reward
+        model scores)."""
         scores = {}
         for name, function in self.functions.items():
-            values = [float(v) for v in function(prompts, completions, answers, lengths)]
+            if isinstance(function, ModelReward):
+                values = function.score(rows)
+            else:
+                values = [float(v) for v in function(prompts, completions, answers, lengths)]
             if len(values) != len(completions) or not all(math.isfinite(v) for v in values):
                 raise UserError(
                     f"grpo.rewards: {name} must return one finite number per completion "

@@ -143,6 +143,7 @@ def generate(run, model, prompts, rewards, cfg, tokenizer, round_index: int, ref
         texts,
         [prompts.answers[picked[s]] for s, _ in mine],
         [len(tokens) for tokens in completions],
+        [prompts.ids[picked[s]] + tokens for (s, _), tokens in zip(mine, completions, strict=True)],
     )
     names = list(scores)
     padded = torch.zeros(len(mine), grpo.max_new_tokens, dtype=torch.long)

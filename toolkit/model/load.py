@@ -152,7 +152,7 @@ def merge_start_adapter(model, adapter: str):
 
     if not (Path(adapter) / "adapter_config.json").is_file():
         raise UserError(f"model.adapter: {adapter} is not an adapter directory (no adapter_config.json)")
-    wrapped = PeftModel.from_pretrained(model, adapter)
+    wrapped = PeftModel.from_pretrained(model, adapter, **scalar.adapter_settings(model, adapter))
     merged = _merge_gathered(wrapped) if is_deepspeed_zero3_enabled() else wrapped.merge_and_unload()
     # Loading the adapter froze the base; a full fine-tune trains all of it (LoRA freezes it again).
     return merged.requires_grad_(True)

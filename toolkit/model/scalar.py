@@ -80,3 +80,16 @@ def head_settings(folder: str | Path) -> dict:
     from transformers import AutoTokenizer
 
     return {"num_labels": 1, "pad_token_id": AutoTokenizer.from_pretrained(str(folder)).pad_token_id}
+
+
+def adapter_settings(model, adapter: str | Path) -> dict:
+    """from_pretrained's arguments for folding the adapter at `adapter` into `model`: an adapter trained on
+    the causal LM (a start adapter) applies to the same layers under a scalar head, loaded as a plain
+    adapter (peft's causal-LM wrapper asks the model for generation methods a classifier lacks)."""
+    from peft import PeftConfig
+
+    config = PeftConfig.from_pretrained(str(adapter))
+    if is_scalar(model) and config.task_type != PEFT_TASK:
+        config.task_type = None
+        return {"config": config}
+    return {}
