@@ -89,9 +89,12 @@ def run_recipe(
     launch: list[str] | None = None,
     check: bool = True,
     recipe: Path = RECIPE,
+    env: dict | None = None,
 ) -> subprocess.CompletedProcess:
-    command, env = recipe_command(output_dir, *overrides, config=config, launch=launch, recipe=recipe)
-    result = run_launched(command, env, keep=output_dir)
+    """The recipe run to its end (an AssertionError with its output if it fails and `check`); `env`: more
+    environment variables for it."""
+    command, base_env = recipe_command(output_dir, *overrides, config=config, launch=launch, recipe=recipe)
+    result = run_launched(command, {**base_env, **(env or {})}, keep=output_dir)
     if check and result.returncode != 0:
         raise AssertionError(
             f"recipe failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
