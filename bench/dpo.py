@@ -60,10 +60,10 @@ GROUPED = "ftkit group_by_length"
 FTKIT_OUT = {"ftkit": "ftkit", GROUPED: "ftkit-grouped"}
 
 
-def step_record(name: str, work: Path) -> tuple[list[float], list[int], float, float]:
-    """(step end times, pairs per step, loss of the last step, start of step 1) of the run just made."""
-    if name in FTKIT_OUT:
-        metrics_file = work / "out" / FTKIT_OUT[name] / "metrics.jsonl"
+def step_record(metrics_file: Path | None, work: Path) -> tuple[list[float], list[int], float, float]:
+    """(step end times, pairs per step, loss of the last step, start of step 1) of the run just made: an
+    ftkit run's from its `metrics_file`, a TRL script's (None) from the stats it wrote."""
+    if metrics_file is not None:
         lines = [x for x in read_metrics(metrics_file) if "pairs_per_s" in x]
         pairs = [round(x["pairs_per_s"] * x["step_time_s"]) for x in lines]
         return (
@@ -79,7 +79,8 @@ def step_record(name: str, work: Path) -> tuple[list[float], list[int], float, f
 def run_once(name: str, cmd: list[str], work: Path) -> dict:
 
     run = run_process(name, cmd, work)
-    return step_figures("pairs_per_s", *step_record(name, work), run)
+    metrics_file = work / "out" / FTKIT_OUT[name] / "metrics.jsonl" if name in FTKIT_OUT else None
+    return step_figures("pairs_per_s", *step_record(metrics_file, work), run)
 
 
 COLUMNS = [

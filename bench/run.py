@@ -1,7 +1,8 @@
 """Side-by-side CPU benchmark: bare Accelerate loop, ftkit (with and without packing), TRL SFTTrainer
 (defaults and packing) and HF Trainer on the same model files, data and settings. Prints the table, puts it
 with the machine and the target verdicts into bench/RESULTS.md (between its markers), and writes every run's
-figures to bench/raw_results.json. Then the DPO section (bench/dpo.py), the data-preparation section
+figures to bench/raw_results.json. Then the DPO section (bench/dpo.py), the reward-model section
+(bench/reward.py: ftkit's reward-model recipe against TRL's RewardTrainer), the data-preparation section
 (bench/data_prep.py), the loss-head section (bench/loss_head.py, fewer repeats: its runs are long), the
 pipeline section (bench/pipeline.py: ddp, fsdp and pipeline schedules, launched 2-process runs) and the GRPO
 section (bench/grpo.py: ftkit's GRPO recipe against TRL's GRPOTrainer), and the mixture-of-experts section:
@@ -16,6 +17,7 @@ and what each does when asked to pack image rows), and `ftkit eval` against lm-e
 (bench/eval_overhead.py: the whole command's time and memory, and the scores, on the same model and tasks).
 
     python bench/run.py [--repeats 5] [--loss-head-repeats 3] [--pipeline-repeats 2] [--grpo-repeats 2]
+        [--reward-repeats 3]
         [--moe-repeats 3] [--long-context-repeats 2] [--moments-repeats 3] [--vision-repeats 3]
         [--eval-repeats 3]
         [--only SECTION ...]
@@ -36,6 +38,7 @@ import long_context
 import loss_head
 import moments_memory
 import pipeline
+import reward
 import vision
 from common import (
     BATCH,
@@ -165,8 +168,8 @@ def sft_section(repeats: int, moe: bool = False) -> str:
     return block
 
 
-SECTIONS = ("sft", "dpo", "data-prep", "loss-head", "pipeline", "grpo", "moe", "long-context", "moments",
-            "vision", "eval")  # fmt: skip
+SECTIONS = ("sft", "dpo", "reward", "data-prep", "loss-head", "pipeline", "grpo", "moe", "long-context",
+            "moments", "vision", "eval")  # fmt: skip
 
 
 def main() -> None:
@@ -175,6 +178,7 @@ def main() -> None:
     parser.add_argument("--loss-head-repeats", type=int, default=3)
     parser.add_argument("--pipeline-repeats", type=int, default=2)
     parser.add_argument("--grpo-repeats", type=int, default=2)
+    parser.add_argument("--reward-repeats", type=int, default=3)
     parser.add_argument("--moe-repeats", type=int, default=3)
     parser.add_argument("--long-context-repeats", type=int, default=2)
     parser.add_argument("--moments-repeats", type=int, default=3)
@@ -189,6 +193,8 @@ def main() -> None:
         print(sft_section(args.repeats))
     if "dpo" in only:
         print(dpo.run_section(args.repeats, machine))
+    if "reward" in only:
+        print(reward.run_section(args.reward_repeats, machine))
     if "data-prep" in only:
         print(data_prep.run_section([20000, 100000], machine()))
     if "loss-head" in only:

@@ -69,10 +69,24 @@ def quiet_third_party() -> None:
         warnings.filterwarnings("ignore", message=SCHEDULER_ORDER, category=UserWarning)
     # DeepSpeed logs this on every process whenever no GPU exists: the run's own backend line says so.
     logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to" not in record.msg)
+    logging.getLogger("transformers.modeling_utils").addFilter(_not_a_head_swap)
     if os.environ.get("RANK", "0") != "0":
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # one "Loading weights" bar (the main process's), not one per rank
+
+
+# A row of transformers' load report: the weight's name, then its status.
+REPORT_ROW = re.compile(r"^(\S+)\s*\|\s*(UNEXPECTED|MISSING)\b", re.MULTILINE)
+HEAD_SWAP = {"lm_head.weight", "score.weight"}
+
+
+def _not_a_head_swap(record: logging.LogRecord) -> bool:
+    """False for the load report of a causal LM loaded as a reward model's base: its output layer unused and
+    the scalar head new, which is what the reward recipe asks for (toolkit/model/scalar.py)."""
+    message = record.getMessage()
+    names = {name for name, _ in REPORT_ROW.findall(message)}
+    return not ("LOAD REPORT" in message and names and names <= HEAD_SWAP)
 
 
 def is_noise(line: str) -> bool:
