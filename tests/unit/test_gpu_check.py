@@ -45,6 +45,26 @@ def test_a_runs_summary_skips_its_first_step_and_keeps_the_peaks(tmp_path):
     summary = gpu_check.summarise(tmp_path / "metrics.jsonl", 12.0)
     assert summary["tokens_per_s"] == 200.0 and summary["mfu"] == pytest.approx(0.45)
     assert summary["peak_mem_mb"] == 7.0 and summary["loss"] == 1.0 and summary["losses"] == [3.0, 2.0, 1.0]
+    assert "to_first_step_s" not in summary and "compile_cache_hits" not in summary
+
+
+def test_a_startup_summary_counts_from_the_launch_and_keeps_the_compile_cache_counters(tmp_path):
+    lines = [
+        {"step": 1, "compile_cache_hits": 7, "compile_cache_misses": 0, "time": 1050.0},
+        {
+            "step": 1,
+            "loss": 3.0,
+            "tokens_per_s": 10.0,
+            "peak_mem_mb": 5.0,
+            "step_time_s": 5.5,
+            "time": 1054.0,
+        },
+        {"step": 2, "loss": 2.0, "tokens_per_s": 100.0, "peak_mem_mb": 7.0, "time": 1055.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = gpu_check.summarise(tmp_path / "metrics.jsonl", 30.0, started_at=1031.0)
+    assert summary["to_first_step_s"] == 23.0 and summary["first_step_s"] == 5.5
+    assert summary["compile_cache_hits"] == 7 and summary["compile_cache_misses"] == 0
 
 
 def test_the_report_puts_each_machine_and_day_in_its_own_section():
@@ -91,7 +111,10 @@ def test_an_unknown_part_is_one_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
         gpu_check.main(["plans"])
     assert exit_info.value.code == 2
-    assert "no part 'plans': the parts are plan, speed, compile, paths, multi" in capsys.readouterr().err
+    assert (
+        "no part 'plans': the parts are startup, large, plan, speed, compile, paths, multi"
+        in capsys.readouterr().err
+    )
 
 
 def test_a_work_folder_that_is_a_file_is_one_line(tmp_path, capsys):
