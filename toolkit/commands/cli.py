@@ -186,7 +186,18 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint_dir", metavar="CHECKPOINT_DIR", help="e.g. runs/demo/checkpoints/step-100"
     )
     export.add_argument(
-        "--out", required=True, help="directory to write: new, empty, or an earlier export (then replaced)"
+        "--out",
+        help="directory to write: new, empty, or an earlier export (then replaced); with --gguf, "
+        "the folder the .gguf and .Modelfile go into (default: RUN-gguf beside the run)",
+    )
+    export.add_argument(
+        "--gguf",
+        metavar="TYPE",
+        help="merge and write one GGUF file and an Ollama Modelfile: "
+        "f16 | bf16 | q8_0 | q4_k_m | q5_k_m | q6_k (docs/gguf.md)",
+    )
+    export.add_argument(
+        "--llama-cpp", metavar="DIR", help="with --gguf: a llama.cpp checkout to convert with"
     )
     export.add_argument("--merge-lora", action="store_true", help="fold a LoRA adapter into a full model")
     export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default: the run's export.dtype")
@@ -295,9 +306,21 @@ def _run(args) -> int:
 
         print(plot_runs([Path(d) for d in args.run_dirs], Path(args.out) if args.out else None))
         return 0
+    if args.command == "export" and args.gguf:
+        from toolkit.gguf.export import export_gguf
+
+        out, llama_cpp = (Path(p) if p else None for p in (args.out, args.llama_cpp))
+        print(
+            export_gguf(
+                Path(args.checkpoint_dir), args.gguf, out, llama_cpp, args.base_model, args.trust_remote_code
+            )
+        )
+        return 0
     if args.command == "export":
         from toolkit.commands.export import export_checkpoint
 
+        if not args.out:
+            raise UserError("--out: required (the directory to write the model or adapter to)")
         print(
             export_checkpoint(
                 Path(args.checkpoint_dir),

@@ -1,0 +1,3 @@
+module ollamatemplate
+
+go 1.19
