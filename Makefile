@@ -79,6 +79,14 @@ test-e2e: install
 	$(call pytest,tests/e2e -m alone --durations=10)
 	$(call pytest,tests/e2e -m "not alone" -n 2 --dist loadfile --durations=25)
 
+# llama.cpp's quantizer and converter for `ftkit export --gguf` (docs/gguf.md): pip builds llama.cpp from
+# llama-cpp-python's source (about 5 minutes of two cores, once: pip caches the wheel), then the converter that
+# ships in the same archive is copied into ftkit's cache.
+.PHONY: install-export
+install-export: install
+	$(PIP) install -q -c $(LOCK) -e ".[export]"
+	$(PY) -m toolkit.gguf.tools
+
 lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .

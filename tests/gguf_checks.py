@@ -68,12 +68,11 @@ def gguf_prompt_ids(llm, messages: list[dict]) -> list[int]:
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     metadata = llm.metadata
-    vocab = [llm.detokenize([i], special=True).decode() for i in range(llm.n_vocab())]
-    bos_id, eos_id = (
-        int(metadata["tokenizer.ggml.bos_token_id"]),
-        int(metadata["tokenizer.ggml.eos_token_id"]),
+    bos, eos = (
+        llm.detokenize([int(metadata[f"tokenizer.ggml.{name}_token_id"])], special=True).decode()
+        for name in ("bos", "eos")
     )
-    formatter = Jinja2ChatFormatter(metadata["tokenizer.chat_template"], vocab[eos_id], vocab[bos_id])
+    formatter = Jinja2ChatFormatter(metadata["tokenizer.chat_template"], eos, bos)
     rendered = formatter(messages=messages).prompt
     return llm.tokenize(rendered.encode(), add_bos=False, special=True)
 

@@ -4,80 +4,15 @@ the GGUF file says so), and the refusals of `ftkit export --gguf` that need no c
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-
 import pytest
 from helpers import REPO
+from tiny_gguf_families import GEMMA3, LLAMA3, QWEN3, QWEN25, go_renderer
 from transformers import AutoTokenizer
 
 from toolkit.commands import cli
 from toolkit.gguf import convert, modelfile
 
-GO_SOURCE = REPO / "tests" / "ollama_template"
 DEMO_TOKENIZER = REPO / "toolkit" / "assets" / "tiny-llama"
-# The families' published templates, their tool branches left out (no conversation here has tools).
-QWEN25 = """{%- if messages[0]['role'] == 'system' %}
-    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
-{%- else %}
-    {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.'
-        + '<|im_end|>\\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first)
-        or (message.role == "assistant") %}
-        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""
-QWEN3 = """{%- for message in messages %}
-    {%- if message.role == "user" or message.role == "system" %}
-        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- set content = message.content %}
-        {%- if '</think>' in content %}
-            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
-        {%- endif %}
-        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""
-LLAMA3 = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
-    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + "
-    "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
-    "{{ content }}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
-)
-GEMMA3 = """{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}
-    {{- message['content'] | trim -}}
-    {{ '<end_of_turn>\\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\\n'}}
-{%- endif -%}
-"""
 # name -> (training template, its BOS text, its end-of-turn token)
 FAMILIES = {
     "demo": (None, None, "<|im_end|>"),
@@ -106,16 +41,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def go_render(tmp_path_factory):
-    if shutil.which("go") is None:
-        pytest.skip("Go is not installed: the Modelfile templates are rendered with Go's text/template")
-    binary = tmp_path_factory.mktemp("go") / "ollama-template"
-    subprocess.run(["go", "build", "-o", str(binary), "."], cwd=GO_SOURCE, check=True)
-
-    def render(template: str, messages: list[dict]) -> str:
-        payload = json.dumps({"template": template, "messages": messages})
-        return subprocess.run([str(binary)], input=payload, capture_output=True, text=True, check=True).stdout
-
-    return render
+    return go_renderer(tmp_path_factory.mktemp("go"))
 
 
 def family_tokenizer(name: str):

@@ -48,5 +48,6 @@ def test_every_tested_requirement_is_locked_inside_its_range_with_the_floor_at_t
 
 def test_install_and_lock_use_the_lock():
     makefile = (REPO / "Makefile").read_text()
-    assert makefile.count("install -q -c $(LOCK)") == 3  # torch, its fallback, then ftkit with its extras
+    # torch, its fallback, then ftkit with its extras; install-export's export extra
+    assert makefile.count("install -q -c $(LOCK)") == 4
     assert "$(STAMP): pyproject.toml $(LOCK)" in makefile

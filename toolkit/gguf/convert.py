@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 UNSUPPORTED = 3
-"""Exit status of an architecture the converter does not know (its one line is on stderr)."""
+"""Exit status of an architecture or tokenizer the converter cannot convert (its one line on stdout)."""
 # The converter names a BPE pre-tokenizer by hashing what the tokenizer makes of a fixed text, which depends
 # on the whole vocabulary: a model whose vocabulary was trimmed or retrained keeps its family's split pattern
 # but loses the hash. These are the patterns of llama.cpp's llama-vocab.cpp ("original regex from
@@ -74,7 +74,11 @@ def main(argv: list[str]) -> int:
         except NotImplementedError:
             name = split_pattern_name(Path(self.dir_model))
             if name is None:
-                raise
+                print(
+                    "the tokenizer's pre-tokenizer is neither one llama.cpp's converter recognises nor a "
+                    "Llama-3, Qwen2.5/3 or Qwen3.5 split pattern"
+                )
+                sys.exit(UNSUPPORTED)
             return name
 
     base.TextModel.get_vocab_base_pre = by_hash_or_pattern

@@ -6,6 +6,7 @@ both are complete, and no existing file is replaced."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -27,6 +28,7 @@ from toolkit.gguf import convert, modelfile
 from toolkit.gguf.tools import INSTALL, Tools, find_tools
 from toolkit.model.load import local_path
 
+logger = logging.getLogger(__name__)
 # What each type is made from: the converter writes the 16-bit files, the quantizer the others from f16.
 QUANT_TYPES = ("f16", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k")
 CONVERTED = ("f16", "bf16")
@@ -73,9 +75,8 @@ def export_gguf(
         shutil.rmtree(work, ignore_errors=True)  # left by a killed export of this same file
         merged = work / "merged"
         export_checkpoint(checkpoint, merged, cfg.model.method != "full", None, base_model, trust_remote_code)
+        written = convert_model(tools, merged, work, quant)
         tokenizer = AutoTokenizer.from_pretrained(str(merged))
-        _prepare_tokenizer(merged, tokenizer)
-        written = _convert_and_quantize(tools, merged, work, quant)
         text = modelfile.modelfile(
             gguf_file.name,
             modelfile.ollama_template(tokenizer),
@@ -145,7 +146,10 @@ def _prepare_tokenizer(merged: Path, tokenizer) -> None:
     path.write_text(json.dumps(settings, indent=2))
 
 
-def _convert_and_quantize(tools: Tools, merged: Path, work: Path, quant: str) -> Path:
+def convert_model(tools: Tools, merged: Path, work: Path, quant: str) -> Path:
+    """The Hugging Face model in `merged` (its tokenizer files adjusted in place) as a GGUF file of type
+    `quant`, written in `work`."""
+    _prepare_tokenizer(merged, AutoTokenizer.from_pretrained(str(merged)))
     half = "bf16" if quant == "bf16" else "f16"
     converted = work / f"model-{half}.gguf"
     command = [sys.executable, "-m", "toolkit.gguf.convert", str(tools.converter)]
@@ -161,9 +165,17 @@ def _convert_and_quantize(tools: Tools, merged: Path, work: Path, quant: str) ->
     result = subprocess.run(
         [*tools.quantizer, str(converted), str(quantized), quant.upper()], capture_output=True, text=True
     )
+    said = result.stdout + result.stderr
     if result.returncode != 0 or not quantized.is_file():
-        raise RuntimeError(f"llama.cpp's quantizer failed:\n{(result.stdout + result.stderr)[-4000:]}")
+        raise RuntimeError(f"llama.cpp's quantizer failed:\n{said[-4000:]}")
     converted.unlink()
+    fallbacks = re.findall(r"falling back to\s+(\w+)", said)
+    if fallbacks:  # k-quants store rows in blocks of 256: llama.cpp gives narrower tensors another type
+        logger.warning(
+            "%d tensors have rows that are not a multiple of 256; llama.cpp stored them as %s",
+            len(fallbacks),
+            " or ".join(sorted(set(fallbacks))),
+        )
     return quantized
 
 
