@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 # With a GPU, the `gpu` extra too (Liger's Triton kernels, which need the CUDA torch chosen above).
 GPU_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ",gpu")
 
-.PHONY: install lock demo demo-dpo demo-grpo demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean
+.PHONY: install lock demo demo-dpo demo-rm demo-grpo demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -51,6 +51,13 @@ demo-vision: install
 demo-dpo: install
 	test -f runs/demo/final/adapter_config.json || $(MAKE) demo
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/dpo_llm.py \
+		train.overwrite=true $(ARGS)
+
+# A reward model on the SFT demo's result (running the SFT demo first when it is missing): a scalar head
+# trained to score the embedded pairs' correct sum above the wrong one; prints held-out pairwise accuracy.
+demo-rm: install
+	test -f runs/demo/final/adapter_config.json || $(MAKE) demo
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/reward_llm.py \
 		train.overwrite=true $(ARGS)
 
 # GRPO from an SFT run stopped early (trained first when missing: the demo's config cut to 235 steps, which

@@ -99,8 +99,12 @@ def test_pairs_read_their_margin_or_refuse_a_bad_one(tmp_path):
 
 
 def test_reward_configs_are_told_apart_and_checked():
+    from toolkit.commands.train import recipe_path, split_items
+
     demo = REPO / "recipes" / "configs" / "demo-rm.yaml"
     assert recipe_of(demo) == "rm"
+    assert split_items(["rm", "a=1"], None) == ("rm", ["a=1"]) and split_items([], str(demo))[0] == "rm"
+    assert recipe_path("rm") == REPO / "recipes" / "reward_llm.py"
     assert (REPO / "toolkit" / "assets" / "demo-rm.yaml").read_bytes() == demo.read_bytes()
     cfg = load_recipe_config("rm", demo, ["reward.center_coefficient=0.5"])
     assert cfg.reward.center_coefficient == 0.5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from toolkit import console
 from toolkit.commands.generate import load_for_generation
 from toolkit.errors import UserError
 from toolkit.model import scalar
@@ -12,6 +13,7 @@ from toolkit.reward.score import answer_ids, score_rows
 
 def score_cli(model_dir: str, prompt: str, answers: list[str], trust_remote_code: bool = False) -> list[str]:
     """One line per answer: its score, then the answer."""
+    console.quiet_third_party()  # an adapter's base loads without its head, which the adapter carries
     model, tokenizer = load_for_generation(Path(model_dir), trust_remote_code)
     if not scalar.is_scalar(model):
         raise UserError(

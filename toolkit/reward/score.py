@@ -13,8 +13,8 @@ from toolkit.reward.loss import batch_rewards
 def answer_ids(tokenizer, prompt: list[dict], answer: str, where: str) -> list[int]:
     """Token ids of `answer` (one assistant turn) after the conversation `prompt`."""
     texts = render_answer(tokenizer, prompt, [{"role": "assistant", "content": answer}], where)
-    prompt_ids, answer_ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-    return prompt_ids + answer_ids
+    prompt_ids, reply_ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    return prompt_ids + reply_ids
 
 
 @torch.no_grad()
