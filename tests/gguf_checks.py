@@ -69,8 +69,8 @@ def gguf_prompt_ids(llm, messages: list[dict]) -> list[int]:
 
     metadata = llm.metadata
     bos, eos = (
-        llm.detokenize([int(metadata[f"tokenizer.ggml.{name}_token_id"])], special=True).decode()
-        for name in ("bos", "eos")
+        llm.detokenize([int(metadata[key])], special=True).decode() if key in metadata else ""
+        for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
     )
     formatter = Jinja2ChatFormatter(metadata["tokenizer.chat_template"], eos, bos)
     rendered = formatter(messages=messages).prompt
@@ -85,3 +85,20 @@ def ollama_prompt_ids(llm, rendered: str) -> list[int]:
 
 def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
     return next((tokens[:i] for i, t in enumerate(tokens) if t in eos), tokens)
+
+
+@torch.no_grad()
+def near_ties(model_dir: Path, prompts: list[list[int]], got: list[list[int]], expected: list[list[int]]):
+    """Where two greedy answers part, the merged model's logit gap between the two tokens (relative to its
+    largest logit there): rounding to 16 bits can only decide a near tie."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    gaps = []
+    for ids, a, b in zip(prompts, got, expected):
+        if a == b:
+            continue
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if at == min(len(a), len(b)):  # one answer stopped: compare with the end token
+            return None
+        logits = model(torch.tensor([ids + b[:at]])).logits[0, -1]
+        gaps.append(float((logits[b[at]] - logits[a[at]]) / logits.abs().max()))
+    return gaps

@@ -109,3 +109,21 @@ def test_bad_requests_are_one_line_and_exit_2(tmp_path, capsys):
     assert cli.main(["export", str(run), "--gguf", "q8_0", "--out", str(out)]) == 2
     assert "exists; ftkit never replaces it" in capsys.readouterr().err
     assert (out / "run-q8_0.gguf").read_text() == "someone's file"
+
+
+def test_without_llama_cpp_one_line_says_what_to_install(monkeypatch, tmp_path):
+    from toolkit.errors import UserError
+    from toolkit.gguf import tools
+
+    monkeypatch.setattr(tools, "_installed_version", lambda: None)
+    with pytest.raises(UserError, match="llama.cpp is not installed here; run make install-export"):
+        tools.find_tools(None)
+    monkeypatch.setattr(tools, "_installed_version", lambda: "0.0.1")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.raises(UserError, match="its converter is not in"):
+        tools.find_tools(None)
+
+
+def test_an_export_without_out_or_gguf_is_refused(tmp_path, capsys):
+    assert cli.main(["export", str(tmp_path)]) == 2
+    assert "--out: required" in capsys.readouterr().err
