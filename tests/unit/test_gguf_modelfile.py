@@ -127,3 +127,13 @@ def test_without_llama_cpp_one_line_says_what_to_install(monkeypatch, tmp_path):
 def test_an_export_without_out_or_gguf_is_refused(tmp_path, capsys):
     assert cli.main(["export", str(tmp_path)]) == 2
     assert "--out: required" in capsys.readouterr().err
+
+
+def test_a_vision_language_base_is_refused_before_anything_is_written(tmp_path):
+    from toolkit.errors import UserError
+    from toolkit.gguf import export
+
+    with pytest.raises(UserError, match="vision-language run; .* export it with --merge-lora instead"):
+        export._check_base(REPO / "toolkit" / "assets" / "tiny-llava", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    export._check_base(DEMO_TOKENIZER, tmp_path / "out")  # the demo's base: a text model, and it fits

@@ -26,6 +26,7 @@ from toolkit.commands.export import export_checkpoint, run_config
 from toolkit.errors import UserError
 from toolkit.gguf import convert, modelfile
 from toolkit.gguf.tools import INSTALL, Tools, find_tools
+from toolkit.model import vision
 from toolkit.model.load import local_path
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def export_gguf(
     if quant not in CONVERTED and not tools.quantizer:
         raise UserError(f"--gguf {quant}: no llama.cpp quantizer (llama-quantize) found; run {INSTALL}")
     cfg = run_config(checkpoint)
-    _check_disk(Path(local_path(base_model or cfg.model.path)), out_dir)
+    _check_base(Path(local_path(base_model or cfg.model.path)), out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = out_dir / f".{gguf_file.name}.tmp"
     started = time.perf_counter()
@@ -107,9 +108,15 @@ def _checkpoint_of(source: Path) -> Path:
     return source
 
 
-def _check_disk(base_dir: Path, out_dir: Path) -> None:
-    """Refuse before writing anything when the merged model, the f16 file and the quantized one (at most
-    as large) will not fit: 4 + 2 + 2 bytes a parameter."""
+def _check_base(base_dir: Path, out_dir: Path) -> None:
+    """Refuse before writing anything a vision-language model, and a disk where the merged model, the f16
+    file and the quantized one (at most as large) will not fit: 4 + 2 + 2 bytes a parameter."""
+    config = base_dir / "config.json"
+    if config.is_file() and vision.is_vision(json.loads(config.read_text()).get("model_type")):
+        raise UserError(
+            "--gguf: a vision-language run; ftkit does not write the projector file (mmproj) llama.cpp "
+            "loads beside it, so export it with --merge-lora instead"
+        )
     params = 0
     for file in base_dir.glob("*.safetensors"):
         with safe_open(str(file), framework="pt") as handle:
