@@ -183,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         "export", help="a checkpoint of any backend as a Hugging Face model or PEFT adapter, on one CPU"
     )
     export.add_argument(
-        "checkpoint_dir", metavar="CHECKPOINT_DIR", help="e.g. runs/demo/checkpoints/step-100"
+        "checkpoint_dir",
+        metavar="CHECKPOINT_DIR",
+        help="e.g. runs/demo/checkpoints/step-100 (with --gguf, a run too: its newest checkpoint)",
     )
     export.add_argument(
         "--out",
@@ -309,6 +311,8 @@ def _run(args) -> int:
     if args.command == "export" and args.gguf:
         from toolkit.gguf.export import export_gguf
 
+        if args.dtype:
+            raise UserError("--dtype: not used with --gguf, whose type is the precision written")
         out, llama_cpp = (Path(p) if p else None for p in (args.out, args.llama_cpp))
         print(
             export_gguf(
