@@ -106,6 +106,7 @@ def test_reward_configs_are_told_apart_and_checked():
     assert split_items(["rm", "a=1"], None) == ("rm", ["a=1"]) and split_items([], str(demo))[0] == "rm"
     assert recipe_path("rm") == REPO / "recipes" / "reward_llm.py"
     assert (REPO / "toolkit" / "assets" / "demo-rm.yaml").read_bytes() == demo.read_bytes()
+    assert load_recipe_config("rm", REPO / "bench" / "ftkit-rm.yaml", []).reward.center_coefficient == 0
     cfg = load_recipe_config("rm", demo, ["reward.center_coefficient=0.5"])
     assert cfg.reward.center_coefficient == 0.5
     for override, words in [
