@@ -70,10 +70,7 @@ def validate_preference(cfg: PreferenceConfig) -> None:
             f"dpo.max_prompt_length: must be in [0, data.max_length={cfg.data.max_length}), "
             f"got {cfg.dpo.max_prompt_length}"
         )
-    if cfg.data.packing:
-        raise UserError("data.packing is for SFT; pairs are batched whole (data.group_by_length pads less)")
-    if cfg.data.format != "auto":
-        raise UserError("data.format: preference layouts are detected from the records; leave it auto")
+    check_pair_data(cfg)
     if cfg.dpo.loss in REFERENCE_FREE and (cfg.dpo.reference_model or cfg.dpo.precompute_reference):
         raise UserError(f"dpo.loss {cfg.dpo.loss} uses no reference model; unset dpo.reference_model")
     if cfg.dpo.loss == "kto" and cfg.dpo.sft_weight:
@@ -82,6 +79,14 @@ def validate_preference(cfg: PreferenceConfig) -> None:
         raise UserError("pipeline.size: dpo.loss kto does not run on a pipeline; use fsdp or zero3")
     if cfg.dpo.reference_model:
         check_local_path(cfg.dpo.reference_model, "dpo.reference_model")
+
+
+def check_pair_data(cfg: RecipeConfig) -> None:
+    """What every recipe that reads preference pairs refuses of the data section."""
+    if cfg.data.packing:
+        raise UserError("data.packing is for SFT; pairs are batched whole (data.group_by_length pads less)")
+    if cfg.data.format != "auto":
+        raise UserError("data.format: preference layouts are detected from the records; leave it auto")
 
 
 def prompt_budget(cfg: PreferenceConfig) -> int:

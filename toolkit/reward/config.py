@@ -8,6 +8,7 @@ from pathlib import Path
 from toolkit.config import RecipeConfig, load_config
 from toolkit.errors import UserError
 from toolkit.fields import NonNegativeFloat, NonNegativeInt
+from toolkit.preference.config import check_pair_data
 
 DEMO_RM_CONFIG = Path(__file__).resolve().parents[1] / "assets" / "demo-rm.yaml"
 
@@ -41,10 +42,7 @@ def validate_reward(cfg: RewardRecipeConfig) -> None:
             f"reward.max_prompt_length: must be below data.max_length={cfg.data.max_length}, "
             f"got {cfg.reward.max_prompt_length}"
         )
-    if cfg.data.packing:
-        raise UserError("data.packing is for SFT; pairs are batched whole (data.group_by_length pads less)")
-    if cfg.data.format != "auto":
-        raise UserError("data.format: preference layouts are detected from the records; leave it auto")
+    check_pair_data(cfg)
     if cfg.pipeline.size > 1:
         raise UserError("pipeline.size: reward models do not train on a pipeline; use fsdp or zero3")
     if cfg.loss.head == "chunked":
