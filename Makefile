@@ -23,11 +23,12 @@ $(STAMP): pyproject.toml $(LOCK)
 	touch $(STAMP)
 
 # Resolve the newest versions pyproject.toml allows in a scratch venv (a new temp dir) and write them to the lock
-# (torch as its release, without a +cpu/+cu build label). Then run `make test` and commit both files.
+# (torch as its release, without a +cpu/+cu build label), the export extra included (its llama.cpp build is
+# pip-cached after the first). Then run `make test` and commit both files.
 lock:
 	d=$$(mktemp -d) && python3 -m venv $$d \
 	&& { $$d/bin/python -m pip install -q "$(TORCH_SPEC)" || $$d/bin/python -m pip install -q torch; } \
-	&& $$d/bin/python -m pip install -q -e ".[dev]" \
+	&& $$d/bin/python -m pip install -q -e ".[dev,export]" \
 	&& head -3 $(LOCK) > $(LOCK).new \
 	&& $$d/bin/python -m pip freeze --exclude-editable | sed -E 's/\+[A-Za-z0-9.]+$$//' >> $(LOCK).new \
 	&& mv $(LOCK).new $(LOCK) && rm -rf $$d && rm -f $(STAMP)

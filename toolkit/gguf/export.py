@@ -49,26 +49,14 @@ def export_gguf(
     returns a one-line summary."""
     if quant not in QUANT_TYPES:
         raise UserError(f"--gguf: unknown type {quant!r}; choose one of {', '.join(QUANT_TYPES)}")
-    run_dir = source if (source / "checkpoints").is_dir() else source.parent.parent
-    out_dir = out_dir or run_dir.with_name(f"{run_dir.name}-gguf")
-    gguf_file, model_file = (
-        out_dir / f"{run_dir.name}-{quant}.gguf",
-        out_dir / f"{run_dir.name}-{quant}.Modelfile",
-    )
-    for parent in [out_dir.absolute(), *out_dir.absolute().parents]:
-        if (parent / RUN_MARKER).is_file() or (parent / MARKER).is_file():
-            raise UserError(f"--out: {out_dir} is or lies inside a training run ({parent}); export elsewhere")
-    for path in (gguf_file, model_file):
-        if path.exists():
-            raise UserError(
-                f"--out: {path} exists; ftkit never replaces it (move it or choose another --out)"
-            )
+    out_dir, gguf_file, model_file = _targets(source, quant, out_dir)
     checkpoint = _checkpoint_of(source)
     tools = find_tools(llama_cpp_dir)
     if quant not in CONVERTED and not tools.quantizer:
         raise UserError(f"--gguf {quant}: no llama.cpp quantizer (llama-quantize) found; run {INSTALL}")
     cfg = run_config(checkpoint)
     _check_base(Path(local_path(base_model or cfg.model.path)), out_dir)
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     work = out_dir / f".{gguf_file.name}.tmp"
     started = time.perf_counter()
@@ -89,11 +77,29 @@ def export_gguf(
         _place(work / "Modelfile", model_file)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if created and not any(out_dir.iterdir()):
+            out_dir.rmdir()
     size = gguf_file.stat().st_size / 2**20
     return (
         f"exported {gguf_file} ({size:.1f} MiB, {quant}) and {model_file.name} from {checkpoint} "
         f"in {time.perf_counter() - started:.0f} s"
     )
+
+
+def _targets(source: Path, quant: str, out_dir: Path | None) -> tuple[Path, Path, Path]:
+    """The output folder, GGUF file and Modelfile, refused where they would replace anything."""
+    run_dir = source if (source / "checkpoints").is_dir() else source.parent.parent
+    out_dir = out_dir or run_dir.with_name(f"{run_dir.name}-gguf")
+    for parent in [out_dir.absolute(), *out_dir.absolute().parents]:
+        if (parent / RUN_MARKER).is_file() or (parent / MARKER).is_file():
+            raise UserError(f"--out: {out_dir} is or lies inside a training run ({parent}); export elsewhere")
+    files = out_dir / f"{run_dir.name}-{quant}.gguf", out_dir / f"{run_dir.name}-{quant}.Modelfile"
+    for path in files:
+        if path.exists():
+            raise UserError(
+                f"--out: {path} exists; ftkit never replaces it (move it or choose another --out)"
+            )
+    return (out_dir, *files)
 
 
 def _checkpoint_of(source: Path) -> Path:
