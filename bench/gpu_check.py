@@ -155,7 +155,9 @@ def _keep_stderr(out: Path, text: str | bytes) -> None:
     """A run's whole stderr, beside its output folder (`runs/<case>.stderr.txt`): inside it, the folder
     would hold a file ftkit did not write, which a relaunch into it refuses."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_name(out.name + ".stderr.txt").write_text(text.decode(errors="replace") if isinstance(text, bytes) else text)
+    out.with_name(out.name + ".stderr.txt").write_text(
+        text.decode(errors="replace") if isinstance(text, bytes) else text
+    )
 
 
 def summarise(metrics: Path, wall_s: float, started_at: float | None = None) -> dict:
