@@ -14,6 +14,7 @@ import torch
 
 from toolkit.checkpoint import compile_cache
 from toolkit.checkpoint.compile_cache import CompileCache, open_cache, user_key
+from toolkit.errors import UserError
 
 ARTIFACTS = SimpleNamespace(artifacts={"inductor": ["a", "b"], "aot_autograd": ["c"]})
 
@@ -88,3 +89,17 @@ def test_a_shared_folder_serves_runs_of_the_same_shapes(torch_cache, tmp_path):
     second = open_cache(str(shared), tmp_path / "run-2", compiling=True)
     assert second.note.startswith("compile cache: 3 compiled artifacts loaded from " + str(shared))
     assert compile_cache.machine_kind()[0] in second.data_path.name
+
+
+def test_a_file_given_as_the_folder_is_one_line_and_a_folder_not_made_costs_only_the_cache(
+    torch_cache, tmp_path, capsys
+):
+    given = tmp_path / "a-file"
+    given.write_text("mine")
+    with pytest.raises(UserError, match=f"model.compile_cache: {given} is a file, not a folder"):
+        open_cache(str(given), tmp_path / "run", compiling=True)
+    # A folder that cannot be made (under a file; mode bits do not stop root): the run goes on.
+    cache = open_cache(str(given / "cache"), tmp_path / "run", compiling=True)
+    assert cache.after_step(is_main=True) is not None
+    assert given.read_text() == "mine"
+    assert f"compile cache: not kept in {given / 'cache'}" in capsys.readouterr().out

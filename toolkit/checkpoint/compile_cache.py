@@ -28,7 +28,9 @@ from pathlib import Path
 
 import torch
 
+from toolkit import console
 from toolkit.checkpoint.rundir import COMPILE_CACHE
+from toolkit.errors import UserError
 
 KEY_BYTES = 32
 
@@ -80,11 +82,15 @@ class CompileCache:
         self.key = self.key or user_key(create=True)
         if self.key is None:
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
         manifest = {"written_by": "ftkit", "machine": machine_kind()[1], "graphs": graphs}
         manifest["signature"] = hmac.new(self.key, data, hashlib.sha256).hexdigest()
-        _write_atomically(self.data_path, data)
-        _write_atomically(self.manifest_path, json.dumps(manifest, indent=1).encode())
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            _write_atomically(self.data_path, data)
+            _write_atomically(self.manifest_path, json.dumps(manifest, indent=1).encode())
+        except OSError as error:  # a full or read-only disk costs the next start its warm cache, not this run
+            console.say_once(f"compile cache: not kept in {self.folder} ({error.strerror or error})")
+            return
         self.saved_graphs = graphs
 
 
@@ -94,6 +100,8 @@ def open_cache(setting: str, output_dir: Path, compiling: bool) -> CompileCache:
     if not compiling or setting == "off":
         return CompileCache(None)
     cache = CompileCache(Path(setting) if setting else output_dir / COMPILE_CACHE)
+    if cache.folder.exists() and not cache.folder.is_dir():
+        raise UserError(f"model.compile_cache: {cache.folder} is a file, not a folder")
     if not cache.data_path.is_file():
         cache.note = f"compile cache: none yet for this machine; kept in {cache.folder} after the first step"
         return cache
