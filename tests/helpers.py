@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,7 @@ def recipe_command(
         else [sys.executable]
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    env["PYTHONFAULTHANDLER"] = "1"  # a launch that times out prints its stacks (LaunchTimedOut)
     return [*head, str(recipe), *args], env
 
 
@@ -104,20 +106,39 @@ def run_recipe(
 
 # What a rank prints when a C++ thread of torch's gloo backend is still running as Python tears down.
 TEARDOWN_ABORT = "terminate called without an active exception"
+# A launch that runs this long has hung: the slowest launch in the suite takes under 3 minutes.
+LAUNCH_TIMEOUT = 600
+
+
+class LaunchHung(UserWarning):
+    """A launch ran past its timeout and was run again: the message holds the first try's stacks."""
 
 
 def run_launched(
-    command: list[str], env: dict | None = None, keep: Path | None = None, timeout: int = 900
+    command: list[str],
+    env: dict | None = None,
+    keep: Path | None = None,
+    timeout: int = LAUNCH_TIMEOUT,
+    retry_hung: bool = True,
 ) -> subprocess.CompletedProcess:
-    """Run a command; once, if a rank aborted in gloo's teardown (about one launch in a hundred here), run it
-    again with `keep` (a directory the command writes) put back as it was before. Any other failure stands."""
+    """Run a command; once more, with `keep` (a directory the command writes) put back as it was before,
+    if a rank aborted in gloo's teardown (about one launch in a hundred here) or, with `retry_hung`, the
+    launch hung (about one in a thousand, cause unknown): the hang's stacks become a `LaunchHung` warning,
+    so each one shows in the test report. Any other failure stands, and so does a second hang."""
     backup = None
     if keep is not None and keep.exists():
         backup = keep.parent / f".{keep.name}.before"
         shutil.copytree(keep, backup)
     try:
-        result = run_command(command, env, timeout)
-        if result.returncode != 0 and TEARDOWN_ABORT in result.stderr:
+        try:
+            result = run_command(command, env, timeout)
+            again = result.returncode != 0 and TEARDOWN_ABORT in result.stderr
+        except LaunchTimedOut as hung:
+            if not retry_hung:
+                raise
+            warnings.warn(LaunchHung(f"run again after: {hung}"), stacklevel=2)
+            again = True
+        if again:
             if keep is not None:
                 shutil.rmtree(keep, ignore_errors=True)
                 if backup is not None:
@@ -133,9 +154,23 @@ def run_command(command: list[str], env: dict | None, timeout: int) -> subproces
     """`subprocess.run` from the repository root, output captured; a `python script` or `accelerate launch`
     command starts warm (tests/warm.py) unless the test is marked `real_launch` or FTKIT_TEST_LAUNCH=real."""
     env = dict(os.environ) if env is None else env
-    if warm.enabled() and warm.warm_argv(command, env) is not None:
-        return warm.run(command, env, REPO, timeout)
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        if warm.enabled() and warm.warm_argv(command, env) is not None:
+            return warm.run(command, env, REPO, timeout)
+        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise LaunchTimedOut(exc.cmd, exc.timeout, exc.output, exc.stderr) from None
+
+
+class LaunchTimedOut(subprocess.TimeoutExpired):
+    """A launch that ran out of time, shown with the end of its stderr: started warm, the stacks of each of
+    its processes at the timeout (tests/warm.py), where PYTHONFAULTHANDLER was set."""
+
+    def __str__(self) -> str:
+        text = self.stderr or b""
+        text = text.decode(errors="replace") if isinstance(text, bytes) else text
+        text = re.sub(r"\nExtension modules: [^\n]*", "", text)  # faulthandler's list of loaded modules
+        return f"{super().__str__()}; the end of its stderr:\n{text[-16000:]}"
 
 
 def start_recipe(

@@ -28,6 +28,10 @@ PER_TEST = {"PYTEST_CURRENT_TEST"}
 # Warm processes kept per pytest worker, one per environment (each holds the imported libraries).
 KEEP = 3
 STARTUP_TIMEOUT = 600
+# A run that times out gets SIGABRT first (`dump_stacks`): with PYTHONFAULTHANDLER set (tests/helpers.py
+# sets it), each of its processes writes every thread's Python stack to its stderr, so the test's message
+# shows where it hung.
+STACKS_WAIT = 5.0
 
 real_launch = False
 """Set for the running test by tests/conftest.py: True where it is marked `real_launch`."""
@@ -101,10 +105,11 @@ class Zygote:
                 done = self.reply(deadline)
                 timed_out = done is None
             finally:
-                if (
-                    timed_out
-                ):  # (or interrupted) the launcher and its ranks end here, as subprocess.run's would
-                    kill_all(launcher, files["pids"])
+                # (or interrupted) the launcher and its ranks end here, as subprocess.run's would, after
+                # writing their stacks where faulthandler is on
+                if timed_out:
+                    dump_stacks(launcher, files["pids"])
+                    kill_all(launcher, files["pids"], signal.SIGKILL)
                     if self.reply(time.monotonic() + 60) is None:
                         raise RuntimeError(f"the warm process never saw its launcher {launcher} end")
             stdout, stderr = (read_bytes(files[name]) for name in ("stdout", "stderr"))
@@ -118,14 +123,37 @@ class Zygote:
         os.unlink(self.log)
 
 
-def kill_all(launcher: int, pids_file: str) -> None:
-    """SIGKILL to the launcher's session and to each rank's (each rank has a session of its own)."""
-    pids = [launcher]
-    with contextlib.suppress(FileNotFoundError):
-        pids += [int(line) for line in Path(pids_file).read_text().split()]
-    for pid in pids:
+def dump_stacks(launcher: int, pids_file: str) -> None:
+    """SIGABRT to the launcher's session, then to each rank's, one at a time (they share one stderr), each
+    given up to STACKS_WAIT seconds to write its stacks and end. The launcher goes first: a rank's end would
+    have it stop the others with SIGTERM, before they had written theirs."""
+    for pid in [launcher, *rank_pids(pids_file)]:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
+            os.killpg(pid, signal.SIGABRT)
+        deadline = time.monotonic() + STACKS_WAIT
+        while time.monotonic() < deadline and running(pid):
+            time.sleep(0.05)
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def rank_pids(pids_file: str) -> list[int]:
+    with contextlib.suppress(FileNotFoundError):
+        return [int(line) for line in Path(pids_file).read_text().split()]
+    return []
+
+
+def kill_all(launcher: int, pids_file: str, sig: int) -> None:
+    """`sig` to the launcher's session and to each rank's (each rank has a session of its own)."""
+    for pid in [launcher, *rank_pids(pids_file)]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, sig)
 
 
 def read_bytes(path: str) -> bytes:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import importlib
 import inspect
 import io
@@ -163,6 +164,9 @@ def become(argv: list[str], env: dict[str, str]) -> None:
     os.environ.update(env)
     subprocess.Popen._execute_child = REAL_EXECUTE
     fresh_stdio(unbuffered)
+    faulthandler.disable()  # the zygote's, if on (reset_signals replaced its handlers)
+    if env.get("PYTHONFAULTHANDLER"):  # as a fresh interpreter does: its handlers, on the program's stderr
+        faulthandler.enable(all_threads=True)
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
         sys.path[0] = os.getcwd()

@@ -1,9 +1,10 @@
-"""The test launcher itself. Its one retry: only for a rank aborting in gloo's teardown, with the output put
-back. Its warm start (tests/warm.py): each test here runs the same command twice, once through the real
-`accelerate launch` (or `python`) and once started warm, and compares what the ranks were given (their whole
-environment, argv, sys.path, torch's threads), what they computed (per-step losses of the recipe under DDP,
-FSDP2 and ZeRO-3, equal to the last digit) and how a failure shows (a rank raising, a rank killed by a
-signal, a rank that stalls until the test's timeout): the real path is what the warm one is checked against.
+"""The test launcher itself. Its one retry, with the output put back: only for a rank aborting in gloo's
+teardown, or a launch that hung (reported as a warning with its stacks). Its warm start (tests/warm.py):
+each test here runs the same command twice, once through the real `accelerate launch` (or `python`) and once
+started warm, and compares what the ranks were given (their whole environment, argv, sys.path, torch's
+threads), what they computed (per-step losses of the recipe under DDP, FSDP2 and ZeRO-3, equal to the last
+digit) and how a failure shows (a rank raising, a rank killed by a signal, a rank that stalls until the
+test's timeout): the real path is what the warm one is checked against.
 """
 
 import json
@@ -16,9 +17,18 @@ import time
 
 import pytest
 import warm
-from helpers import REPO, TEARDOWN_ABORT, launch, logged, recipe_command, run_launched, step_losses
+from helpers import (
+    REPO,
+    TEARDOWN_ABORT,
+    LaunchHung,
+    launch,
+    logged,
+    recipe_command,
+    run_launched,
+    step_losses,
+)
 
-# Fails the first time it runs (appending to out/log.txt first), succeeds the second.
+# Runs the statement given the first time it runs (appending to out/log.txt first), succeeds the second.
 SCRIPT = """
 import sys, pathlib
 out = pathlib.Path(sys.argv[1]); out.mkdir(exist_ok=True)
@@ -27,7 +37,7 @@ first = not (out.parent / "ran").exists()
 (out.parent / "ran").touch()
 log.write_text(log.read_text() + "x" if log.exists() else "x")
 if first:
-    sys.exit(sys.argv[2])
+    exec(sys.argv[2])
 """
 DUMP = REPO / "tests" / "scripts" / "dump_env.py"
 # The only variable a rank sees differently: torchrun's per-rank error file lies in a fresh temporary
@@ -39,7 +49,7 @@ def test_teardown_abort_runs_again_from_the_same_start(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "log.txt").write_text("before:")
-    result = run_launched([sys.executable, "-c", SCRIPT, str(out), TEARDOWN_ABORT], keep=out)
+    result = run_launched([sys.executable, "-c", SCRIPT, str(out), f"sys.exit({TEARDOWN_ABORT!r})"], keep=out)
     assert result.returncode == 0
     assert (out / "log.txt").read_text() == "before:x"  # the first try's write was undone
     assert not list(tmp_path.glob(".*"))  # no backup left behind
@@ -47,9 +57,23 @@ def test_teardown_abort_runs_again_from_the_same_start(tmp_path):
 
 def test_any_other_failure_stands(tmp_path):
     out = tmp_path / "out"
-    result = run_launched([sys.executable, "-c", SCRIPT, str(out), "Traceback: a real error"], keep=out)
+    result = run_launched(
+        [sys.executable, "-c", SCRIPT, str(out), "sys.exit('Traceback: a real error')"], keep=out
+    )
     assert result.returncode == 1 and "a real error" in result.stderr
     assert (out / "log.txt").read_text() == "x"
+
+
+def test_a_hung_launch_runs_again_from_the_same_start_and_is_reported(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "log.txt").write_text("before:")
+    command = [sys.executable, "-c", SCRIPT, str(out), "import time; time.sleep(120)"]
+    with pytest.warns(LaunchHung, match="timed out after 10 seconds"):
+        result = run_launched(command, keep=out, timeout=10)
+    assert result.returncode == 0
+    assert (out / "log.txt").read_text() == "before:x"
+    assert not list(tmp_path.glob(".*"))
 
 
 def both_ways(monkeypatch, command: list[str], out) -> dict:
@@ -152,17 +176,22 @@ def test_a_rank_killed_by_a_signal_fails_a_warm_launch_the_same_way(monkeypatch,
 
 
 def test_a_stalled_rank_is_ended_by_the_timeout_in_a_warm_launch(monkeypatch, tmp_path):
-    """Both ways the test's timeout raises; started warm, no process of the run outlives it."""
+    """Both ways the test's timeout raises; started warm, its message shows where each rank was (their
+    stacks, from faulthandler), and no process of the run outlives it."""
     command = dump_command(tmp_path / "out", "ddp", "import time; time.sleep(300)")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     pids = {}
     for way in ("real", "warm"):
         monkeypatch.setattr(warm, "real_launch", way == "real")
         begun = time.monotonic()
         with pytest.raises(subprocess.TimeoutExpired) as stalled:
-            run_launched(command, env, timeout=20)
+            run_launched(command, env, timeout=20, retry_hung=False)
         assert time.monotonic() - begun < 60
         assert b"rank 0 started" in stalled.value.stdout  # bytes, as subprocess.run leaves them
+        if way == "warm":  # the launcher's stacks and rank 1's, in its sleep (rank 0 has ended)
+            message = str(stalled.value)
+            assert message.count("Fatal Python error: Aborted") == 2, message
+            assert 'File "<string>", line 1 in <module>\n  File "' + str(DUMP) in message
         pids[way] = [rank["pid"] for rank in started(tmp_path / "out").values()]
         (tmp_path / "out").rename(tmp_path / way)
     time.sleep(1)
