@@ -11,12 +11,13 @@ recipes/finetune_llm.py; what differs is the data (pairs) and the loss (toolkit/
 from __future__ import annotations
 
 from toolkit import data
+from toolkit.entry import exit_with, recipe_args
 from toolkit.preference import config as pref
 from toolkit.preference import data as pairs
 from toolkit.preference import evaluate, kto, reference, unpaired
 from toolkit.preference import loss as pref_loss
 from toolkit.preference import pipeline as pref_pipeline
-from toolkit.run import Run, exit_with, recipe_args
+from toolkit.run import Run
 from toolkit.train import loss
 
 

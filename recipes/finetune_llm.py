@@ -15,7 +15,8 @@ import torch
 
 from toolkit import data
 from toolkit.config import load_config
-from toolkit.run import Run, exit_with, recipe_args
+from toolkit.entry import exit_with, recipe_args
+from toolkit.run import Run
 from toolkit.train import evaluate, loss
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"

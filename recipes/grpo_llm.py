@@ -14,12 +14,13 @@ from __future__ import annotations
 import torch
 
 from toolkit import distributed
+from toolkit.entry import exit_with, recipe_args
 from toolkit.grpo import config as grpo_config
 from toolkit.grpo import loss as grpo_loss
 from toolkit.grpo import prompts as prompt_sets
 from toolkit.grpo import rollout as rollouts
 from toolkit.grpo.rewards import Rewards
-from toolkit.run import Run, exit_with, recipe_args
+from toolkit.run import Run
 from toolkit.train import evaluate, loss
 
 

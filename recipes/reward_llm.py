@@ -13,12 +13,13 @@ pairwise accuracy are toolkit/reward/'s.
 from __future__ import annotations
 
 from toolkit import data
+from toolkit.entry import exit_with, recipe_args
 from toolkit.errors import UserError
 from toolkit.preference import data as pairs
 from toolkit.reward import config as rm
 from toolkit.reward import evaluate
 from toolkit.reward import loss as rm_loss
-from toolkit.run import Run, exit_with, recipe_args
+from toolkit.run import Run
 from toolkit.train import loss
 
 

@@ -5,10 +5,8 @@ loop's exits (checkpoint cadence, stop requests, failures, the finish)."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -16,10 +14,10 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from toolkit import checkpoint, console, data, distributed
+from toolkit import checkpoint, data, distributed
 from toolkit.checkpoint import compile_cache, rundir
 from toolkit.checkpoint.resume import Resume
-from toolkit.errors import UserError, leave_at_once, run_main
+from toolkit.errors import UserError
 from toolkit.launch import backend, checks, machine
 from toolkit.launch.deepspeed import fill_width_settings
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE, StopRequest
@@ -415,7 +413,7 @@ class Run:
         image = first_image(evaluator.dataset) if self.images is not None else None
         for line in closing_lines(evaluator.shown, final_dir, self.cfg.eval.sample_prompt, image):
             self.accelerator.print(line)
-        self.accelerator.end_training()
+        distributed.end_training(self.accelerator)
         self._lock.release()
         return 0
 
@@ -426,24 +424,3 @@ class Run:
         if self.accelerator.is_main_process:
             self.compiled.save()  # graphs compiled since the first step
         self.schedule.saved(step)
-
-
-def exit_with(main, prog: str):
-    """A recipe's entry point: known third-party noise quieted, `main(sys.argv[1:])` run (a UserError or a
-    stop becomes its line and exit code), the process group closed however it ends, so the code gets out."""
-    console.quiet_third_party()
-    try:
-        code = run_main(main, sys.argv[1:], prog)
-    finally:
-        distributed.close()
-    if code == 0:
-        leave_at_once(code)
-    sys.exit(code)
-
-
-def recipe_args(argv: list[str], doc: str, default_config: str, example: str) -> argparse.Namespace:
-    """A recipe's command line: `--config` (else `default_config`) and dotted.key=value overrides."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--config", help=f"recipe config YAML (default: {default_config})")
-    parser.add_argument("overrides", nargs="*", help=f"dotted.key=value overrides, e.g. {example}")
-    return parser.parse_args(argv)
