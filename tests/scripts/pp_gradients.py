@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 from transformers import LlamaForCausalLM
 
+from toolkit import distributed
 from toolkit.data.collate import Collator, PackedCollator
 from toolkit.data.encode import IGNORE
 from toolkit.pipeline import stages
@@ -156,7 +157,7 @@ def main() -> None:
         }
     if dist.get_rank() == 0:
         args.out.write_text(json.dumps(result))
-    dist.destroy_process_group()
+    distributed.close()  # destroyed after a pause (toolkit/distributed.py)
 
 
 if __name__ == "__main__":

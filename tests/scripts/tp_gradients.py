@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from transformers import LlamaForCausalLM
 
+from toolkit import distributed
 from toolkit.config import LoraConfig
 from toolkit.model import tensor_parallel
 from toolkit.model.load import peft_config
@@ -55,7 +56,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         result = {"loss_diff": abs(losses[0] - losses[1]), "grad_diff": worst, "grads": names}
         args.out.write_text(json.dumps({**result, "split_params": split_names}))
-    dist.destroy_process_group()
+    distributed.close()  # destroyed after a pause (toolkit/distributed.py)
 
 
 if __name__ == "__main__":
