@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import re
@@ -227,6 +228,32 @@ def run_script(script: Path, args: list[str], out: Path, processes: int = 0, con
     return result
 
 
+def demo_pair_files(root: Path, train: int, held_out: int) -> Path:
+    """`root` holding train.jsonl and eval.jsonl: the first `train` and `held_out` of the demo's pairs."""
+    demo = REPO / "toolkit" / "assets" / "demo"
+    for name, rows in (("train", train), ("eval", held_out)):
+        lines = (demo / f"pairs_{name}.jsonl").read_text().splitlines(True)[:rows]
+        (root / f"{name}.jsonl").write_text("".join(lines))
+    return root
+
+
+def pair_run_args(out: Path, pair_files: Path, steps: int) -> list[str]:
+    """What the pair recipes' launched tests share: their pair files, no adapter, `steps` steps each logged
+    at a constant learning rate, 8 pairs a step in micro-batches of 2."""
+    return [
+        f"output_dir={out}",
+        f"data.train={pair_files / 'train.jsonl'}",
+        f"data.eval={pair_files / 'eval.jsonl'}",
+        "model.adapter=null",
+        f"train.max_steps={steps}",
+        "train.log_every_steps=1",
+        "train.warmup_steps=0",
+        "train.lr_scheduler=constant",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+    ]
+
+
 def launch(config: str, processes: int = 2) -> list[str]:
     """`accelerate launch` arguments for a shipped config on `processes` local processes."""
     return [
@@ -303,6 +330,25 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
         max_position_embeddings=64,
     )
     return LlamaConfig(**{**shape, **overrides})
+
+
+def trl_sized_llama(tokenizer, **overrides) -> LlamaConfig:
+    """The Llama the TRL-parity tests build on the embedded tokenizer: 2 layers, hidden 32, 2 heads sharing
+    one key/value head."""
+    shape = dict(num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    return tiny_llama_config(vocab_size=len(tokenizer), **{**shape, **overrides})
+
+
+def policy_and_reference(config: LlamaConfig) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """A policy drawn from seed 0 and a reference a little away from it: the log-ratios of a preference
+    loss mean something only where the two differ."""
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(config).eval()
+    reference = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return policy, reference
 
 
 def micro_llama(**overrides) -> LlamaForCausalLM:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, run_script, train_lines
+from helpers import REPO, demo_pair_files, pair_run_args, run_script, train_lines
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -39,27 +39,14 @@ METRICS = (
 
 @pytest.fixture(scope="module")
 def pair_files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pairs")
-    demo = REPO / "toolkit" / "assets" / "demo"
-    (root / "train.jsonl").write_text("".join((demo / "pairs_train.jsonl").read_text().splitlines(True)[:32]))
-    (root / "eval.jsonl").write_text("".join((demo / "pairs_eval.jsonl").read_text().splitlines(True)[:8]))
-    return root
+    return demo_pair_files(tmp_path_factory.mktemp("pairs"), 32, 8)
 
 
 def run_dpo(out: Path, pair_files: Path, method: str, *overrides: str, processes: int = 0, config: str = ""):
     args = [
-        f"output_dir={out}",
-        f"data.train={pair_files / 'train.jsonl'}",
-        f"data.eval={pair_files / 'eval.jsonl'}",
-        "model.adapter=null",
+        *pair_run_args(out, pair_files, STEPS),
         f"model.method={method}",
         f"train.learning_rate={LEARNING_RATE[method]}",
-        f"train.max_steps={STEPS}",
-        "train.log_every_steps=1",
-        "train.warmup_steps=0",
-        "train.lr_scheduler=constant",
-        "train.global_batch_size=8",
-        "train.micro_batch_size=2",
         "data.max_length=64",
         # Length-grouped pair batches everywhere: each backend and resume below also covers that order.
         "data.group_by_length=true",

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import REPO, run_script, train_lines
+from helpers import REPO, demo_pair_files, pair_run_args, run_script, train_lines
 
 from toolkit.train.metrics import read_metrics
 
@@ -20,30 +20,17 @@ METRICS = ("loss", "kl", "rewards_chosen", "rewards_rejected", "reward_margin", 
 
 @pytest.fixture(scope="module")
 def pair_files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pairs")
-    demo = REPO / "toolkit" / "assets" / "demo"
-    (root / "train.jsonl").write_text("".join((demo / "pairs_train.jsonl").read_text().splitlines(True)[:16]))
-    (root / "eval.jsonl").write_text("".join((demo / "pairs_eval.jsonl").read_text().splitlines(True)[:4]))
-    return root
+    return demo_pair_files(tmp_path_factory.mktemp("pairs"), 16, 4)
 
 
 def run_kto(out: Path, pair_files: Path, *overrides: str, processes: int = 0, config: str = ""):
     args = [
-        f"output_dir={out}",
-        f"data.train={pair_files / 'train.jsonl'}",
-        f"data.eval={pair_files / 'eval.jsonl'}",
-        "model.adapter=null",
+        *pair_run_args(out, pair_files, STEPS),
         "dpo.loss=kto",
         "dpo.sft_weight=null",
         "dpo.beta=0.5",
         "kto.desirable_weight=1.2",
         "train.learning_rate=2e-3",
-        f"train.max_steps={STEPS}",
-        "train.log_every_steps=1",
-        "train.warmup_steps=0",
-        "train.lr_scheduler=constant",
-        "train.global_batch_size=8",
-        "train.micro_batch_size=2",
         "data.max_length=64",
         "eval.exact_match_samples=0",
         *overrides,

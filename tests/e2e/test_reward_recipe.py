@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, run_script, train_lines
+from helpers import REPO, demo_pair_files, pair_run_args, run_script, train_lines
 from transformers import AutoModelForSequenceClassification
 
 from toolkit.commands import cli
@@ -24,26 +24,13 @@ METRICS = ("loss", "reward_accuracy", "reward_margin", "rewards_chosen", "reward
 
 @pytest.fixture(scope="module")
 def pair_files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pairs")
-    demo = REPO / "toolkit" / "assets" / "demo"
-    (root / "train.jsonl").write_text("".join((demo / "pairs_train.jsonl").read_text().splitlines(True)[:32]))
-    (root / "eval.jsonl").write_text("".join((demo / "pairs_eval.jsonl").read_text().splitlines(True)[:8]))
-    return root
+    return demo_pair_files(tmp_path_factory.mktemp("pairs"), 32, 8)
 
 
 def run_rm(out: Path, pair_files: Path, *overrides: str, processes: int = 0, config: str = ""):
     args = [
-        f"output_dir={out}",
-        f"data.train={pair_files / 'train.jsonl'}",
-        f"data.eval={pair_files / 'eval.jsonl'}",
-        "model.adapter=null",
+        *pair_run_args(out, pair_files, STEPS),
         "train.learning_rate=1e-3",
-        f"train.max_steps={STEPS}",
-        "train.log_every_steps=1",
-        "train.warmup_steps=0",
-        "train.lr_scheduler=constant",
-        "train.global_batch_size=8",
-        "train.micro_batch_size=2",
         "data.group_by_length=true",
         "reward.center_coefficient=0.01",
         *overrides,

@@ -2,7 +2,6 @@
 rows read from the unpaired layout or split out of pairs, each with a mismatched completion for the KL
 estimate, and the one-line refusals (a row without its flag, rows of one kind, unpaired rows given to DPO)."""
 
-import copy
 import json
 import os
 from pathlib import Path
@@ -10,7 +9,8 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from helpers import policy_and_reference, trl_sized_llama
+from transformers import AutoTokenizer
 
 from toolkit.config import DataConfig
 from toolkit.errors import UserError
@@ -40,21 +40,7 @@ def write(path: Path, records: list[dict]) -> str:
 def setup(tmp_path):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tokenizer = AutoTokenizer.from_pretrained(TINY)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-    )
-    policy = LlamaForCausalLM(config).eval()
-    reference = copy.deepcopy(policy)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    policy, reference = policy_and_reference(trl_sized_llama(tokenizer))
     train, _, _ = build_rows(
         DataConfig(train=write(tmp_path / "rows.jsonl", ROWS), eval_fraction=0), tokenizer, 32, 0
     )

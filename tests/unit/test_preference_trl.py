@@ -4,7 +4,6 @@ and ipo, CPOTrainer (loss_type simpo, cpo_alpha 0) and ORPOTrainer .get_batch_lo
 reference-free losses, DPOTrainer with loss types sigmoid + sft for dpo.sft_weight; its logged rewards
 are compared pair by pair (batches of one pair)."""
 
-import copy
 import json
 import os
 from pathlib import Path
@@ -12,7 +11,8 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from helpers import policy_and_reference, trl_sized_llama
+from transformers import AutoTokenizer
 
 from toolkit.config import DataConfig
 from toolkit.preference.config import DpoConfig
@@ -38,21 +38,7 @@ def setup(tmp_path):
     """Fresh models per test: a TRL trainer patches the models it is given."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tokenizer = AutoTokenizer.from_pretrained(TINY)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-    )
-    policy = LlamaForCausalLM(config).eval()
-    reference = copy.deepcopy(policy)
-    with torch.no_grad():  # policy and reference must differ for the log-ratios to mean anything
-        for p in reference.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    policy, reference = policy_and_reference(trl_sized_llama(tokenizer))
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(pair) + "\n" for pair in PAIRS))
     train, _, _ = build_pairs(DataConfig(train=str(path), eval_fraction=0), tokenizer, 32, seed=0)

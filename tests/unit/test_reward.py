@@ -9,7 +9,8 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+from helpers import trl_sized_llama
+from transformers import AutoTokenizer, LlamaForSequenceClassification
 
 from toolkit.config import DataConfig
 from toolkit.errors import UserError
@@ -39,17 +40,7 @@ def setup(tmp_path):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tokenizer = AutoTokenizer.from_pretrained(TINY)
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-        num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = trl_sized_llama(tokenizer, num_labels=1, pad_token_id=tokenizer.pad_token_id)
     model = LlamaForSequenceClassification(config).eval()
     with torch.no_grad():  # scores far from zero, so the centering term is not negligible
         model.score.weight.mul_(50)
