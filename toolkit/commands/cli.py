@@ -46,6 +46,19 @@ def main(argv: list[str] | None = None) -> int:
         "--trust-remote-code", action="store_true", help="run modelling code shipped with the model"
     )
 
+    pairs = commands.add_parser(
+        "sample-pairs", help="reward-model pairs: the reference answer against a policy's own wrong samples"
+    )
+    pairs.add_argument(
+        "--model", required=True, help="the policy: final/ or merged model directory, or adapter"
+    )
+    pairs.add_argument("--data", required=True, help="SFT data whose last turn is the reference answer")
+    pairs.add_argument("--out", required=True, help="the pairs file to write (JSON lines)")
+    pairs.add_argument("--samples", type=int, default=8, help="answers sampled per prompt (default 8)")
+    pairs.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    pairs.add_argument("--max-new-tokens", type=int, default=8, help="tokens an answer may have (default 8)")
+    pairs.add_argument("--seed", type=int, default=0)
+
     evaluate = commands.add_parser(
         "eval", help="score a fine-tuned model and its base on benchmarks (lm-evaluation-harness)"
     )
@@ -258,6 +271,21 @@ def _run(args) -> int:
         from toolkit.commands.score import score_cli
 
         print("\n".join(score_cli(args.model, args.prompt, args.answer, args.trust_remote_code)))
+        return 0
+    if args.command == "sample-pairs":
+        from toolkit.reward.policy_pairs import sample_pairs_cli
+
+        print(
+            sample_pairs_cli(
+                args.model,
+                args.data,
+                args.out,
+                args.samples,
+                args.temperature,
+                args.max_new_tokens,
+                args.seed,
+            )
+        )
         return 0
     if args.command == "eval":
         from toolkit.commands.eval import eval_cli, launch_processes
