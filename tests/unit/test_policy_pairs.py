@@ -87,3 +87,8 @@ def test_the_command_writes_pairs_the_reward_recipe_reads(policy, sft_file, tmp_
     train, _, _ = build_pairs(DataConfig(train=str(out), eval_fraction=0), tokenizer, 32, seed=0)
     assert len(train) == len(records)
     assert cli.main(["sample-pairs", "--model", str(TINY), *args, "--samples", "0"]) == 2
+    # An existing file is never replaced: one line naming it, exit 2, the file as it was.
+    before = out.read_text()
+    assert cli.main(["sample-pairs", "--model", str(TINY), *args]) == 2
+    assert f"{out}: already exists" in capsys.readouterr().err
+    assert out.read_text() == before and sorted(p.name for p in out.parent.iterdir()) == ["pairs.jsonl"]

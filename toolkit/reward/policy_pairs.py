@@ -76,16 +76,22 @@ def sample_pairs(model, tokenizer, prompts, samples: int, temperature: float, ma
 def sample_pairs_cli(
     model_dir: str, data: str, out: str, samples: int, temperature: float, max_new_tokens: int, seed: int
 ) -> str:
-    """Writes the pairs of `model_dir`'s samples on `data`'s prompts to `out` (JSON lines); says how many."""
+    """Writes the pairs of `model_dir`'s samples on `data`'s prompts to `out` (JSON lines, a new file,
+    appearing whole or not at all); says how many."""
     from toolkit.commands.generate import load_for_generation
 
     if samples < 1 or temperature <= 0 or max_new_tokens < 1:
         raise UserError("--samples and --max-new-tokens must be at least 1, --temperature above 0")
+    target = Path(out)
+    if target.exists():
+        raise UserError(f"{out}: already exists; ftkit never replaces a file, name a new one with --out")
     prompts = read_prompts(data)
     model, tokenizer = load_for_generation(Path(model_dir))
     records = sample_pairs(model, tokenizer, prompts, samples, temperature, max_new_tokens, seed)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w") as handle:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.partial")
+    with open(partial, "x") as handle:
         handle.writelines(json.dumps(record) + "\n" for record in records)
+    partial.rename(target)
     wrong = len({json.dumps(r["prompt"]) for r in records})
     return f"{len(records)} pairs from {wrong} of {len(prompts)} prompts with a wrong sample: {out}"
