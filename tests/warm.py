@@ -131,11 +131,12 @@ def dump_stacks(launcher: int, pids_file: str) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGABRT)
         deadline = time.monotonic() + STACKS_WAIT
-        while time.monotonic() < deadline and running(pid):
+        while time.monotonic() < deadline and alive(pid):
             time.sleep(0.05)
 
 
-def running(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists and has not yet ended (a zombie has)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(") ", 1)[1][0] != "Z"

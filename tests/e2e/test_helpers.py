@@ -195,15 +195,7 @@ def test_a_stalled_rank_is_ended_by_the_timeout_in_a_warm_launch(monkeypatch, tm
         pids[way] = [rank["pid"] for rank in started(tmp_path / "out").values()]
         (tmp_path / "out").rename(tmp_path / way)
     time.sleep(1)
-    assert [pid for pid in pids["warm"] if alive(pid)] == []
+    assert [pid for pid in pids["warm"] if warm.alive(pid)] == []
     for pid in pids["real"]:  # subprocess.run kills accelerate launch alone: its ranks are left running
-        if alive(pid):
+        if warm.alive(pid):
             os.kill(pid, signal.SIGKILL)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False

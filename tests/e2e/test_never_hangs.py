@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO, launch, recipe_command, run_recipe, start_recipe, step_losses
+from warm import alive
 
 from toolkit import checkpoint, console
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE
@@ -31,14 +32,6 @@ CHATS = 20_000  # a few seconds of encoding on two workers here
 def children(pid: int) -> list[int]:
     path = f"/proc/{pid}/task/{pid}/children"
     return [int(p) for p in open(path).read().split()] if os.path.exists(path) else []
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def write_chats(path, count: int) -> None:
