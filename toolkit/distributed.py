@@ -1,13 +1,12 @@
 """The collectives the training core shares on every backend: clipping with the global norm, gathering the
 FSDP1 root's weights for generation, agreeing on flags and error text across ranks, ending the training
-and closing the process group, and the model inside the backend's wrapper.
+(the process group kept), and the model inside the backend's wrapper.
 How the backend itself is chosen and set up lives in toolkit/launch/."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-import time
 
 import torch
 from accelerate.utils import DistributedType, has_compiled_regions, is_compiled_module
@@ -112,22 +111,9 @@ def agreed_error(accelerator, error: str, limit: int = 4096) -> str:
 
 def end_training(accelerator) -> None:
     """`accelerator.end_training()` but for its destroying the process group: the trackers end, the group
-    stays until the process leaves (`close`). Destroyed here, the group would die with the last object that
-    holds it (DDP's reducer, as the recipe's frame ends), in the deadlock `close` describes."""
+    stays until the process leaves (toolkit/entry.py `leave` says why it is never destroyed)."""
     for tracker in accelerator.trackers:
         tracker.finish()
-
-
-def close() -> None:
-    """Destroy the process group before a run ends through Python's teardown (an error, a stop): with it
-    still alive when Python shuts down, a gloo worker thread can abort the process (SIGABRT) instead of
-    letting it return its exit code. A run that ends well leaves with os._exit and the group alive instead.
-    Destroying a gloo group takes its work lock with the GIL held, while a worker thread may still hold that
-    lock to release the last collective's tensors, which needs the GIL: a deadlock (seen once in about a
-    thousand launches on 2 cores). The pause first lets such a thread finish."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        time.sleep(0.2)
-        torch.distributed.destroy_process_group()
 
 
 def unwrap(accelerator, model):

@@ -9,6 +9,7 @@ import torch
 from train_tiny import build_model
 
 from toolkit.config import TrainConfig
+from toolkit.entry import leave
 from toolkit.launch import backend
 
 
@@ -42,8 +43,7 @@ def main() -> None:
     buckets = len(model._get_ddp_logging_data()["bucket_sizes"].split(","))
     if accelerator.is_main_process:
         Path(args.out).write_text(json.dumps({"allreduce_calls": len(calls), "buckets": buckets}))
-    accelerator.end_training()
 
 
 if __name__ == "__main__":
-    main()
+    leave(main)  # as the recipes end (toolkit/entry.py): no teardown with a gloo group alive

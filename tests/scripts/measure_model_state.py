@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from toolkit.config import TrainConfig
+from toolkit.entry import leave
 from toolkit.launch import backend, request
 
 # A launched script sees only its own folder; the shared test helpers are one up.
@@ -115,8 +116,7 @@ def main() -> None:
             )
         )
     accelerator.wait_for_everyone()
-    accelerator.end_training()
 
 
 if __name__ == "__main__":
-    main()
+    leave(main)  # as the recipes end (toolkit/entry.py): no teardown with a gloo group alive

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 from transformers import LlamaForCausalLM
 
-from toolkit import distributed
 from toolkit.data.collate import Collator, PackedCollator
 from toolkit.data.encode import IGNORE
+from toolkit.entry import leave
 from toolkit.pipeline import stages
 from toolkit.pipeline.batches import stacked
 from toolkit.pipeline.runtime import SCHEDULES
@@ -157,8 +157,7 @@ def main() -> None:
         }
     if dist.get_rank() == 0:
         args.out.write_text(json.dumps(result))
-    distributed.close()  # destroyed after a pause (toolkit/distributed.py)
 
 
 if __name__ == "__main__":
-    main()
+    leave(main)  # as the recipes end (toolkit/entry.py): no teardown with a gloo group alive

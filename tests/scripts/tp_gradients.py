@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from transformers import LlamaForCausalLM
 
-from toolkit import distributed
 from toolkit.config import LoraConfig
+from toolkit.entry import leave
 from toolkit.model import tensor_parallel
 from toolkit.model.load import peft_config
 
@@ -56,8 +56,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         result = {"loss_diff": abs(losses[0] - losses[1]), "grad_diff": worst, "grads": names}
         args.out.write_text(json.dumps({**result, "split_params": split_names}))
-    distributed.close()  # destroyed after a pause (toolkit/distributed.py)
 
 
 if __name__ == "__main__":
-    main()
+    leave(main)  # as the recipes end (toolkit/entry.py): no teardown with a gloo group alive

@@ -16,6 +16,7 @@ from transformers import LlamaForCausalLM
 from toolkit import distributed
 from toolkit.checkpoint.export import full_state_dict
 from toolkit.config import TrainConfig
+from toolkit.entry import leave
 from toolkit.errors import UserError
 from toolkit.launch import backend
 from toolkit.model import tensor_parallel
@@ -108,11 +109,7 @@ def main() -> None:
         }
         (args.out / "result.json").write_text(json.dumps(result))
     accelerator.wait_for_everyone()
-    accelerator.end_training()
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        distributed.close()  # as the recipes do: a live gloo group can abort the process at exit
+    leave(main)  # as the recipes end (toolkit/entry.py): no teardown with a gloo group alive
