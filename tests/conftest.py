@@ -27,6 +27,22 @@ def pytest_sessionfinish(session):
     warm.close_all()
 
 
+RETRIED: list[str] = []
+
+
+def pytest_warning_recorded(warning_message, nodeid):
+    """Every launch run a second time (tests/helpers.py `LaunchRetried`), pytest-xdist's workers' too."""
+    if warning_message.category.__name__ == "LaunchRetried":
+        RETRIED.append(nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """A count of the launches run a second time, with the tests they were in: the warnings summary above
+    holds each first try's stderr or stacks."""
+    where = f" ({', '.join(RETRIED)})" if RETRIED else ""
+    terminalreporter.write_line(f"launches retried: {len(RETRIED)}{where}", yellow=bool(RETRIED))
+
+
 @pytest.fixture
 def private_cache(tmp_path, monkeypatch):
     """A datasets cache of the test's own, so one test's cached tables never answer another's."""

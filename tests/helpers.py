@@ -7,9 +7,12 @@ import copy
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -105,14 +108,17 @@ def run_recipe(
     return result
 
 
-# What a rank prints when a C++ thread of torch's gloo backend is still running as Python tears down.
+# What a rank prints when a C++ thread of torch's gloo backend is still running as Python tears down (the
+# recipes and test scripts leave without that teardown: toolkit/entry.py `leave`).
 TEARDOWN_ABORT = "terminate called without an active exception"
 # A launch that runs this long has hung: the slowest launch in the suite takes under 3 minutes.
 LAUNCH_TIMEOUT = 600
 
 
-class LaunchHung(UserWarning):
-    """A launch ran past its timeout and was run again: the message holds the first try's stacks."""
+class LaunchRetried(UserWarning):
+    """A launch was run a second time, after it hung or a rank aborted in gloo's teardown: the message holds
+    the first try's stacks or stderr. The test report lists each one and its summary counts them
+    (tests/conftest.py): a fault a user's run can meet, never to be passed over."""
 
 
 def run_launched(
@@ -120,47 +126,75 @@ def run_launched(
     env: dict | None = None,
     keep: Path | None = None,
     timeout: int = LAUNCH_TIMEOUT,
-    retry_hung: bool = True,
+    retry: bool = True,
+    expire: threading.Event | None = None,
 ) -> subprocess.CompletedProcess:
     """Run a command; once more, with `keep` (a directory the command writes) put back as it was before,
-    if a rank aborted in gloo's teardown (about one launch in a hundred here) or, with `retry_hung`, the
-    launch hung (about one in a thousand, cause unknown): the hang's stacks become a `LaunchHung` warning,
-    so each one shows in the test report. Any other failure stands, and so does a second hang."""
+    if it hung or a rank aborted in gloo's teardown (with `retry`), warning `LaunchRetried` with what the
+    first try left. Any other failure stands, and so does a second hang. `expire`: an event that ends the
+    try under way as its timeout would, when set (cleared before a second try)."""
     backup = None
     if keep is not None and keep.exists():
         backup = keep.parent / f".{keep.name}.before"
         shutil.copytree(keep, backup)
     try:
         try:
-            result = run_command(command, env, timeout)
-            again = result.returncode != 0 and TEARDOWN_ABORT in result.stderr
+            result = run_command(command, env, timeout, expire)
+            fault = result.returncode != 0 and TEARDOWN_ABORT in result.stderr
+            first = (
+                f"a rank aborted in gloo's teardown, its stderr:\n{result.stderr[-16000:]}" if fault else ""
+            )
         except LaunchTimedOut as hung:
-            if not retry_hung:
+            if not retry:
                 raise
-            warnings.warn(LaunchHung(f"run again after: {hung}"), stacklevel=2)
-            again = True
-        if again:
+            first = f"it hung: {hung}"
+        if first and retry:
+            warnings.warn(LaunchRetried(f"{shlex.join(command)}\nran again after {first}"), stacklevel=2)
+            if expire is not None:
+                expire.clear()
             if keep is not None:
                 shutil.rmtree(keep, ignore_errors=True)
                 if backup is not None:
                     shutil.copytree(backup, keep)
-            result = run_command(command, env, timeout)
+            result = run_command(command, env, timeout, expire)
         return result
     finally:
         if backup is not None:
             shutil.rmtree(backup)
 
 
-def run_command(command: list[str], env: dict | None, timeout: int) -> subprocess.CompletedProcess:
+def run_command(
+    command: list[str], env: dict | None, timeout: int, expire: threading.Event | None = None
+) -> subprocess.CompletedProcess:
     """`subprocess.run` from the repository root, output captured; a `python script` or `accelerate launch`
-    command starts warm (tests/warm.py) unless the test is marked `real_launch` or FTKIT_TEST_LAUNCH=real."""
+    command starts warm (tests/warm.py) unless the test is marked `real_launch` or FTKIT_TEST_LAUNCH=real.
+    `expire`: an event that ends it as the timeout would."""
     env = dict(os.environ) if env is None else env
     try:
         if warm.enabled() and warm.warm_argv(command, env) is not None:
-            return warm.run(command, env, REPO, timeout)
-        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+            return warm.run(command, env, REPO, timeout, expire)
+        if expire is None:
+            return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        return run_until(command, env, timeout, expire)
     except subprocess.TimeoutExpired as exc:
         raise LaunchTimedOut(exc.cmd, exc.timeout, exc.output, exc.stderr) from None
+
+
+def run_until(command: list[str], env: dict, timeout: int, expire: threading.Event):
+    """`subprocess.run(..., timeout=timeout)`, also ended (killed, TimeoutExpired) once `expire` is set."""
+    deadline = time.monotonic() + timeout
+    with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        while True:
+            try:
+                out, err = proc.communicate(timeout=0.2)
+                return subprocess.CompletedProcess(
+                    command, proc.returncode, warm.decode(out), warm.decode(err)
+                )
+            except subprocess.TimeoutExpired:
+                if expire.is_set() or time.monotonic() > deadline:
+                    proc.kill()
+                    out, err = proc.communicate()
+                    raise subprocess.TimeoutExpired(command, timeout, out, err) from None
 
 
 class LaunchTimedOut(subprocess.TimeoutExpired):

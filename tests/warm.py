@@ -77,13 +77,15 @@ class Zygote:
         self.pending = b""
         self.reply(time.monotonic() + STARTUP_TIMEOUT)
 
-    def reply(self, deadline: float) -> dict | None:
-        """The next reply line, or None once `deadline` passes."""
+    def reply(self, deadline: float, expire=None) -> dict | None:
+        """The next reply line, or None once `deadline` passes or `expire` (an event) is set."""
         fd = self.proc.stdout.fileno()
         while b"\n" not in self.pending:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or (expire is not None and expire.is_set()):
                 return None
+            if not select.select([fd], [], [], left if expire is None else min(left, 0.2))[0]:
+                continue
             chunk = os.read(fd, 65536)
             if not chunk:
                 log = Path(self.log).read_text()[-4000:]
@@ -92,7 +94,7 @@ class Zygote:
         line, _, self.pending = self.pending.partition(b"\n")
         return json.loads(line)
 
-    def run(self, argv: list[str], env: dict, cwd: Path, timeout: float | None, command: list[str]):
+    def run(self, argv: list[str], env: dict, cwd: Path, timeout: float | None, command: list[str], expire):
         with tempfile.TemporaryDirectory(prefix="warm-") as folder:
             files = {name: os.path.join(folder, name) for name in ("stdout", "stderr", "pids")}
             request = dict(argv=argv, env=env, cwd=str(cwd), **files)
@@ -102,7 +104,7 @@ class Zygote:
             launcher = self.reply(time.monotonic() + STARTUP_TIMEOUT)["pid"]
             timed_out = True
             try:
-                done = self.reply(deadline)
+                done = self.reply(deadline, expire)
                 timed_out = done is None
             finally:
                 # (or interrupted) the launcher and its ranks end here, as subprocess.run's would, after
@@ -192,10 +194,13 @@ def zygote_for(env: dict) -> Zygote:
     return _zygotes[key]
 
 
-def run(command: list[str], env: dict, cwd: Path, timeout: float | None) -> subprocess.CompletedProcess:
+def run(
+    command: list[str], env: dict, cwd: Path, timeout: float | None, expire=None
+) -> subprocess.CompletedProcess:
     """`subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)`,
-    started warm (the command must be one `warm_argv` accepts)."""
-    return zygote_for(env).run(warm_argv(command, env), env, cwd, timeout, command)
+    started warm (the command must be one `warm_argv` accepts); `expire`, an event, ends it as the
+    timeout would once set."""
+    return zygote_for(env).run(warm_argv(command, env), env, cwd, timeout, command, expire)
 
 
 def close_all() -> None:

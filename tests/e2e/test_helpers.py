@@ -1,5 +1,6 @@
 """The test launcher itself. Its one retry, with the output put back: only for a rank aborting in gloo's
-teardown, or a launch that hung (reported as a warning with its stacks). Its warm start (tests/warm.py):
+teardown, or a launch that hung, each reported as a `LaunchRetried` warning with the first try's stderr or
+stacks. Its warm start (tests/warm.py):
 each test here runs the same command twice, once through the real `accelerate launch` (or `python`) and once
 started warm, and compares what the ranks were given (their whole environment, argv, sys.path, torch's
 threads), what they computed (per-step losses of the recipe under DDP, FSDP2 and ZeRO-3, equal to the last
@@ -13,14 +14,16 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import warm
 from helpers import (
+    LAUNCH_TIMEOUT,
     REPO,
     TEARDOWN_ABORT,
-    LaunchHung,
+    LaunchRetried,
     launch,
     logged,
     recipe_command,
@@ -45,11 +48,14 @@ DUMP = REPO / "tests" / "scripts" / "dump_env.py"
 DIFFERS = {"TORCHELASTIC_ERROR_FILE"}
 
 
-def test_teardown_abort_runs_again_from_the_same_start(tmp_path):
+def test_teardown_abort_runs_again_from_the_same_start_and_is_reported(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "log.txt").write_text("before:")
-    result = run_launched([sys.executable, "-c", SCRIPT, str(out), f"sys.exit({TEARDOWN_ABORT!r})"], keep=out)
+    command = [sys.executable, "-c", SCRIPT, str(out), f"print('first try'); sys.exit({TEARDOWN_ABORT!r})"]
+    with pytest.warns(LaunchRetried, match="aborted in gloo's teardown") as retried:
+        result = run_launched(command, keep=out)
+    assert TEARDOWN_ABORT in str(retried[0].message)  # the first try's stderr
     assert result.returncode == 0
     assert (out / "log.txt").read_text() == "before:x"  # the first try's write was undone
     assert not list(tmp_path.glob(".*"))  # no backup left behind
@@ -65,15 +71,28 @@ def test_any_other_failure_stands(tmp_path):
 
 
 def test_a_hung_launch_runs_again_from_the_same_start_and_is_reported(tmp_path):
+    """The first try stalls where the test ends it (`expire`, as a timeout would); the second succeeds."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "log.txt").write_text("before:")
-    command = [sys.executable, "-c", SCRIPT, str(out), "import time; time.sleep(120)"]
-    with pytest.warns(LaunchHung, match="timed out after 10 seconds"):
-        result = run_launched(command, keep=out, timeout=10)
+    command = [sys.executable, "-c", SCRIPT, str(out), "import time; time.sleep(LAUNCH_TIMEOUT)"]
+    command[-1] = command[-1].replace("LAUNCH_TIMEOUT", str(LAUNCH_TIMEOUT))
+    expire = threading.Event()
+    ran = tmp_path / "ran"
+    threading.Thread(target=fire_when, args=(ran.exists, expire), daemon=True).start()
+    with pytest.warns(LaunchRetried, match="hung: .*timed out after 600 seconds"):
+        result = run_launched(command, keep=out, expire=expire)
     assert result.returncode == 0
     assert (out / "log.txt").read_text() == "before:x"
     assert not list(tmp_path.glob(".*"))
+
+
+def fire_when(ready, expire: threading.Event) -> None:
+    """Sets `expire` once `ready()` is true, or at the guard's time limit."""
+    deadline = time.monotonic() + LAUNCH_TIMEOUT
+    while time.monotonic() < deadline and not ready():
+        time.sleep(0.1)
+    expire.set()
 
 
 def both_ways(monkeypatch, command: list[str], out) -> dict:
@@ -177,25 +196,39 @@ def test_a_rank_killed_by_a_signal_fails_a_warm_launch_the_same_way(monkeypatch,
 
 def test_a_stalled_rank_is_ended_by_the_timeout_in_a_warm_launch(monkeypatch, tmp_path):
     """Both ways the test's timeout raises; started warm, its message shows where each rank was (their
-    stacks, from faulthandler), and no process of the run outlives it."""
-    command = dump_command(tmp_path / "out", "ddp", "import time; time.sleep(300)")
+    stacks, from faulthandler), and no process of the run outlives it. The test fires the timeout itself
+    (`expire`) once rank 0 has ended and rank 1 is in its stall: however slow the start, the stall is what
+    it ends. The time limit is only a guard."""
+    out = tmp_path / "out"
+    stall = f"open({str(out / 'stalled')!r}, 'w').close(); import time; time.sleep({LAUNCH_TIMEOUT})"
+    command = dump_command(out, "ddp", stall)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     pids = {}
     for way in ("real", "warm"):
         monkeypatch.setattr(warm, "real_launch", way == "real")
-        begun = time.monotonic()
+        expire = threading.Event()
+        threading.Thread(target=fire_when, args=(lambda: stalled_alone(out), expire), daemon=True).start()
         with pytest.raises(subprocess.TimeoutExpired) as stalled:
-            run_launched(command, env, timeout=20, retry_hung=False)
-        assert time.monotonic() - begun < 60
+            run_launched(command, env, timeout=LAUNCH_TIMEOUT, retry=False, expire=expire)
+        assert expire.is_set(), "the launch ended before its ranks had stalled"
         assert b"rank 0 started" in stalled.value.stdout  # bytes, as subprocess.run leaves them
         if way == "warm":  # the launcher's stacks and rank 1's, in its sleep (rank 0 has ended)
             message = str(stalled.value)
             assert message.count("Fatal Python error: Aborted") == 2, message
             assert 'File "<string>", line 1 in <module>\n  File "' + str(DUMP) in message
-        pids[way] = [rank["pid"] for rank in started(tmp_path / "out").values()]
-        (tmp_path / "out").rename(tmp_path / way)
+        pids[way] = [rank["pid"] for rank in started(out).values()]
+        out.rename(tmp_path / way)
     time.sleep(1)
     assert [pid for pid in pids["warm"] if warm.alive(pid)] == []
     for pid in pids["real"]:  # subprocess.run kills accelerate launch alone: its ranks are left running
         if warm.alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def stalled_alone(out) -> bool:
+    """Rank 1 is in its stall and rank 0 has ended (its output written)."""
+    try:
+        pid = json.loads((out / "rank-0.json").read_text())["pid"]
+    except (FileNotFoundError, ValueError):  # not yet written, or half
+        return False
+    return (out / "stalled").exists() and not warm.alive(pid)

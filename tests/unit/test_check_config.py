@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import REPO
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from toolkit.commands.check_config import check_config_cli
 from toolkit.errors import UserError
+from toolkit.grpo.config import BUILT_IN_REWARDS
 from toolkit.recipes import recipe_of
 
 CONFIGS = sorted((REPO / "recipes" / "configs").rglob("*.yaml"))
@@ -29,6 +31,11 @@ def local(path: str) -> bool:
 
 def with_embedded_assets(path: Path, recipe: str, tmp_path: Path) -> Path:
     raw = yaml.safe_load(path.read_text())
+    grpo = raw.get("grpo") or {}
+    if grpo.get("rewards"):  # a reward model's folder from a run of the user's: a tiny one in its place
+        grpo["rewards"] = [
+            name if rule(name) else str(tiny_reward_model(tmp_path)) for name in grpo["rewards"]
+        ]
     model = raw.setdefault("model", {})
     if not local(model.get("path", "toolkit/assets/tiny-llama")):
         # QLoRA's 4-bit kernel takes widths in multiples of 64: the embedded model made for it.
@@ -48,6 +55,22 @@ def with_embedded_assets(path: Path, recipe: str, tmp_path: Path) -> Path:
     return copy
 
 
+def rule(name: str) -> bool:
+    """A built-in reward or one of the user's functions (module:function), not a reward model's folder."""
+    return name in BUILT_IN_REWARDS or ":" in name
+
+
+def tiny_reward_model(tmp_path: Path) -> Path:
+    """A reward model's folder as recipes/reward_llm.py exports one merged: the embedded tiny model with a
+    scalar head, and its tokenizer."""
+    folder = tmp_path / "reward-model"
+    if not folder.exists():
+        config = AutoConfig.from_pretrained(ASSETS / "tiny-llama", num_labels=1)
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(ASSETS / "tiny-llama").save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_every_shipped_recipe_config_passes_check_config_with_its_own_recipe(path, tmp_path):
     recipe = recipe_of(path)
@@ -63,6 +86,23 @@ def test_every_shipped_recipe_config_passes_check_config_with_its_own_recipe(pat
         assert data_line.startswith("preference pairs: the opening 8 records of each source read as")
     else:
         assert data_line.startswith("chat template: generation prompts agree"), data_line
+
+
+def test_a_config_naming_a_reward_model_of_a_run_checks_on_a_fresh_checkout(tmp_path):
+    """A GRPO config whose rewards name a reward model trained by an earlier run (not in a fresh checkout):
+    checked with a tiny reward model in its place, the rule reward kept."""
+    shipped = yaml.safe_load((REPO / "recipes" / "configs" / "demo-grpo.yaml").read_text())
+    shipped["grpo"]["rewards"] = ["exact_answer", "runs/demo-rm/final"]
+    config = tmp_path / "shipped" / "grpo-with-rm.yaml"
+    config.parent.mkdir()
+    config.write_text(yaml.safe_dump(shipped))
+    checked = with_embedded_assets(config, "grpo", tmp_path)
+    rewards = yaml.safe_load(checked.read_text())["grpo"]["rewards"]
+    assert rewards == ["exact_answer", str(tmp_path / "reward-model")]
+    report = check_config_cli(str(REPO / "accelerate_configs" / "ddp.yaml"), str(checked), 2, {})
+    assert "ok: ddp on 2 process(es)" in report and "for the grpo recipe" in report
+    with pytest.raises(UserError, match="grpo.rewards: unknown reward 'runs/demo-rm/final'"):
+        check_config_cli(str(REPO / "accelerate_configs" / "ddp.yaml"), str(config), 2, {})
 
 
 def test_the_recipe_is_told_by_the_configs_sections():

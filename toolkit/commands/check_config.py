@@ -21,7 +21,7 @@ from toolkit.model.load import load_tokenizer
 from toolkit.preference.data import render_answer, render_pair
 from toolkit.preference.records import detect_layout, to_pair
 from toolkit.preference.unpaired import to_rows
-from toolkit.recipes import load_any_recipe_config, recipe_name
+from toolkit.recipes import load_recipe_config, recipe_name, recipe_of
 from toolkit.train.batches import grad_accum_steps
 
 PIPELINE_LAUNCHES = ("pp", "pp_ddp")
@@ -31,7 +31,7 @@ def check_config_cli(
     accel_yaml: str, recipe_path: str | None, num_processes: int | None, env: MutableMapping[str, str]
 ) -> str:
     """The report: the launch's summary line, its notes, and the line on the recipe's data."""
-    cfg = load_any_recipe_config(recipe_path)
+    cfg = load_recipe_config(recipe_of(recipe_path), recipe_path, [])  # with the recipe's own checks
     recipe = recipe_name(cfg)
     source = recipe_path or "the demo config"
     machine = probe_machine()
