@@ -181,7 +181,8 @@ def run_command(
 
 
 def run_until(command: list[str], env: dict, timeout: int, expire: threading.Event):
-    """`subprocess.run(..., timeout=timeout)`, also ended (killed, TimeoutExpired) once `expire` is set."""
+    """`subprocess.run(..., timeout=timeout)`, also ended once `expire` is set: the command killed, its
+    output so far in the TimeoutExpired (not waited for: a rank it started may still hold the pipes)."""
     deadline = time.monotonic() + timeout
     with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
         while True:
@@ -190,11 +191,11 @@ def run_until(command: list[str], env: dict, timeout: int, expire: threading.Eve
                 return subprocess.CompletedProcess(
                     command, proc.returncode, warm.decode(out), warm.decode(err)
                 )
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired as exc:
                 if expire.is_set() or time.monotonic() > deadline:
                     proc.kill()
-                    out, err = proc.communicate()
-                    raise subprocess.TimeoutExpired(command, timeout, out, err) from None
+                    proc.wait()
+                    raise subprocess.TimeoutExpired(command, timeout, exc.output, exc.stderr) from None
 
 
 class LaunchTimedOut(subprocess.TimeoutExpired):

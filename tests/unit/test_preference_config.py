@@ -48,7 +48,12 @@ def test_every_dpo_key_is_documented():
     [
         (["dpo.los=ipo"], "unknown key dpo.los (did you mean dpo.loss?)"),
         (["dpo.loss=cpo"], "dpo.loss: 'cpo' is not one of sigmoid, ipo, simpo, orpo, kto"),
-        (["dpo.loss=kto"], "dpo.sft_weight: KTO's rows are desirable or not"),
+        (
+            ["dpo.loss=kto"],
+            "demo-dpo.yaml) weighs a chosen answer's NLL, and KTO's rows are desirable or not",
+        ),
+        (["dpo.loss=kto"], "with no chosen answer: add dpo.sft_weight=null"),
+        (["dpo.loss=kto", "dpo.sft_weight=2"], "dpo.sft_weight: 2.0 (set in the command line)"),
         (["dpo.loss=kto", "dpo.sft_weight=null", "pipeline.size=2"], "pipeline.size: dpo.loss kto"),
         (["dpo.beta=0"], "dpo.beta: must be positive"),
         (["dpo.beta=high"], "dpo.beta has the wrong type"),

@@ -58,11 +58,13 @@ class PreferenceConfig(RecipeConfig):
 def load_preference_config(path: str | Path | None, overrides: list[str]) -> PreferenceConfig:
     """The recipe config at `path` (the demo when None), checked for what preference tuning needs."""
     cfg = load_config(path or DEMO_DPO_CONFIG, overrides, schema=PreferenceConfig)
-    validate_preference(cfg)
+    set_here = any(item.partition("=")[0].strip() == "dpo.sft_weight" for item in overrides)
+    validate_preference(cfg, "the command line" if set_here else str(path or DEMO_DPO_CONFIG))
     return cfg
 
 
-def validate_preference(cfg: PreferenceConfig) -> None:
+def validate_preference(cfg: PreferenceConfig, source: str = "the config") -> None:
+    """The preference recipe's own checks; `source`: where dpo.sft_weight was set, for its message."""
     if cfg.dpo.beta <= 0:
         raise UserError(f"dpo.beta: must be positive, got {cfg.dpo.beta}")
     if not 0 <= cfg.dpo.max_prompt_length < cfg.data.max_length:
@@ -74,7 +76,10 @@ def validate_preference(cfg: PreferenceConfig) -> None:
     if cfg.dpo.loss in REFERENCE_FREE and (cfg.dpo.reference_model or cfg.dpo.precompute_reference):
         raise UserError(f"dpo.loss {cfg.dpo.loss} uses no reference model; unset dpo.reference_model")
     if cfg.dpo.loss == "kto" and cfg.dpo.sft_weight:
-        raise UserError("dpo.sft_weight: KTO's rows are desirable or not, no chosen answer; leave it unset")
+        raise UserError(
+            f"dpo.sft_weight: {cfg.dpo.sft_weight} (set in {source}) weighs a chosen answer's NLL, and KTO's "
+            "rows are desirable or not, with no chosen answer: add dpo.sft_weight=null"
+        )
     if cfg.dpo.loss == "kto" and cfg.pipeline.size > 1:
         raise UserError("pipeline.size: dpo.loss kto does not run on a pipeline; use fsdp or zero3")
     if cfg.dpo.reference_model:
