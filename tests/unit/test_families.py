@@ -219,7 +219,7 @@ def _config(family: str, **overrides):
 
 def test_the_shipped_qwen3_5_config_passes_check_config_on_a_qwen3_5_model(tmp_path):
     """recipes/configs/qwen3.5-35b-a3b-lora.yaml with a tiny Qwen3.5 (its text model) in place of the hub
-    checkpoint and the embedded data: its launch line's backend passes, and packing it would be refused."""
+    checkpoint and the embedded data: its launch line's backend passes, packed or not."""
     import yaml
     from helpers import REPO
 
@@ -234,5 +234,4 @@ def test_the_shipped_qwen3_5_config_passes_check_config_on_a_qwen3_5_model(tmp_p
     assert "ok: " in check_config_cli(accelerate, str(config), 2, {})
     raw["data"].update(packing=True, group_by_length=False)
     config.write_text(yaml.safe_dump(raw))
-    with pytest.raises(UserError, match=r"data.packing .*\(qwen3_5_text\) has gated DeltaNet layers"):
-        check_config_cli(accelerate, str(config), 2, {})
+    assert "ok: " in check_config_cli(accelerate, str(config), 2, {})
