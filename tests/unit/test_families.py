@@ -12,12 +12,13 @@ import json
 import pytest
 import torch
 from helpers import QUICK
-from tiny_families import FAMILIES, tiny_family
+from tiny_families import FAMILIES, tiny_config, tiny_family
 
 from toolkit.commands import cli
 from toolkit.config import LoraConfig, ModelConfig
 from toolkit.errors import UserError
 from toolkit.model import lora_targets, moe, vision
+from toolkit.model.families import family_of
 from toolkit.model.load import load_model
 from toolkit.train.metrics import read_metrics
 
@@ -74,8 +75,8 @@ def adapted(line: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def trained(recipe, tmp_path_factory):
-    """Each family's folder and its LoRA run (2 steps, a checkpoint at step 2), run once and kept, with what
-    the run printed; the families that failed keep their exception."""
+    """Each family's folder and its LoRA run (2 steps, a checkpoint at step 2; packed rows where the family
+    packs), run once and kept, with what the run printed; the families that failed keep their exception."""
     runs = {}
     for family in FAMILIES:
         root = tmp_path_factory.mktemp(family)
@@ -91,6 +92,7 @@ def trained(recipe, tmp_path_factory):
                         "train.max_steps=2",
                         "train.save_every_steps=2",
                         "eval.max_batches=1",
+                        f"data.packing={family_of(tiny_config(family)).keeps_examples_apart}",
                     ]
                 )
             runs[family] = (root, code, out.getvalue())
@@ -117,6 +119,9 @@ def test_the_recipe_trains_each_family_with_lora_on_the_layers_it_names(trained,
     assert shown == expected, f"{family}: {line}"
     saved = json.loads((root / "run" / "final" / "adapter_config.json").read_text())
     assert saved["peft_type"] == "LORA"
+    kinds = family_of(tiny_config(family)).recurrent
+    shown = [line for line in printed.splitlines() if line.startswith("packing: ")]
+    assert shown == [f"packing: {family}'s {kind.name} layers run each example on its own" for kind in kinds]
 
 
 @pytest.mark.usefixtures("signal_handlers_restored")
