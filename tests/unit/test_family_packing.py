@@ -92,9 +92,10 @@ def packed_gaps(model, rows: list[dict]) -> tuple[float, float, float]:
     return gap, float(batch_loss(model, batch)), alone_loss
 
 
-def launch_check(tmp_path, model_type: str, launch: Launch | None = None, **data) -> None:
-    """ftkit's launch checks on a recipe that trains the family's tiny model (its config.json is enough)."""
-    tiny_config(model_type).save_pretrained(tmp_path)
+def launch_check(tmp_path, model_type: str, launch: Launch | None = None, config=None, **data) -> None:
+    """ftkit's launch checks on a recipe that trains the family's tiny model (its config.json is enough;
+    `config`: keys of it changed)."""
+    tiny_config(model_type, **(config or {})).save_pretrained(tmp_path)
     cfg = RecipeConfig(
         model=ModelConfig(path=str(tmp_path)),
         data=DataConfig(**data),
@@ -255,3 +256,15 @@ def test_gpu_kernels_get_the_packed_boundaries(monkeypatch):
     assert per_example.install(kimi, family_of(kimi.config), on_gpu=True) == [
         "packing: kimi_linear's Kimi delta attention layers run each example on its own"
     ]
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "mistral4", "kimi_linear"])
+def test_latent_attention_with_fewer_key_value_heads_is_one_line(model_type, tmp_path):
+    """Transformers accepts the config and fails on the first forward pass, packed or padded."""
+    config = tiny_config(model_type, num_key_value_heads=2)
+    with pytest.raises(RuntimeError, match="must match the size"):
+        causal_lm_class(model_type)(config)(**model_inputs(Collator(pad_id=PAD)(examples(count=2))))
+    with pytest.raises(
+        UserError, match=r"config.json: num_key_value_heads 2 with num_attention_heads 4, .*: 4$"
+    ):
+        launch_check(tmp_path, model_type, config={"num_key_value_heads": 2})

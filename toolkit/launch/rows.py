@@ -23,6 +23,7 @@ def check_rows(cfg, sp: int, facts: ModelFacts, recipe_source: str, launch_sourc
     parallelism."""
     packed = [key for key in PACKED if getattr(cfg.data, key.split(".")[1])]
     family = facts.family
+    _refuse_latent_kv_heads(cfg.model.path, facts)
     leak = family.leaks if family is not None else None
     if leak is not None and packed:
         raise UserError(
@@ -42,4 +43,18 @@ def check_rows(cfg, sp: int, facts: ModelFacts, recipe_source: str, launch_sourc
         raise UserError(
             f"{launch_source}: parallelism_config_sp_size {sp} refuses {PACKED[packed[0]]} in "
             f"{recipe_source} (sdpa would attend across the packed examples)"
+        )
+
+
+def _refuse_latent_kv_heads(path: str, facts: ModelFacts) -> None:
+    """Multi-head latent attention expands its latent into K and V for every head; a config with fewer
+    key/value heads is accepted by transformers and fails in the first forward pass (a shape traceback)."""
+    family, raw = facts.family, facts.raw or {}
+    text = raw.get("text_config") or raw
+    heads, kv_heads = text.get("num_attention_heads"), text.get("num_key_value_heads")
+    if family is not None and family.latent_kv and heads and kv_heads and kv_heads != heads:
+        raise UserError(
+            f"{path}/config.json: num_key_value_heads {kv_heads} with num_attention_heads {heads}, but its "
+            f"multi-head latent attention ({family.model_type}) gives every head its own K and V; set "
+            f"num_key_value_heads: {heads}"
         )
