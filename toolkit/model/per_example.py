@@ -1,7 +1,7 @@
 """Packed rows on layers that carry a state along the sequence, exactly: each recurrent layer's module (gated
 DeltaNet, Kimi delta attention, short convolution, Mamba-2) runs on each packed example's span of the row
-alone, so its state starts from zero in every example, while attention, MLPs and norms run on the whole
-row (restarted position ids keep attention apart).
+alone (the examples as a right-padded batch of their own), so its state starts from zero in every example,
+while attention, MLPs and norms run on the whole row (restarted position ids keep attention apart).
 
 The spans come from the position ids the packed collator gives (every example restarts at 0), read as the
 decoder stack is called; a batch with an attention mask or a cache (unpacked rows, generation) runs
@@ -24,54 +24,54 @@ BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k
 
 
 class Spans:
-    """The packed examples of the forward pass running now: per row, (start, end) of each example; None
-    when the batch is not packed (or holds one example per row)."""
+    """The packed examples of the forward pass running now: their lengths, in the order of the batch's
+    flattened rows; None when the batch is not packed (or holds one example per row)."""
 
     def __init__(self):
-        self.rows: list[list[tuple[int, int]]] | None = None
+        self.lengths: list[int] | None = None
 
     def read(self, _module, _args, kwargs: dict) -> None:
         """A forward pre-hook on the decoder stack: a gradient-checkpointed layer recomputed in the backward
         pass sees the same spans, since no other forward runs in between."""
         positions = kwargs.get("position_ids")
         unpacked = kwargs.get("attention_mask") is not None or kwargs.get("past_key_values") is not None
-        self.rows = None if positions is None or unpacked else example_spans(positions)
+        self.lengths = None if positions is None or unpacked else example_lengths(positions)
 
 
-def example_spans(positions: torch.Tensor) -> list[list[tuple[int, int]]] | None:
-    """Each row's examples as (start, end): a new one wherever the position restarts at 0 (a rotary model
-    with several position streams gives the text stream first)."""
+def example_lengths(positions: torch.Tensor) -> list[int] | None:
+    """Each row's examples' lengths, row after row: a new example wherever the position restarts at 0 (a
+    rotary model with several position streams gives the text stream first)."""
     if positions.dim() == 3:
         positions = positions[0]
     width = positions.shape[1]
-    rows = []
+    lengths = []
     for row in (positions == 0).tolist():
         starts = sorted({0, *(i for i, first in enumerate(row) if first)})
-        rows.append(list(pairwise([*starts, width])))
-    return rows if any(len(spans) > 1 for spans in rows) else None
+        lengths += [b - a for a, b in pairwise([*starts, width])]
+    return lengths if len(lengths) > len(positions) else None
 
 
 def run_per_example(run, spans: Spans):
-    """`run` (a module's forward) on each packed example's span alone when the batch is packed."""
+    """`run` (a module's forward) on the packed examples as a batch of their own, each a row from its
+    first token, right-padded (exact on every family, tests/unit/test_family_packing.py). One call, not
+    one per example: ZeRO-3 gathers the module's weights once per call, and processes with different
+    numbers of examples must gather alike."""
 
     def forward(*args, **kwargs):
-        if spans.rows is None:
+        if spans.lengths is None:
             return run(*args, **kwargs)
         if "hidden_states" in kwargs:
             hidden, rest = kwargs.pop("hidden_states"), args
         else:
             hidden, rest = args[0], args[1:]
-        mask = kwargs.pop("attention_mask", None)
-        for key in BOUNDARY_KEYS:
+        for key in (*BOUNDARY_KEYS, "attention_mask"):
             kwargs.pop(key, None)
-        rows = []
-        for r, row in enumerate(spans.rows):
-            parts = []
-            for a, b in row:
-                part_mask = mask[r : r + 1, a:b] if mask is not None and mask.dim() == 2 else None
-                parts.append(run(hidden[r : r + 1, a:b], *rest, attention_mask=part_mask, **kwargs))
-            rows.append(torch.cat(parts, dim=1))
-        return torch.cat(rows, dim=0)
+        lengths = torch.tensor(spans.lengths, device=hidden.device)
+        real = torch.arange(int(lengths.max()), device=hidden.device) < lengths[:, None]
+        examples = hidden.new_zeros(*real.shape, hidden.shape[-1])
+        examples[real] = hidden.reshape(-1, hidden.shape[-1])
+        out = run(examples, *rest, attention_mask=real.long(), **kwargs)
+        return out[real].reshape(*hidden.shape[:2], -1)
 
     return forward
 
@@ -80,15 +80,12 @@ def run_with_boundaries(run, spans: Spans):
     """`run` on the batch's rows as one row, with the packed examples' boundaries for the GPU kernels."""
 
     def forward(hidden_states, *args, **kwargs):
-        if spans.rows is None:
+        if spans.lengths is None:
             return run(hidden_states, *args, **kwargs)
         batch, width = hidden_states.shape[:2]
-        lengths = [b - a for row in spans.rows for a, b in row]
-        device = hidden_states.device
-        cumulative = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
-        seq_idx = torch.repeat_interleave(
-            torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
-        )
+        lengths = torch.tensor(spans.lengths, device=hidden_states.device)
+        cumulative = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+        seq_idx = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
         kwargs.update(attention_mask=None, cu_seq_lens_q=cumulative, seq_idx=seq_idx.to(torch.int32)[None])
         out = run(hidden_states.reshape(1, batch * width, -1), *args, **kwargs)
         return out.reshape(batch, width, -1)
