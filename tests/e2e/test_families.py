@@ -1,9 +1,10 @@
 """The families of 2025-26 on sharded backends: a hybrid with gated DeltaNet layers (Qwen3.5), multi-head
-latent attention with routed experts (DeepSeek-V3) and a Mamba-2 hybrid with experts (Nemotron-H), each
-trained with LoRA on packed rows (the hybrids' recurrent layers run per example) under ZeRO-3 and FSDP2 on
-2 gloo processes, with one process's per-step losses on the same global batch, and exported (Qwen3.5's
-full fine-tuning too, whose ZeRO-3 export kept a legacy prefix); Gemma-4 (natively image-text-to-text) on
-rows with images in every data layout, under ZeRO-3 (its towers partitioned) against one process.
+latent attention with routed experts (DeepSeek-V3), a Mamba-2 hybrid with experts (Nemotron-H) and a
+short-convolution hybrid (LFM2), each trained with LoRA on packed rows (the hybrids' recurrent layers run
+per example) under ZeRO-3 and FSDP2 on 2 gloo processes, with one process's per-step losses on the same
+global batch, and exported (Qwen3.5's full fine-tuning too, whose ZeRO-3 export kept a legacy prefix);
+Gemma-4 (natively image-text-to-text) on rows with images in every data layout, under ZeRO-3 (its towers
+partitioned) against one process.
 
 Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher): what is tested is
 the model under each backend, and every shipped config keeps a real launch elsewhere.
@@ -22,11 +23,12 @@ SETTINGS = [f"train.max_steps={STEPS}", "train.learning_rate=2e-3", "eval.max_ba
 PER_EXAMPLE = {
     "qwen3_5_text": "packing: qwen3_5_text's gated DeltaNet layers run each example on its own",
     "nemotron_h": "packing: nemotron_h's Mamba-2 layers run each example on its own",
+    "lfm2": "packing: lfm2's short convolution layers run each example on its own",
     "deepseek_v3": "",
 }
 UNION = "train.micro_batch_size=8"  # one process's micro-batch: the two processes' 4 rows each together
 BACKENDS = {"fsdp": "backend fsdp2 (gloo)", "zero3": "backend deepspeed ZeRO-3"}
-FAMILIES = ("qwen3_5_text", "deepseek_v3", "nemotron_h")
+FAMILIES = ("qwen3_5_text", "deepseek_v3", "nemotron_h", "lfm2")
 CASES = [(family, backend) for family in FAMILIES for backend in BACKENDS]
 
 
