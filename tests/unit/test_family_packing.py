@@ -268,3 +268,14 @@ def test_latent_attention_with_fewer_key_value_heads_is_one_line(model_type, tmp
         UserError, match=r"config.json: num_key_value_heads 2 with num_attention_heads 4, .*: 4$"
     ):
         launch_check(tmp_path, model_type, config={"num_key_value_heads": 2})
+
+
+def test_qwen3_5_as_its_checkpoints_are_packs_text_rows_exactly(tmp_path):
+    """Qwen3.5's checkpoints are vision-language models (their text model inside, its position ids one of
+    several rotary streams): packed text rows are exact there too."""
+    from tiny_vision_families import tiny_qwen3_5
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(tiny_qwen3_5(tmp_path)).float().eval()
+    assert per_example.install(model, family_of(model.config), on_gpu=False)
+    gap, packed, unpacked = packed_gaps(model, examples())
+    assert gap < 1e-5 and packed == pytest.approx(unpacked, rel=3e-7)
