@@ -34,7 +34,8 @@ class Spans:
         """A forward pre-hook on the decoder stack: a gradient-checkpointed layer recomputed in the backward
         pass sees the same spans, since no other forward runs in between."""
         positions = kwargs.get("position_ids")
-        unpacked = kwargs.get("attention_mask") is not None or kwargs.get("past_key_values") is not None
+        cached = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
+        unpacked = kwargs.get("attention_mask") is not None or cached
         self.lengths = None if positions is None or unpacked else example_lengths(positions)
 
 
