@@ -21,9 +21,10 @@ from toolkit.errors import UserError
 from toolkit.launch import backend, checks, machine
 from toolkit.launch.deepspeed import fill_width_settings
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE, StopRequest
-from toolkit.model import expert_parallel, flops, moe, quant, speed, tensor_parallel, vision
+from toolkit.model import expert_parallel, flops, moe, per_example, quant, speed, tensor_parallel, vision
 from toolkit.model import load as models
 from toolkit.model.facts import read_model_facts
+from toolkit.model.families import family_of
 from toolkit.pipeline import runtime as pipeline_runtime
 from toolkit.train import batches, metrics, optim, sequence_parallel
 from toolkit.train.nonfinite import NonFiniteGuard
@@ -177,6 +178,9 @@ class Run:
         )
         if self.compiled.note:
             self.accelerator.print(self.compiled.note)
+        if cfg.data.packing or cfg.data.streaming:
+            for line in per_example.install(model, family_of(model.config), not self.launch.on_cpu):
+                self.accelerator.print(line)
         if cfg.moe.expert_parallel > 1:
             expert_parallel.keep_out_of_ddp(model, cfg.moe.expert_parallel)
         if self.launch.mesh.tp > 1:

@@ -1,9 +1,10 @@
 """The families of 2025-26 on sharded backends: a hybrid with gated DeltaNet layers (Qwen3.5), multi-head
-latent attention with routed experts (DeepSeek-V3) and a Mamba-2 hybrid with experts (Nemotron-H), each
-trained with LoRA under ZeRO-3 and FSDP2 on 2 gloo processes, with one process's per-step losses on the
-same global batch, and exported (Qwen3.5's full fine-tuning too, whose ZeRO-3 export kept a legacy
-prefix); Gemma-4 (natively image-text-to-text) on rows with images in every data
-layout, under ZeRO-3 (its towers partitioned) against one process.
+latent attention with routed experts (DeepSeek-V3), a Mamba-2 hybrid with experts (Nemotron-H) and a
+short-convolution hybrid (LFM2), each trained with LoRA on packed rows (the hybrids' recurrent layers run
+per example) under ZeRO-3 and FSDP2 on 2 gloo processes, with one process's per-step losses on the same
+global batch, and exported (Qwen3.5's full fine-tuning too, whose ZeRO-3 export kept a legacy prefix);
+Gemma-4 (natively image-text-to-text) on rows with images in every data layout, under ZeRO-3 (its towers
+partitioned) against one process.
 
 Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher): what is tested is
 the model under each backend, and every shipped config keeps a real launch elsewhere.
@@ -17,10 +18,17 @@ from tiny_vision_families import tiny_gemma4
 pytestmark = pytest.mark.multiproc
 
 STEPS = 3
-SETTINGS = [f"train.max_steps={STEPS}", "train.learning_rate=2e-3", "eval.max_batches=1"]
+SETTINGS = [f"train.max_steps={STEPS}", "train.learning_rate=2e-3", "eval.max_batches=1", "data.packing=true"]
+# What a packed run of each family says of its recurrent layers.
+PER_EXAMPLE = {
+    "qwen3_5_text": "packing: qwen3_5_text's gated DeltaNet layers run each example on its own",
+    "nemotron_h": "packing: nemotron_h's Mamba-2 layers run each example on its own",
+    "lfm2": "packing: lfm2's short convolution layers run each example on its own",
+    "deepseek_v3": "",
+}
 UNION = "train.micro_batch_size=8"  # one process's micro-batch: the two processes' 4 rows each together
 BACKENDS = {"fsdp": "backend fsdp2 (gloo)", "zero3": "backend deepspeed ZeRO-3"}
-FAMILIES = ("qwen3_5_text", "deepseek_v3", "nemotron_h")
+FAMILIES = ("qwen3_5_text", "deepseek_v3", "nemotron_h", "lfm2")
 CASES = [(family, backend) for family in FAMILIES for backend in BACKENDS]
 
 
@@ -48,7 +56,7 @@ def test_a_2026_family_trains_like_one_process(family, backend, single, tmp_path
     out = tmp_path / "run"
     result = run_recipe(out, *settings, launch=launch(backend))
     assert BACKENDS[backend] in result.stdout
-    assert "lora: adapters on " in result.stdout
+    assert "lora: adapters on " in result.stdout and PER_EXAMPLE[family] in result.stdout
     assert len(step_losses(out)) == STEPS
     assert step_losses(out) == pytest.approx(step_losses(reference), rel=1e-3)
     assert logged(out, "grad_norm") == pytest.approx(logged(reference, "grad_norm"), rel=1e-4)

@@ -27,6 +27,9 @@ def machine(**changes) -> Probes:
             "deepspeed": "0.16.4",
             "bitsandbytes": "0.45.0",
             "matplotlib": "3.9.0",
+            "flash-linear-attention": "0.4.1",
+            "causal-conv1d": "1.5.2",
+            "mamba-ssm": "2.2.5",
         },
         requirements={"torch": ">=2.4", "accelerate": ">=1.4", "transformers": ">=4.51", "peft": ">=0.15"},
         torch_cuda="12.4",
@@ -180,3 +183,18 @@ def test_this_machines_bitsandbytes_backend_is_probed():
     from toolkit.commands.doctor.probe import _bnb_backend
 
     assert _bnb_backend().startswith(("CPU, native library", "CUDA, native library"))
+
+
+def test_recurrent_kernels_are_reported_per_layer_kind_on_a_gpu_machine():
+    ok = finding(machine(), "recurrent kernels")
+    assert (
+        ok.status == "ok"
+        and "gated DeltaNet: flash-linear-attention 0.4.1, causal-conv1d 1.5.2" in ok.message
+    )
+    packages = {**machine().packages, "mamba-ssm": None, "causal-conv1d": None}
+    lacking = finding(machine(packages=packages), "recurrent kernels")
+    assert lacking.status == "warn" and "Mamba-2: mamba-ssm missing, causal-conv1d missing" in lacking.message
+    assert lacking.fix.startswith("pip install causal-conv1d mamba-ssm ")
+    assert not [
+        f for f in diagnose(machine(gpus=[], p2p=[], torch_cuda=None)) if f.check == "recurrent kernels"
+    ]

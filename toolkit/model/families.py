@@ -1,12 +1,14 @@
 """What a model family's layers are, read from its config: which of them attend and which carry a state along
-the sequence (linear attention, short convolutions, Mamba), so whether packed examples stay apart, which GPU
+the sequence (linear attention, short convolutions, Mamba), so how packed examples stay apart, which GPU
 kernels the layers run on, and what a generating model caches per token or per sequence.
 
 Transformers names each layer's kind in the config's `layer_types` (`layers_block_type` in some families,
-remapped to it); a label that ends in "attention", apart from "linear_attention", is softmax attention,
-which ftkit keeps within each packed example by restarting its position ids. What "linear_attention" or
-"conv" means differs by family, which LINEAR_KINDS says. A label known to neither list is taken to carry
-state: packing is then refused rather than trained on a silently wrong loss.
+remapped to it). Softmax attention (ATTENTION_LABELS) keeps each packed example to itself by its restarted
+position ids; a recurrent kind whose module ftkit knows runs on each packed example alone
+(toolkit/model/per_example.py). Compressed and sparse-indexed attention pool or pick keys across a packed
+row, and a label known to no list is taken to carry state: packing is then refused rather than trained on
+a silently wrong loss. Each family's verdict is checked by a packed-vs-alone test
+(tests/unit/test_family_packing.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,18 @@ class LayerKind:
     """The packages with its fast GPU kernels; without them transformers runs a slower PyTorch version."""
     state: Callable[[object], int] | None = None
     """Elements of the state one sequence keeps in one such layer while generating (from the text config)."""
+    modules: tuple[str, ...] = ()
+    """How the class names of transformers' modules of this kind end: ftkit runs each on every packed
+    example's span alone (none: the kind cannot be run per example, and packing is refused)."""
+    boundaries: bool = False
+    """Transformers hands its GPU kernels the packed examples' boundaries (`cu_seq_lens_q`, `seq_idx`)."""
+    positions: bool = False
+    """Restarted position ids keep each packed example to itself (softmax attention)."""
+
+    @property
+    def packs(self) -> bool:
+        """Packed examples stay apart in it: by their position ids, or run one at a time."""
+        return self.positions or bool(self.modules)
 
 
 def _delta_net_state(c) -> int:
@@ -64,13 +78,28 @@ def _field(config, *names: str) -> int:
     return next(int(getattr(config, n)) for n in names if getattr(config, n, None) is not None)
 
 
-ATTENTION = LayerKind("attention", recurrent=False)
-GATED_DELTA_NET = LayerKind("gated DeltaNet", True, (FLA, CAUSAL_CONV), _delta_net_state)
-KIMI_DELTA = LayerKind("Kimi delta attention", True, (FLA, CAUSAL_CONV), _kda_state)
+ATTENTION = LayerKind("attention", recurrent=False, positions=True)
+# DeepSeek-V4 pools every few tokens into one compressed key, and an indexer picks keys from the pooled or
+# whole row: a pooled key can hold two examples' tokens, whatever their positions.
+COMPRESSED = LayerKind("compressed or sparse-indexed attention", recurrent=False)
+GATED_DELTA_NET = LayerKind(
+    "gated DeltaNet", True, (FLA, CAUSAL_CONV), _delta_net_state, ("GatedDeltaNet",), boundaries=True
+)
+# Transformers never hands its kernel (chunk_kimi_delta_attention) the boundaries: always one at a time.
+KIMI_DELTA = LayerKind("Kimi delta attention", True, (FLA, CAUSAL_CONV), _kda_state, ("DeltaAttention",))
 LIGHTNING = LayerKind("lightning attention", True)
-SHORT_CONV = LayerKind("short convolution", True, (CAUSAL_CONV,), _short_conv_state)
+SHORT_CONV = LayerKind(
+    "short convolution", True, (CAUSAL_CONV,), _short_conv_state, ("ShortConv",), boundaries=True
+)
 MAMBA = LayerKind("Mamba", True, (MAMBA_SSM, CAUSAL_CONV))
-MAMBA2 = LayerKind("Mamba-2", True, (MAMBA_SSM, CAUSAL_CONV), _mamba2_state)
+MAMBA2 = LayerKind(
+    "Mamba-2",
+    True,
+    (MAMBA_SSM, CAUSAL_CONV),
+    _mamba2_state,
+    ("Mamba2Mixer", "H1Mixer", "BambaMixer", "HybridMambaLayer", "Zamba2MambaMixer"),
+    boundaries=True,
+)
 RG_LRU = LayerKind("RG-LRU recurrence", True)
 RWKV = LayerKind("RWKV", True)
 XLSTM = LayerKind("xLSTM", True)
@@ -100,6 +129,10 @@ LINEAR_KINDS: dict[str, LayerKind] = {
     "rwkv": RWKV,
     "xlstm": XLSTM,
 }
+# Layer labels of softmax attention, full or within a window or chunk.
+ATTENTION_LABELS = ("attention", "full_attention", "sliding_attention", "chunked_attention")
+# Layer labels of attention over pooled keys or keys an indexer picks (DeepSeek-V4, DeepSeek-V3.2).
+COMPRESSED_LABELS = ("compressed_sparse_attention", "heavily_compressed_attention", "indexed_attention")
 # Layer labels of a block without a sequence mixer (Nemotron-H's MLP and MoE layers).
 NO_MIXER = ("mlp", "moe")
 # Layers that run attention and the family's recurrent kind side by side.
@@ -131,9 +164,13 @@ class Family:
 
     @property
     def keeps_examples_apart(self) -> bool:
-        """Whether restarted position ids keep packed examples (and sequence slices) from reaching each
-        other: only where no layer carries a state along the sequence."""
-        return not self.recurrent
+        """Whether every layer keeps packed examples from reaching each other (see LayerKind.packs)."""
+        return all(kind.packs for kind in self.kinds)
+
+    @property
+    def leaks(self) -> LayerKind | None:
+        """The first layer kind that would let one packed example reach another (None: packing is exact)."""
+        return next((kind for kind in self.kinds if not kind.packs), None)
 
     @property
     def kernels(self) -> tuple[str, ...]:
@@ -222,7 +259,7 @@ def family_of(config) -> Family:
     cache = tuple(
         (latent or 2 * _kv_width(configs[i]), _kept(labels[i], configs[i]))
         for i in range(own_cache)
-        if ATTENTION in layers[i]
+        if any(not kind.recurrent for kind in layers[i])
     )
     return Family(model_type, layers, latent, cache)
 
@@ -265,6 +302,8 @@ def _mixers(label: str, model_type: str) -> tuple[LayerKind, ...]:
     recurrent = LINEAR_KINDS.get(model_type) or LayerKind(f"{label} ({model_type})", True)
     if label == HYBRID:
         return (ATTENTION, recurrent)
-    if label.endswith("attention") and label != "linear_attention":
+    if label in ATTENTION_LABELS:
         return (ATTENTION,)
+    if label in COMPRESSED_LABELS:
+        return (COMPRESSED,)
     return (recurrent,)

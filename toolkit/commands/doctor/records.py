@@ -15,6 +15,10 @@ PACKAGES = (
     "deepspeed",
     "bitsandbytes",
     "matplotlib",
+    # The recurrent layers' GPU kernels (toolkit/model/families.py).
+    "flash-linear-attention",
+    "causal-conv1d",
+    "mamba-ssm",
 )
 
 

@@ -25,6 +25,7 @@ def diagnose(p: Probes) -> list[Finding]:
         software.accelerate_default(p),
         software.deepspeed_ops(p),
         software.bitsandbytes_backend(p),
+        software.recurrent_kernels(p),
     ]
     return [f for f in findings if f is not None]
 

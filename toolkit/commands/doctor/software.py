@@ -4,6 +4,7 @@ optional extras, the default accelerate config, DeepSpeed's ops and bitsandbytes
 from __future__ import annotations
 
 from toolkit.commands.doctor.records import PACKAGES, Finding, Probes
+from toolkit.model.families import GATED_DELTA_NET, KIMI_DELTA, MAMBA2, SHORT_CONV
 
 OPTIONAL = {
     "deepspeed": "the zero*.yaml configs need it: pip install 'ftkit[deepspeed]'",
@@ -48,6 +49,29 @@ def optional_packages(p: Probes) -> list[Finding]:
         for name in OPTIONAL
         if p.packages.get(name) is None
     ]
+
+
+def recurrent_kernels(p: Probes) -> Finding | None:
+    """On a GPU machine, each recurrent layer kind's kernel packages: without them transformers runs its
+    PyTorch versions and ftkit runs packed rows through those layers one example at a time (exact, slower)."""
+    if not p.gpus:
+        return None
+    kinds = (GATED_DELTA_NET, KIMI_DELTA, SHORT_CONV, MAMBA2)
+    shown = "; ".join(
+        f"{kind.name}: " + ", ".join(f"{name} {p.packages.get(name) or 'missing'}" for name in kind.kernels)
+        for kind in kinds
+    )
+    missing = [
+        name for name in dict.fromkeys(k for kind in kinds for k in kind.kernels) if not p.packages.get(name)
+    ]
+    if not missing:
+        return Finding("recurrent kernels", "ok", shown)
+    return Finding(
+        "recurrent kernels",
+        "warn",
+        f"{shown} (their layers run transformers' PyTorch versions, packed rows one example at a time)",
+        f"pip install {' '.join(missing)} --no-build-isolation, where those families train",
+    )
 
 
 def accelerate_default(p: Probes) -> Finding:
