@@ -23,9 +23,7 @@ ENGINE_VENV = REPO / ".venv-vllm"
 # vLLM accepts these LoRA ranks only (--max-lora-rank).
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 # What vLLM's log says when it cannot serve a model; the line is quoted in the error.
-REFUSALS = re.compile(
-    r"(Unsupported CPU attention configuration[^\n]*|ValueError: [^\n]*|RuntimeError: [^\n]*)"
-)
+REFUSALS = re.compile(r"^(?!.*WARNING).*?((?:Unsupported CPU attention|\w+Error:|Value error,) [^\n]*)", re.M)
 BASE_NAME = "base"
 """The name the served base model answers to."""
 
@@ -40,7 +38,7 @@ class ServeSpec:
     lora_rank: int = 0
     """The largest LoRA rank it must hot-load (0: no LoRA)."""
     trust_remote_code: bool = False
-    kv_cache_gb: float = 1.0
+    kv_cache_gb: int = 1
     """KV cache of a CPU engine (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = 0.3
     """Share of a GPU's memory the engine takes (GPU engines)."""
@@ -103,8 +101,8 @@ def _has_gpu() -> bool:
 class Engine:
     """A running engine: its URL, and the process and log when ftkit started it (None for the user's)."""
 
-    def __init__(self, url: str, process: subprocess.Popen | None = None, log: Path | None = None):
-        self.url, self.process, self.log = url.rstrip("/"), process, log
+    def __init__(self, url: str, process: subprocess.Popen | None = None, log: Path | None = None, model=""):
+        self.url, self.process, self.log, self.model = url.rstrip("/"), process, log, model
         self.started = time.perf_counter()
         self.start_seconds = 0.0
 
@@ -128,7 +126,7 @@ class Engine:
                 env=env,
                 start_new_session=True,  # a stop signal to the run reaches the engine through stop() only
             )
-        return cls(f"http://{host}:{port}", process, log)
+        return cls(f"http://{host}:{port}", process, log, spec.model)
 
     @classmethod
     def connect(cls, url: str) -> Engine:
@@ -141,6 +139,7 @@ class Engine:
         while time.perf_counter() < deadline:
             self.check_alive()
             if client.healthy(self.url):
+                self.first_completion()
                 self.start_seconds = time.perf_counter() - self.started
                 return self.start_seconds
             time.sleep(0.5)
@@ -148,16 +147,38 @@ class Engine:
         where = f"; its log: {self.log}" if self.log else ""
         raise UserError(f"grpo.vllm: the engine at {self.url} did not answer within {timeout_s:.0f} s{where}")
 
+    def first_completion(self) -> None:
+        """One token from the base model: an engine that answers /health may still fail at its first
+        forward pass (vLLM's CPU attention refuses some head sizes only then)."""
+        try:
+            client.post(self.url, "/v1/completions", {"model": BASE_NAME, "prompt": [0], "max_tokens": 1})
+        except UserError as exc:
+            self.stop()
+            raise UserError(self.failure(str(exc))) from exc
+
+    def failure(self, error: str) -> str:
+        """`error`, or what the log of an engine ftkit started says went wrong when it says something."""
+        if self.process is None:
+            return error
+        text = self.log.read_text(errors="replace") if self.log and self.log.is_file() else ""
+        if "Unsupported CPU attention" in text:
+            head = re.search(r"head_dim=\d+", text)
+            return (
+                f"model.path: the CPU engine cannot serve {self.model}: vLLM's CPU attention does not take "
+                f"its head size ({head.group(0) if head else 'see the log'}); its log: {self.log}"
+            )
+        return f"{error}: {self.reason()}" if REFUSALS.search(text) else error
+
     def check_alive(self) -> None:
         """One line when the engine ftkit started has exited (at start: what it refused, from its log)."""
         if self.process is None or self.process.poll() is None:
             return
-        raise UserError(f"grpo.vllm: the engine exited (code {self.process.returncode}): {self.reason()}")
+        raise UserError(self.failure(f"grpo.vllm: the engine exited (code {self.process.returncode})"))
 
     def reason(self) -> str:
         text = self.log.read_text(errors="replace") if self.log and self.log.is_file() else ""
         found = REFUSALS.findall(text)
-        said = found[-1].strip() if found else "no reason in its log"
+        said = found[-1].strip() if found else "no reason found in its log"
         return f"{said}; its log: {self.log}"
 
     def stop(self, grace_s: float = 20.0) -> None:

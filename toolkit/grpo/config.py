@@ -31,7 +31,7 @@ class VllmConfig:
     """Port of the engine ftkit starts (0: a free one)."""
     start_timeout_s: PositiveFloat = 600.0
     """Seconds the engine may take to answer its health check."""
-    kv_cache_gb: PositiveFloat = 1.0
+    kv_cache_gb: PositiveInt = 1
     """KV cache of a CPU engine (VLLM_CPU_KVCACHE_SPACE, GiB)."""
     gpu_memory_utilization: Annotated[float, Range(low=0, high=1, low_open=True)] = 0.3
     """Share of the GPU's memory a GPU engine takes (weights and KV cache)."""

@@ -130,7 +130,7 @@ class EngineSampler:
         process = self.engine.process
         if process is not None and process.poll() is not None and self.ready:
             return f"grpo.vllm: the engine exited mid-run (code {process.returncode}): {self.engine.reason()}"
-        return str(exc)
+        return self.engine.failure(str(exc))
 
     def _shared(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.accelerator.num_processes == 1:
