@@ -83,6 +83,7 @@ class GrpoConfig:
     """What samples the completions: hf (generate on the training weights) | vllm (a vLLM engine, its LoRA
     adapter synced each round: `make install-vllm`, docs/grpo.md)."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
+    """The engine of grpo.generation=vllm: started by ftkit, or yours at grpo.vllm.url."""
     reference_model: str | None = None
     """Frozen reference for the KL term (path or hub id); unset: the policy with its adapter off (LoRA),
     required for a full fine-tune with grpo.beta > 0."""
