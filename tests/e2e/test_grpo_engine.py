@@ -10,6 +10,7 @@ so groups differ and the adapter moves from the first round.
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -48,6 +49,7 @@ def run_args(out, *overrides: str) -> list[str]:
         "train.lr_scheduler=constant",
         "train.global_batch_size=16",
         "train.micro_batch_size=4",
+        "train.save_every_steps=1",
         "data.max_length=64",
         "data.eval_fraction=0.02",
         "data.eval=null",
@@ -124,6 +126,24 @@ def test_zero3_on_two_processes_gets_the_same_steps(own, zero3):
             assert b[key] == pytest.approx(a[key], rel=1e-6), (a["step"], key)
         assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=1e-6), a["step"]
         assert b["engine_logprob_gap_max"] < GAP_MAX
+
+
+def test_a_relaunch_after_a_stop_mid_round_resumes_exactly(own, engine, tmp_path):
+    """Stopped after step 1 (its round half trained): the relaunch trains on the saved completions, then
+    syncs the resumed adapter to an engine (another one than the run started) and samples the next round."""
+    copy = tmp_path / "run"
+    shutil.copytree(own[0], copy)
+    for later in (copy / "checkpoints").glob("step-*"):
+        if int(later.name[5:]) > 1:
+            shutil.rmtree(later)
+    shutil.rmtree(copy / "final")
+    result = run_script(RECIPE, run_args(copy, f"grpo.vllm.url={engine.url}"), copy)
+    assert "resum" in result.stdout and "engine: vLLM at http://" in result.stdout  # it sampled round 2
+    expected, got = train_lines(own[0]), train_lines(copy)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(expected, got, strict=True):
+        for key in ("loss", "reward", "kl", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key)
 
 
 def test_a_model_the_cpu_engine_cannot_serve_is_one_line(tmp_path):

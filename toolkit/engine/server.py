@@ -92,6 +92,17 @@ def serve_command(python: Path, spec: ServeSpec, host: str, port: int) -> list[s
     return command
 
 
+def _end_with_parent() -> None:
+    """In the engine's process before it starts: on Linux, a SIGTERM when the run's process dies, however it
+    dies (killed too), so no engine outlives its run."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform == "linux":
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _has_gpu() -> bool:
     import shutil
 
@@ -125,6 +136,7 @@ class Engine:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,  # a stop signal to the run reaches the engine through stop() only
+                preexec_fn=_end_with_parent,
             )
         return cls(f"http://{host}:{port}", process, log, spec.model)
 
