@@ -14,12 +14,14 @@ memory of reading a ZeRO-3 checkpoint's optimizer moments one parameter at a tim
 its checkpoint built once and cached under runs/bench-moments/), and the vision-language section
 (bench/vision.py: ftkit's vision demo config against TRL's SFTTrainer on the embedded tiny Llava, LoRA,
 and what each does when asked to pack image rows), and `ftkit eval` against lm-eval's own HF backend
-(bench/eval_overhead.py: the whole command's time and memory, and the scores, on the same model and tasks).
+(bench/eval_overhead.py: the whole command's time and memory, and the scores, on the same model and tasks),
+and GRPO's rollouts with HF generate against the vLLM engine (bench/rollout_engine.py; skipped without
+.venv-vllm).
 
     python bench/run.py [--repeats 5] [--loss-head-repeats 3] [--pipeline-repeats 2] [--grpo-repeats 2]
         [--reward-repeats 3]
         [--moe-repeats 3] [--long-context-repeats 2] [--moments-repeats 3] [--vision-repeats 3]
-        [--eval-repeats 3]
+        [--eval-repeats 3] [--rollout-engine-repeats 3]
         [--only SECTION ...]
 """
 
@@ -39,6 +41,7 @@ import loss_head
 import moments_memory
 import pipeline
 import reward
+import rollout_engine
 import vision
 from common import (
     BATCH,
@@ -169,7 +172,7 @@ def sft_section(repeats: int, moe: bool = False) -> str:
 
 
 SECTIONS = ("sft", "dpo", "reward", "data-prep", "loss-head", "pipeline", "grpo", "moe", "long-context",
-            "moments", "vision", "eval")  # fmt: skip
+            "moments", "vision", "eval", "rollout-engine")  # fmt: skip
 
 
 def main() -> None:
@@ -184,6 +187,7 @@ def main() -> None:
     parser.add_argument("--moments-repeats", type=int, default=3)
     parser.add_argument("--vision-repeats", type=int, default=3)
     parser.add_argument("--eval-repeats", type=int, default=3)
+    parser.add_argument("--rollout-engine-repeats", type=int, default=3)
     parser.add_argument(
         "--only", action="append", choices=SECTIONS, help="run this section only (repeatable; default: all)"
     )
@@ -213,6 +217,8 @@ def main() -> None:
         print(vision.run_section(args.vision_repeats, machine))
     if "eval" in only:
         print(eval_overhead.run_section(args.eval_repeats, machine))
+    if "rollout-engine" in only:
+        print(rollout_engine.run_section(args.rollout_engine_repeats, machine))
 
 
 if __name__ == "__main__":
