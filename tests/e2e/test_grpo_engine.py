@@ -1,7 +1,8 @@
 """recipes/grpo_llm.py sampling with the vLLM engine (grpo.generation=vllm) on tiny-llama-q64, whose head
-size (32) vLLM's CPU attention serves: LoRA with its adapter hot-loaded each round, one process with an engine
-ftkit starts itself, and ZeRO-3 on two processes with an engine the test started (grpo.vllm.url), the same
-per-step loss; the engine's log-probabilities against the trainer's; the refusal of a model it cannot serve.
+size (32) vLLM's CPU attention serves: LoRA with its adapter hot-loaded each round and full fine-tuning with
+its weights reloaded each round, each on one process with an engine ftkit starts itself and on ZeRO-3 x2
+(LoRA: with an engine the test started, grpo.vllm.url), the same per-step loss; the engine's
+log-probabilities against the trainer's; resume mid-round; the refusal of a model it cannot serve.
 
 These need .venv-vllm (`make install-vllm`) and skip, saying so, where it is missing; `make test-vllm` runs
 them. Rewards: whether a completion holds an "s" (most of the bare model's random completions do, not all),
@@ -35,14 +36,19 @@ LORA_RANK = 8
 GAP_MEAN, GAP_MAX = 1e-5, 1e-4
 
 
-def run_args(out, *overrides: str) -> list[str]:
+def run_args(out, *overrides: str, method: str = "lora") -> list[str]:
+    per_method = {
+        "lora": ["train.learning_rate=5e-3"],
+        "full": ["train.learning_rate=2e-4", f"grpo.reference_model={MODEL}"],
+    }
     return [
         f"output_dir={out}",
         f"model.path={MODEL}",
         "model.adapter=null",
+        f"model.method={method}",
         f"lora.r={LORA_RANK}",
         f"lora.alpha={2 * LORA_RANK}",
-        "train.learning_rate=5e-3",
+        *per_method[method],
         f"train.max_steps={STEPS}",
         "train.log_every_steps=1",
         "train.warmup_steps=0",
@@ -78,38 +84,43 @@ def engine(tmp_path_factory):
         served.stop()
 
 
-@pytest.fixture(scope="module")
-def own(tmp_path_factory):
-    """One process, the engine started by the run itself."""
-    out = tmp_path_factory.mktemp("grpo-engine") / "run"
-    return out, run_script(RECIPE, run_args(out), out)
+@pytest.fixture(scope="module", params=["lora", "full"])
+def own(request, tmp_path_factory):
+    """One process, the engine started by the run itself: (method, output_dir, result)."""
+    out = tmp_path_factory.mktemp(f"grpo-engine-{request.param}") / "run"
+    return request.param, out, run_script(RECIPE, run_args(out, method=request.param), out)
 
 
 @pytest.fixture(scope="module")
-def zero3(engine, tmp_path_factory):
-    out = tmp_path_factory.mktemp("grpo-engine-zero3") / "run"
-    return out, run_script(RECIPE, run_args(out, f"grpo.vllm.url={engine.url}"), out, 2, "zero3")
+def zero3(own, request, tmp_path_factory):
+    """ZeRO-3 on two processes: LoRA on the shared engine; a full fine-tune on its own, since reloading
+    whole weights changes what an engine serves to every run."""
+    method = own[0]
+    out = tmp_path_factory.mktemp(f"grpo-engine-zero3-{method}") / "run"
+    shared = [f"grpo.vllm.url={request.getfixturevalue('engine').url}"] if method == "lora" else []
+    return out, run_script(RECIPE, run_args(out, *shared, method=method), out, 2, "zero3")
 
 
 def test_the_run_starts_its_engine_says_where_and_stops_it(own):
-    out, result = own
+    method, out, result = own
     said = re.search(r"engine: vLLM started by ftkit at (\S+) in [\d.]+ s; log: (\S+)", result.stdout)
     assert said, result.stdout[-2000:]
     assert said.group(2) == str(out / "engine" / "vllm.log") and (out / "engine" / "vllm.log").is_file()
     assert said.group(1).startswith("http://127.0.0.1:")
     assert not client.healthy(said.group(1))  # stopped with the run
-    # Only the last round's adapter is kept (each round's is loaded under a new name, the one before dropped).
-    assert [p.name[:15] for p in (out / "engine").glob("adapter-*")] == ["adapter-round-1"]
+    # Only the last round's weights are kept (an adapter under a new name each round, the one before dropped).
+    kept = "adapter-round-1" if method == "lora" else "weights-round-1"
+    assert [p.name[:15] for p in (out / "engine").glob("*-round-*")] == [kept]
 
 
-def test_trains_on_the_engines_samples_with_the_adapter_synced_each_round(own):
-    out, _ = own
+def test_trains_on_the_engines_samples_with_the_weights_synced_each_round(own):
+    _, out, _ = own
     lines = train_lines(out)
     assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
     assert [r["sync_s"] > 0 for r in lines] == [True, False, True, False]  # rounds start at steps 1 and 3
     assert all(r["advantage_std"] > 0 and r["grad_norm"] > 0 for r in lines)
     assert lines[1]["kl"] > 0 and lines[-1]["kl"] > 0  # the adapter moved the policy from the reference
-    # Round 2 samples from the adapter trained in round 1: an unsynced engine would sample from the base.
+    # Round 2 samples from the weights trained in round 1: an unsynced engine would sample from the base.
     for r in lines:
         assert r["engine_logprob_gap_mean"] < GAP_MEAN and r["engine_logprob_gap_max"] < GAP_MAX, r
 
@@ -117,9 +128,10 @@ def test_trains_on_the_engines_samples_with_the_adapter_synced_each_round(own):
 def test_zero3_on_two_processes_gets_the_same_steps(own, zero3):
     """The main process sends the same requests with the same seeds whatever the layout (and here to another
     engine): the completions, and so every step, are the same."""
-    expected, got = train_lines(own[0]), train_lines(zero3[0])
+    expected, got = train_lines(own[1]), train_lines(zero3[0])
     assert [r["step"] for r in got] == [r["step"] for r in expected]
-    assert "engine: vLLM at http://" in zero3[1].stdout  # the user's engine, not one it started
+    if own[0] == "lora":
+        assert "engine: vLLM at http://" in zero3[1].stdout  # the user's engine, not one it started
     for a, b in zip(expected, got, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-3), a["step"]
         for key in ("reward", "completion_len", "advantage_std"):
@@ -128,18 +140,21 @@ def test_zero3_on_two_processes_gets_the_same_steps(own, zero3):
         assert b["engine_logprob_gap_max"] < GAP_MAX
 
 
-def test_a_relaunch_after_a_stop_mid_round_resumes_exactly(own, engine, tmp_path):
+def test_a_relaunch_after_a_stop_mid_round_resumes_exactly(own, request, tmp_path):
     """Stopped after step 1 (its round half trained): the relaunch trains on the saved completions, then
     syncs the resumed adapter to an engine (another one than the run started) and samples the next round."""
+    if own[0] == "full":
+        pytest.skip("resuming is the same code for both methods; the sync is tested above")
+    engine = request.getfixturevalue("engine")
     copy = tmp_path / "run"
-    shutil.copytree(own[0], copy)
+    shutil.copytree(own[1], copy)
     for later in (copy / "checkpoints").glob("step-*"):
         if int(later.name[5:]) > 1:
             shutil.rmtree(later)
     shutil.rmtree(copy / "final")
     result = run_script(RECIPE, run_args(copy, f"grpo.vllm.url={engine.url}"), copy)
     assert "resum" in result.stdout and "engine: vLLM at http://" in result.stdout  # it sampled round 2
-    expected, got = train_lines(own[0]), train_lines(copy)
+    expected, got = train_lines(own[1]), train_lines(copy)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for a, b in zip(expected, got, strict=True):
         for key in ("loss", "reward", "kl", "grad_norm"):

@@ -54,7 +54,6 @@ def test_every_grpo_key_is_documented():
         (["grpo.num_generations=1"], "grpo.num_generations"),
         (["grpo.top_p=0"], "grpo.top_p"),
         (["grpo.loss=ppo"], "grpo.loss"),
-        (["grpo.generation=vllm", "model.method=full"], "model.method full needs the full weights synced"),
         (["grpo.generation=vllm", "lora.use_dora=true"], "lora.use_dora adapters are not loaded"),
         (["grpo.generation=vlm"], "grpo.generation"),
         (["grpo.vllm.gpu_memory_utilization=0"], "grpo.vllm.gpu_memory_utilization"),

@@ -1,5 +1,6 @@
 """The engine's HTTP API, the few calls ftkit makes: health, seeded completions of token ids with the
-sampled tokens' log-probabilities, and LoRA adapters loaded and unloaded while it runs."""
+sampled tokens' log-probabilities, LoRA adapters loaded and unloaded while it runs, and whole weights
+reloaded."""
 
 from __future__ import annotations
 
@@ -89,3 +90,19 @@ def load_adapter(url: str, name: str, path: str) -> None:
 
 def unload_adapter(url: str, name: str) -> None:
     post(url, "/v1/unload_lora_adapter", {"lora_name": name})
+
+
+def reload_weights(url: str, folder: str) -> None:
+    """The engine's weights replaced in place by the checkpoint in `folder` (vLLM's reload_weights, reached
+    through /collective_rpc, which its development mode opens), then its prefix cache dropped: the cached
+    prompts were computed with the old weights."""
+    try:
+        post(url, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}})
+    except UserError as exc:
+        if "Not Found" not in str(exc):
+            raise
+        raise UserError(
+            f"grpo.vllm: the engine at {url} takes no weights: model.method full reloads them through its "
+            "/collective_rpc, which VLLM_SERVER_DEV_MODE=1 in the engine's environment opens"
+        ) from exc
+    post(url, "/reset_prefix_cache", {})

@@ -42,6 +42,9 @@ class ServeSpec:
     """KV cache of a CPU engine (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = 0.3
     """Share of a GPU's memory the engine takes (GPU engines)."""
+    reloads_weights: bool = False
+    """Whole weights are sent (full fine-tuning): vLLM's /collective_rpc is opened (its development mode)
+    for reload_weights."""
 
 
 def engine_python(venv: Path = ENGINE_VENV) -> Path:
@@ -127,6 +130,8 @@ class Engine:
             check_port_free(host, port)
         port = port or free_port(host)
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+        if spec.reloads_weights:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gb))
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as out:  # the child keeps its own copy of the descriptor

@@ -145,11 +145,6 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
 
 def validate_engine(cfg: GrpoRecipeConfig) -> None:
     """What the engine path does not do yet, refused in one line before anything loads."""
-    if cfg.model.method == "full":
-        raise UserError(
-            "grpo.generation=vllm: model.method full needs the full weights synced each round, which is not "
-            "wired in yet; use model.method lora (its adapter is synced) or grpo.generation=hf"
-        )
     if cfg.model.adapter:
         raise UserError(
             "grpo.generation=vllm: model.adapter is folded into the trained base, which the engine does not "

@@ -4,7 +4,8 @@ the rest of the rollout (rewards, advantages, the loss) does not know which samp
 The main process sends the whole round, in one fixed order with one seed per completion, and shares what
 comes back with the others: the completions do not depend on the number of training processes. Before each
 round the LoRA adapter (gathered to the main process on sharded backends) is written to the run folder and
-hot-loaded under a new name; the base weights never move.
+hot-loaded under a new name; the base weights never move. A full fine-tune's weights are written as a
+checkpoint the engine reloads in place each round.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import contextlib
 import secrets
 import shutil
 import time
+from pathlib import Path
 
 import torch
 
 from toolkit.checkpoint.export import full_state_dict, saver
 from toolkit.checkpoint.rundir import ENGINE_DIR
-from toolkit.distributed import agreed_error
+from toolkit.distributed import agreed_error, unwrap
 from toolkit.engine import client
 from toolkit.engine.server import Engine, ServeSpec
 from toolkit.errors import UserError
@@ -32,6 +34,8 @@ class EngineSampler:
         self.folder = None
         self.adapter = None
         """(name, folder) of the adapter the engine serves now."""
+        self.weights = None
+        """The folder of the full weights the engine serves now (full fine-tuning)."""
         self.ready = False
 
     @classmethod
@@ -63,8 +67,8 @@ class EngineSampler:
         self, model, prompts: list[list[int]], seeds: list[int], stop_ids: list[int], round_index: int
     ):
         """Collective: (completions [N, max_new_tokens] padded with 0, lengths [N], the engine's log-probs
-        [N, max_new_tokens] float64, seconds the adapter sync took), the same on every process."""
-        sync_seconds = self.sync_adapter(model, round_index)
+        [N, max_new_tokens] float64, seconds the weight sync took), the same on every process."""
+        sync_seconds = self.sync(model, round_index)
         width = self.cfg.grpo.max_new_tokens
         tokens = torch.zeros(len(prompts), width, dtype=torch.long)
         logps = torch.zeros(len(prompts), width, dtype=torch.float64)
@@ -87,22 +91,31 @@ class EngineSampler:
             raise UserError(error)
         return (*(self._shared(t) for t in (tokens, lengths, logps)), sync_seconds)
 
-    def sync_adapter(self, model, round_index: int) -> float:
-        """Collective: the adapter as it is now, written to the run folder and loaded by the engine under a
-        new name (the one before unloaded and deleted). Returns the seconds it took, waiting included."""
+    def sync(self, model, round_index: int) -> float:
+        """Collective: the trained weights as they are now, gathered on the main process and sent: a LoRA
+        adapter loaded under a new name, or (full fine-tuning) the whole weights reloaded. Returns the
+        seconds it took (the first round's wait for the engine to start not counted)."""
+        error = self._guarded(self._wait_ready)
         started = time.perf_counter()
         state = full_state_dict(self.accelerator, model)
-        error = ""
-        if self.engine is not None:
-            try:
-                self._wait_ready()
-                self._load(saver(self.accelerator, model), state, round_index)
-            except UserError as exc:
-                error = self._mid_run(exc)
+        if not error and self.cfg.model.method == "full":
+            error = self._guarded(self._reload, unwrap(self.accelerator, model), state, round_index)
+        elif not error:
+            error = self._guarded(self._load, saver(self.accelerator, model), state, round_index)
         error = agreed_error(self.accelerator, error)
         if error:
             raise UserError(error)
         return time.perf_counter() - started
+
+    def _guarded(self, call, *args) -> str:
+        """`call(*args)` on the main process; its UserError as the text every process will raise."""
+        if self.engine is None:
+            return ""
+        try:
+            call(*args)
+        except UserError as exc:
+            return self._mid_run(exc)
+        return ""
 
     def _load(self, policy, state: dict, round_index: int) -> None:
         name = f"round-{round_index}-{secrets.token_hex(3)}"  # a reused name would keep the old weights
@@ -113,6 +126,16 @@ class EngineSampler:
             client.unload_adapter(self.engine.url, self.adapter[0])
             shutil.rmtree(self.adapter[1], ignore_errors=True)
         self.adapter = (name, folder)
+
+    def _reload(self, policy, state: dict, round_index: int) -> None:
+        """The whole weights as a checkpoint folder the engine reads in place of its own (the folder before
+        deleted)."""
+        folder = self.folder / f"weights-round-{round_index}"
+        write_weights(policy.config, state, folder)
+        client.reload_weights(self.engine.url, str(folder.resolve()))
+        if self.weights is not None:
+            shutil.rmtree(self.weights, ignore_errors=True)
+        self.weights = folder
 
     def _wait_ready(self) -> None:
         if self.ready:
@@ -146,14 +169,28 @@ def _start_or_connect(cfg, folder) -> Engine:
         return Engine.connect(settings.url)
     spec = ServeSpec(
         model=cfg.model.path,
+        reloads_weights=cfg.model.method == "full",
         dtype=_engine_dtype(cfg),
         max_model_len=cfg.data.max_length + cfg.grpo.max_new_tokens,
-        lora_rank=cfg.lora.r,
+        lora_rank=cfg.lora.r if cfg.model.method != "full" else 0,
         trust_remote_code=cfg.model.trust_remote_code,
         kv_cache_gb=settings.kv_cache_gb,
         gpu_memory_utilization=settings.gpu_memory_utilization,
     )
     return Engine.start(spec, folder / "vllm.log", settings.host, settings.port)
+
+
+def write_weights(config, state: dict, folder: Path) -> None:
+    """`state` as a Hugging Face checkpoint: config.json and one safetensors file. A tied output head is
+    written too (vLLM's in-place reload leaves a head it finds no weight for as it was)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(folder))
+    tensors = {name: value.detach().cpu().clone().contiguous() for name, value in state.items()}
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _engine_dtype(cfg) -> str:
