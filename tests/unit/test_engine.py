@@ -2,8 +2,10 @@
 asked), its one-line failures (not installed, port in use, not reachable, a refusal in its log), the
 GRPO settings it refuses, and the log-probability gap it is measured by."""
 
+import http.server
 import socket
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -88,3 +90,28 @@ def test_the_logprob_gap_counts_sampled_tokens_only():
     trainer = torch.tensor([[-1.1, -2.0, 0.0, 0.0], [-0.25, -7.0, 0.0, 0.0]])
     mean, largest = logprob_gap(engine, trainer, torch.tensor([2, 1]))
     assert mean == pytest.approx((0.1 + 0.0 + 0.25) / 3, rel=1e-6) and largest == pytest.approx(0.25)
+
+
+def test_whole_weights_need_an_engine_that_takes_them():
+    """An engine without vLLM's development mode answers /collective_rpc with 404: one line saying what to
+    turn on."""
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.send_response(404)
+            self.end_headers()
+            self.wfile.write(b'{"detail":"Not Found"}')
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(
+            UserError, match=f"the engine at {url} takes no weights: .* VLLM_SERVER_DEV_MODE=1"
+        ):
+            client.reload_weights(url, "/tmp/weights")
+    finally:
+        server.shutdown()
