@@ -238,6 +238,34 @@ def test_loss_variants_normalise_as_documented():
         assert float(terms["clipped"]) == 0 and float(terms["kl_sum"]) == 0
 
 
+def test_engine_samples_are_weighted_by_the_trainers_probability_over_the_engines_truncated():
+    """grpo.engine_is_cap: on-policy each token's term is minus its advantage, times min(p_trainer /
+    p_engine, cap): here 4 (capped at 2), 0.5, 1 and 1 per completion; 0 turns the weighting off."""
+    model = micro_llama().double()
+    rollout, prompts = _rollout(4)
+    rollout.old_logps = None
+    recipe = GrpoRecipeConfig()
+    recipe.train.global_batch_size = recipe.train.micro_batch_size = 4
+    (plain,) = rollout.micro_batches(torch.arange(4), prompts, recipe, 0, 0, 1, "cpu")
+    logps = grpo_loss.completion_logps(model, plain).detach()
+    shift = torch.tensor([4.0, 0.5, 1.0, 1.0], dtype=torch.float64).log()[:, None]
+    rollout.engine_logps = torch.zeros(4, rollout.completions.size(1), dtype=torch.float64)
+    rollout.engine_logps[:, : logps.size(1)] = logps - shift
+    (batch,) = rollout.micro_batches(torch.arange(4), prompts, recipe, 0, 0, 1, "cpu")
+    lengths, advantages = rollout.lengths.double(), rollout.advantages
+    weights = torch.tensor([2.0, 0.5, 1.0, 1.0], dtype=torch.float64)
+    for cap, expected in [
+        (2.0, -(advantages * lengths * weights).sum()),
+        (0.0, -(advantages * lengths).sum()),
+    ]:
+        cfg = GrpoConfig(loss="dapo", max_new_tokens=6, engine_is_cap=cap)
+        terms = grpo_loss.micro_terms(cfg, grpo_loss.completion_logps(model, batch), batch)
+        assert float(terms["objective"].detach()) == pytest.approx(float(expected), rel=1e-9), cap
+    assert torch.equal(
+        rollouts.Rollout.from_state_dict(rollout.state_dict()).engine_logps, rollout.engine_logps
+    )
+
+
 def test_completion_log_probs_are_the_models_own():
     model = micro_llama().double()
     rollout, prompts = _rollout(3)

@@ -82,6 +82,9 @@ class GrpoConfig:
     generation: Generation = "hf"
     """What samples the completions: hf (generate on the training weights) | vllm (a vLLM engine, its LoRA
     adapter synced each round: `make install-vllm`, docs/grpo.md)."""
+    engine_is_cap: NonNegativeFloat = 2.0
+    """grpo.generation=vllm: each token's policy term weighted by the trainer's probability of it over the
+    engine's, truncated at this (truncated importance sampling against their mismatch; 0: off)."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """The engine of grpo.generation=vllm: started by ftkit, or yours at grpo.vllm.url."""
     reference_model: str | None = None

@@ -55,6 +55,11 @@ def micro_terms(cfg, logps: torch.Tensor, batch: dict) -> dict[str, torch.Tensor
     ratio = torch.exp(logps - old)
     low, high = 1 - cfg.epsilon, 1 + (cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon)
     per_token = -torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
+    if cfg.engine_is_cap > 0 and batch.get("engine_logps") is not None:
+        # The engine sampled the tokens, not the trainer's weights: each token's policy term is weighted by
+        # their probabilities' ratio, truncated (TIS), so a token the engine oversampled counts less.
+        sampled_by = batch["engine_logps"][:, :columns].to(logps.dtype)
+        per_token = per_token * torch.exp(old - sampled_by).clamp(max=cfg.engine_is_cap)
     kl = torch.zeros_like(per_token)
     if cfg.beta > 0:
         gap = batch["ref_logps"][:, :columns].to(logps.dtype) - logps

@@ -45,6 +45,8 @@ class Rollout:
     order: torch.Tensor
     """The round's completions in the order the optimizer steps take them, [N]."""
     generation_seconds: float = 0.0
+    engine_logps: torch.Tensor | None = None
+    """Per-token log-probs the engine gave its samples, [N, max_new_tokens]; None with HF generate."""
     engine_gap: tuple[float, float] | None = None
     """(mean, max) |engine log-prob - trainer log-prob| over the round's sampled tokens (engine rounds)."""
     sync_seconds: float = 0.0
@@ -61,7 +63,7 @@ class Rollout:
             "order": self.order,
         }
         state.update({f"rewards.{name}": values for name, values in self.rewards.items()})
-        for name in ("old_logps", "ref_logps"):
+        for name in ("old_logps", "ref_logps", "engine_logps"):
             if getattr(self, name) is not None:
                 state[name] = getattr(self, name)
         return {key: value.contiguous() for key, value in state.items()}
@@ -79,6 +81,7 @@ class Rollout:
             state.get("old_logps"),
             state.get("ref_logps"),
             state["order"],
+            engine_logps=state.get("engine_logps"),
         )
 
     def step_rows(self, step: int, cfg) -> torch.Tensor:
@@ -106,7 +109,7 @@ class Rollout:
             batch["starts"] = torch.tensor(starts, device=device)
             batch["lengths"] = self.lengths[chunk].to(device)
             batch["advantages"] = self.advantages[chunk].to(device)
-            for name in ("old_logps", "ref_logps"):
+            for name in ("old_logps", "ref_logps", "engine_logps"):
                 values = getattr(self, name)
                 batch[name] = values[chunk].to(device) if values is not None else None
             batches.append(batch)
@@ -187,6 +190,7 @@ def generate(
             else scored(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, None)
         )
         rollout.engine_gap = logprob_gap(engine_logps, own, rollout.lengths)
+        rollout.engine_logps = engine_logps
         rollout.sync_seconds = sync_seconds
     rollout.generation_seconds = time.perf_counter() - started
     return rollout
