@@ -15,7 +15,7 @@ from toolkit.engine import client
 from toolkit.engine.server import Engine, ServeSpec, engine_python, free_port, serve_command
 from toolkit.errors import UserError
 from toolkit.grpo.config import load_grpo_config
-from toolkit.grpo.engine import logprob_gap
+from toolkit.grpo.engine import EngineSampler, logprob_gap
 
 
 def fake_venv(tmp_path: Path) -> Path:
@@ -115,3 +115,17 @@ def test_whole_weights_need_an_engine_that_takes_them():
             client.reload_weights(url, "/tmp/weights")
     finally:
         server.shutdown()
+
+
+def test_an_engine_that_dies_mid_run_says_so_with_its_logs_reason(tmp_path):
+    log = tmp_path / "vllm.log"
+    log.write_text("(EngineCore pid=7) ERROR RuntimeError: CPU out of memory\n")
+    process = subprocess.Popen(["false"])
+    process.wait()
+    sampler = EngineSampler(None, None, Engine("http://127.0.0.1:1", process, log, "m"))
+    sampler.ready = True
+    said = sampler._mid_run(UserError("grpo.vllm: the engine at http://127.0.0.1:1 is not reachable"))
+    assert (
+        said
+        == f"grpo.vllm: the engine exited mid-run (code 1): RuntimeError: CPU out of memory; its log: {log}"
+    )

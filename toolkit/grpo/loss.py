@@ -6,6 +6,7 @@ d = reference log-prob - policy log-prob. A step's loss normalises the sum over 
 grpo divides each completion's sum by its length and the total by the step's completions; dr_grpo divides
 by completions x max_new_tokens; dapo by the step's completion tokens. The recipe scales each micro-batch's
 sum by those global counts, so the split into micro-batches and processes leaves the gradient as is.
+Completions a vLLM engine sampled weight each token's policy term by min(trainer / engine probability, cap).
 """
 
 from __future__ import annotations
