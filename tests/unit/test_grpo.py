@@ -55,6 +55,10 @@ def test_every_grpo_key_is_documented():
         (["grpo.top_p=0"], "grpo.top_p"),
         (["grpo.loss=ppo"], "grpo.loss"),
         (["grpo.generation=vllm", "lora.use_dora=true"], "lora.use_dora adapters are not loaded"),
+        (
+            ["grpo.generation=vllm", "model.method=full", "grpo.vllm.host=0.0.0.0"],
+            "grpo.vllm.host: 0.0.0.0 would expose vLLM's development endpoints",
+        ),
         (["grpo.generation=vlm"], "grpo.generation"),
         (["grpo.vllm.gpu_memory_utilization=0"], "grpo.vllm.gpu_memory_utilization"),
     ],

@@ -153,6 +153,12 @@ def validate_engine(cfg: GrpoRecipeConfig) -> None:
             "grpo.generation=vllm: model.adapter is folded into the trained base, which the engine does not "
             "serve; merge it into a model folder (`ftkit export --merge-lora`) and name that as model.path"
         )
+    loopback = cfg.grpo.vllm.host in ("127.0.0.1", "localhost", "::1")
+    if cfg.model.method == "full" and not cfg.grpo.vllm.url and not loopback:
+        raise UserError(
+            f"grpo.vllm.host: {cfg.grpo.vllm.host} would expose vLLM's development endpoints, which a full "
+            "fine-tune's engine opens to reload its weights; keep it on 127.0.0.1"
+        )
     if cfg.lora.use_dora:
         raise UserError(
             "grpo.generation=vllm: lora.use_dora adapters are not loaded by the engine; turn it off"

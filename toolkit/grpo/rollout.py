@@ -140,13 +140,10 @@ def generate(
     begin, end = len(slots) * rank // world, len(slots) * (rank + 1) // world
     mine = slots[begin:end]
     seeds = [sampling.completion_seed(cfg.seed, round_index, s, picked[s], g) for s, g in slots]
-    engine_logps, sync_seconds = None, 0.0
+    ids = [prompts.ids[picked[s]] for s, _ in slots]
     if engine is None:
-        completions = _generated(
-            run, model, [prompts.ids[picked[s]] for s, _ in mine], seeds[begin:end], cfg, tokenizer
-        )
-    else:
-        ids = [prompts.ids[picked[s]] for s, _ in slots]
+        completions = _generated(run, model, ids[begin:end], seeds[begin:end], cfg, tokenizer)
+    else:  # the main process asks for the whole round, every process gets it all and keeps its share
         tokens, counts, engine_logps, sync_seconds = engine.sample(
             model, ids, seeds, _end_ids(tokenizer), round_index
         )
@@ -182,16 +179,12 @@ def generate(
         rollout.old_logps = scored(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, None)
     if grpo.beta > 0:
         rollout.ref_logps = scored(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, reference)
-    if engine_logps is not None:
+    if engine is not None:
+        rollout.engine_logps, rollout.sync_seconds = engine_logps, sync_seconds
         own = rollout.old_logps
-        own = (
-            own
-            if own is not None
-            else scored(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, None)
-        )
+        if own is None:
+            own = scored(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, None)
         rollout.engine_gap = logprob_gap(engine_logps, own, rollout.lengths)
-        rollout.engine_logps = engine_logps
-        rollout.sync_seconds = sync_seconds
     rollout.generation_seconds = time.perf_counter() - started
     return rollout
 
