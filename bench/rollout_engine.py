@@ -2,8 +2,8 @@
 (tiny-llama-q64 with a LoRA adapter of rank 8, float32), prompts (the demo's first 8 questions, 8 samples
 each), seeds and settings (32 new tokens, temperature 1.0): completion tokens a second, and the time one
 adapter sync takes (written, then hot-loaded under a new name). HF generate samples the whole round in one
-batch on the training weights with the adapter unmerged, as the recipe does; the engine gets the round as 64
-concurrent requests. Writes its table between the rollout-engine markers of bench/RESULTS.md and the figures
+batch on the training weights with the adapter unmerged, as the recipe does, before the engine starts; the
+engine gets the round as 64 concurrent requests. Writes its table between the rollout-engine markers of bench/RESULTS.md and the figures
 to bench/raw_rollout_engine.json (also run by `make bench`; skipped, saying so, without .venv-vllm).
 
     python bench/rollout_engine.py [--repeats 3]
@@ -79,25 +79,30 @@ def sync(engine, model, folder: Path, index: int) -> tuple[str, float]:
 
 
 def measure(repeats: int, work: Path) -> dict:
+    """HF generate's rounds first, with no engine running, so the two never share the 2 cores (an engine's
+    threads stay busy for about a second after a round), then the engine's; one warm-up round each, not
+    counted."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     model = policy()
     ids, seeds = round_inputs(tokenizer)
+    figures = {"hf": [], "engine": [], "sync_s": []}
+    for index in range(repeats + 1):
+        seconds, tokens = hf_round(model, ids, seeds, tokenizer)
+        if index:
+            figures["hf"].append({"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds})
     engine = Engine.start(ServeSpec(str(MODEL), "float32", 256, lora_rank=RANK), work / "vllm.log")
     try:
-        start_s = engine.wait_ready(600)
-        name, _ = sync(engine, model, work, 0)  # the first load warms the engine's LoRA path
-        engine_round(engine, name, ids, seeds, tokenizer)  # warm-up rounds, not counted
-        hf_round(model, ids, seeds, tokenizer)
-        figures = {"hf": [], "engine": [], "sync_s": [], "engine_start_s": start_s}
-        for index in range(1, repeats + 1):
-            name, seconds = sync(engine, model, work, index)
-            figures["sync_s"].append(seconds)
-            for key, run in (("hf", hf_round), ("engine", engine_round)):
-                target = (model,) if key == "hf" else (engine, name)
-                seconds, tokens = run(*target, ids, seeds, tokenizer)
-                figures[key].append({"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds})
+        figures["engine_start_s"] = engine.wait_ready(600)
+        for index in range(repeats + 1):
+            name, sync_s = sync(engine, model, work, index)
+            seconds, tokens = engine_round(engine, name, ids, seeds, tokenizer)
+            if index:  # the first load and round warm the engine's LoRA path
+                figures["sync_s"].append(sync_s)
+                figures["engine"].append(
+                    {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+                )
     finally:
         engine.stop()
     return figures
@@ -124,8 +129,8 @@ def run_section(repeats: int, machine) -> str:
     sync_s = statistics.median(figures["sync_s"])
     block = "\n".join(
         [
-            f"Machine: {machine()}. {repeats} rounds of each, alternating; {PROMPTS * GROUP} completions a "
-            "round.",
+            f"Machine: {machine()}. {repeats} rounds of each (HF generate's before the "
+            f"engine starts); {PROMPTS * GROUP} completions a round.",
             "",
             *rows,
             "",
