@@ -3,8 +3,9 @@
 each), seeds and settings (32 new tokens, temperature 1.0): completion tokens a second, and the time one
 adapter sync takes (written, then hot-loaded under a new name). HF generate samples the whole round in one
 batch on the training weights with the adapter unmerged, as the recipe does, before the engine starts; the
-engine gets the round as 64 concurrent requests. Writes its table between the rollout-engine markers of bench/RESULTS.md and the figures
-to bench/raw_rollout_engine.json (also run by `make bench`; skipped, saying so, without .venv-vllm).
+engine gets the round as 64 concurrent requests. Writes its table between the rollout-engine markers of
+bench/RESULTS.md and the figures to bench/raw_rollout_engine.json (also run by `make bench`; skipped,
+saying so, without .venv-vllm).
 
     python bench/rollout_engine.py [--repeats 3]
 """
