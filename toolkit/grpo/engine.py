@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from toolkit.checkpoint.export import full_state_dict, saver
 from toolkit.checkpoint.rundir import ENGINE_DIR
@@ -29,9 +30,10 @@ from toolkit.errors import UserError
 class EngineSampler:
     """The engine a run samples with: held by the main process (None elsewhere), its adapter per round."""
 
-    def __init__(self, accelerator, cfg, engine: Engine | None):
+    def __init__(self, accelerator, cfg, engine: Engine | None, folder: Path | None = None):
         self.accelerator, self.cfg, self.engine = accelerator, cfg, engine
-        self.folder = None
+        self.folder = folder
+        """Where the weights sent to the engine are written (the run folder's engine/)."""
         self.adapter = None
         """(name, folder) of the adapter the engine serves now."""
         self.weights = None
@@ -55,8 +57,7 @@ class EngineSampler:
         error = agreed_error(accelerator, error)
         if error:
             raise UserError(error)
-        sampler = cls(accelerator, cfg, engine)
-        sampler.folder = run.output_dir / ENGINE_DIR
+        sampler = cls(accelerator, cfg, engine, run.output_dir / ENGINE_DIR)
         try:
             yield sampler
         finally:
@@ -142,11 +143,12 @@ class EngineSampler:
             return
         seconds = self.engine.wait_ready(self.cfg.grpo.vllm.start_timeout_s)
         self.ready = True
+        url, log = self.engine.url, self.engine.log
+        # Only the main process holds the engine; tqdm.write keeps the line off the progress bar's.
         if self.engine.process is None:
-            self.accelerator.print(f"engine: vLLM at {self.engine.url} (yours)")
+            tqdm.write(f"engine: vLLM at {url} (yours)")
         else:
-            url, log = self.engine.url, self.engine.log
-            self.accelerator.print(f"engine: vLLM started by ftkit at {url} in {seconds:.1f} s; log: {log}")
+            tqdm.write(f"engine: vLLM started by ftkit at {url} in {seconds:.1f} s; log: {log}")
 
     def _mid_run(self, exc: UserError) -> str:
         """The error to raise: an engine ftkit started that has died says so (and why, from its log)."""
