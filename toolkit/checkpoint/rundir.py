@@ -25,11 +25,13 @@ CONFIG = "config.yaml"
 REFERENCE_LOGPS = ("reference_logps.safetensors", "reference_logps.json")
 # Compiled code (checkpoint/compile_cache.py): kept when a fresh run replaces the last, for the same shapes.
 COMPILE_CACHE = "compile-cache"
+# A generation engine's log and the adapters sent to it (toolkit/engine, GRPO with grpo.generation=vllm).
+ENGINE_DIR = "engine"
 # What a run (and `ftkit plot`) writes at the top of output_dir; trackers' folders are recorded in MARKER.
 OUTPUTS = frozenset(
     {MARKER, LOCK, CONFIG, STALL_DIR, "metrics.jsonl", "metrics.png", "checkpoints", "final", "final.tmp"}
     | set(REFERENCE_LOGPS)
-    | {COMPILE_CACHE}
+    | {COMPILE_CACHE, ENGINE_DIR}
 )
 CHECKPOINT_NAME = re.compile(r"^(step-\d+|\.step-\d+\.tmp)$")
 

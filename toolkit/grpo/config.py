@@ -15,8 +15,26 @@ from toolkit.model import scalar
 DEMO_GRPO_CONFIG = Path(__file__).resolve().parents[1] / "assets" / "demo-grpo.yaml"
 
 GrpoLoss = Literal["grpo", "dr_grpo", "dapo"]
+Generation = Literal["hf", "vllm"]
 RewardScaling = Literal["group", "batch", "none"]
 BUILT_IN_REWARDS = ("exact_answer", "format", "length")
+
+
+@dataclass
+class VllmConfig:
+    url: str | None = None
+    """An engine you started (http://host:port, serving model.path as "base" with --enable-lora); unset:
+    ftkit starts one from .venv-vllm on the main process for the run and stops it at the end."""
+    host: str = "127.0.0.1"
+    """Address the engine ftkit starts listens on."""
+    port: NonNegativeInt = 0
+    """Port of the engine ftkit starts (0: a free one)."""
+    start_timeout_s: PositiveFloat = 600.0
+    """Seconds the engine may take to answer its health check."""
+    kv_cache_gb: PositiveInt = 1
+    """KV cache of a CPU engine (VLLM_CPU_KVCACHE_SPACE, GiB)."""
+    gpu_memory_utilization: Annotated[float, Range(low=0, high=1, low_open=True)] = 0.3
+    """Share of the GPU's memory a GPU engine takes (weights and KV cache)."""
 
 
 @dataclass
@@ -61,6 +79,14 @@ class GrpoConfig:
     gather_for_generation: bool = True
     """Under ZeRO-3/FSDP2, gather the whole model once per round for generation (false: layer by layer
     at every token, for a model whose full weights do not fit one device)."""
+    generation: Generation = "hf"
+    """What samples the completions: hf (generate on the training weights) | vllm (a vLLM engine, its LoRA
+    adapter synced each round: `make install-vllm`, docs/grpo.md)."""
+    engine_is_cap: NonNegativeFloat = 2.0
+    """grpo.generation=vllm: each token's policy term weighted by the trainer's probability of it over the
+    engine's, truncated at this (truncated importance sampling against their mismatch; 0: off)."""
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    """The engine of grpo.generation=vllm: started by ftkit, or yours at grpo.vllm.url."""
     reference_model: str | None = None
     """Frozen reference for the KL term (path or hub id); unset: the policy with its adapter off (LoRA),
     required for a full fine-tune with grpo.beta > 0."""
@@ -114,8 +140,29 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
         raise UserError(f"grpo.format_pattern: not a regular expression ({exc})") from exc
     if grpo.beta > 0 and cfg.model.method == "full" and not grpo.reference_model:
         raise UserError("grpo.beta > 0 with model.method full needs grpo.reference_model (a frozen copy)")
+    if grpo.generation == "vllm":
+        validate_engine(cfg)
     if grpo.reference_model:
         check_local_path(grpo.reference_model, "grpo.reference_model")
+
+
+def validate_engine(cfg: GrpoRecipeConfig) -> None:
+    """What the engine path does not do yet, refused in one line before anything loads."""
+    if cfg.model.adapter:
+        raise UserError(
+            "grpo.generation=vllm: model.adapter is folded into the trained base, which the engine does not "
+            "serve; merge it into a model folder (`ftkit export --merge-lora`) and name that as model.path"
+        )
+    loopback = cfg.grpo.vllm.host in ("127.0.0.1", "localhost", "::1")
+    if cfg.model.method == "full" and not cfg.grpo.vllm.url and not loopback:
+        raise UserError(
+            f"grpo.vllm.host: {cfg.grpo.vllm.host} would expose vLLM's development endpoints, which a full "
+            "fine-tune's engine opens to reload its weights; keep it on 127.0.0.1"
+        )
+    if cfg.lora.use_dora:
+        raise UserError(
+            "grpo.generation=vllm: lora.use_dora adapters are not loaded by the engine; turn it off"
+        )
 
 
 def prompts_per_round(cfg: GrpoRecipeConfig) -> int:

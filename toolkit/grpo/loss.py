@@ -6,6 +6,7 @@ d = reference log-prob - policy log-prob. A step's loss normalises the sum over 
 grpo divides each completion's sum by its length and the total by the step's completions; dr_grpo divides
 by completions x max_new_tokens; dapo by the step's completion tokens. The recipe scales each micro-batch's
 sum by those global counts, so the split into micro-batches and processes leaves the gradient as is.
+Completions a vLLM engine sampled weight each token's policy term by min(trainer / engine probability, cap).
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ def micro_terms(cfg, logps: torch.Tensor, batch: dict) -> dict[str, torch.Tensor
     ratio = torch.exp(logps - old)
     low, high = 1 - cfg.epsilon, 1 + (cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon)
     per_token = -torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
+    if cfg.engine_is_cap > 0 and batch.get("engine_logps") is not None:
+        # The engine sampled the tokens, not the trainer's weights: each token's policy term is weighted by
+        # their probabilities' ratio, truncated (TIS), so a token the engine oversampled counts less.
+        sampled_by = batch["engine_logps"][:, :columns].to(logps.dtype)
+        per_token = per_token * torch.exp(old - sampled_by).clamp(max=cfg.engine_is_cap)
     kl = torch.zeros_like(per_token)
     if cfg.beta > 0:
         gap = batch["ref_logps"][:, :columns].to(logps.dtype) - logps

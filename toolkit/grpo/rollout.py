@@ -18,6 +18,7 @@ from toolkit.distributed import data_shard, tensor_parallel_size
 from toolkit.grpo import prompts as prompt_sets
 from toolkit.grpo import sampling
 from toolkit.grpo.config import prompts_per_round, steps_per_round
+from toolkit.grpo.engine import logprob_gap
 from toolkit.grpo.loss import completion_logps, normaliser
 
 STD_EPS = 1e-4
@@ -44,6 +45,12 @@ class Rollout:
     order: torch.Tensor
     """The round's completions in the order the optimizer steps take them, [N]."""
     generation_seconds: float = 0.0
+    engine_logps: torch.Tensor | None = None
+    """Per-token log-probs the engine gave its samples, [N, max_new_tokens]; None with HF generate."""
+    engine_gap: tuple[float, float] | None = None
+    """(mean, max) |engine log-prob - trainer log-prob| over the round's sampled tokens (engine rounds)."""
+    sync_seconds: float = 0.0
+    """Seconds the round's weight sync to the engine took."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors only (safetensors in a checkpoint): what resuming mid-round needs."""
@@ -56,7 +63,7 @@ class Rollout:
             "order": self.order,
         }
         state.update({f"rewards.{name}": values for name, values in self.rewards.items()})
-        for name in ("old_logps", "ref_logps"):
+        for name in ("old_logps", "ref_logps", "engine_logps"):
             if getattr(self, name) is not None:
                 state[name] = getattr(self, name)
         return {key: value.contiguous() for key, value in state.items()}
@@ -74,6 +81,7 @@ class Rollout:
             state.get("old_logps"),
             state.get("ref_logps"),
             state["order"],
+            engine_logps=state.get("engine_logps"),
         )
 
     def step_rows(self, step: int, cfg) -> torch.Tensor:
@@ -101,7 +109,7 @@ class Rollout:
             batch["starts"] = torch.tensor(starts, device=device)
             batch["lengths"] = self.lengths[chunk].to(device)
             batch["advantages"] = self.advantages[chunk].to(device)
-            for name in ("old_logps", "ref_logps"):
+            for name in ("old_logps", "ref_logps", "engine_logps"):
                 values = getattr(self, name)
                 batch[name] = values[chunk].to(device) if values is not None else None
             batches.append(batch)
@@ -119,24 +127,27 @@ def round_of(step: int, cfg) -> int:
     return (step - 1) // steps_per_round(cfg)
 
 
-def generate(run, model, prompts, rewards, cfg, tokenizer, round_index: int, reference) -> Rollout:
-    """Collective: round `round_index`'s rollout, the same on every process."""
+def generate(
+    run, model, prompts, rewards, cfg, tokenizer, round_index: int, reference, engine=None
+) -> Rollout:
+    """Collective: round `round_index`'s rollout, the same on every process; sampled with HF generate, or by
+    `engine` (grpo/engine.py's EngineSampler) when given."""
     started = time.perf_counter()
     accelerator, grpo = run.accelerator, cfg.grpo
     rank, world = data_shard(accelerator)
     picked = prompt_sets.round_prompts(len(prompts), prompts_per_round(cfg), round_index, cfg.seed)
     slots = [(slot, sample) for slot in range(len(picked)) for sample in range(grpo.num_generations)]
-    mine = slots[len(slots) * rank // world : len(slots) * (rank + 1) // world]
-    completions = []
-    batch = grpo.generation_batch_size or len(mine)
-    with sampling.generating(accelerator, model, grpo.gather_for_generation) as (policy, synced):
-        for start in range(0, len(mine), batch):
-            rows = mine[start : start + batch]
-            seeds = [sampling.completion_seed(cfg.seed, round_index, s, picked[s], g) for s, g in rows]
-            ids = [prompts.ids[picked[s]] for s, _ in rows]
-            completions += sampling.sample(
-                policy, ids, seeds, grpo, tokenizer.pad_token_id, tokenizer.eos_token_id, synced
-            )
+    begin, end = len(slots) * rank // world, len(slots) * (rank + 1) // world
+    mine = slots[begin:end]
+    seeds = [sampling.completion_seed(cfg.seed, round_index, s, picked[s], g) for s, g in slots]
+    ids = [prompts.ids[picked[s]] for s, _ in slots]
+    if engine is None:
+        completions = _generated(run, model, ids[begin:end], seeds[begin:end], cfg, tokenizer)
+    else:  # the main process asks for the whole round, every process gets it all and keeps its share
+        tokens, counts, engine_logps, sync_seconds = engine.sample(
+            model, ids, seeds, _end_ids(tokenizer), round_index
+        )
+        completions = [tokens[i, : counts[i]].tolist() for i in range(begin, end)]
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     scores = rewards.score(
         [prompts.texts[picked[s]] for s, _ in mine],
@@ -168,8 +179,37 @@ def generate(run, model, prompts, rewards, cfg, tokenizer, round_index: int, ref
         rollout.old_logps = scored(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, None)
     if grpo.beta > 0:
         rollout.ref_logps = scored(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, reference)
+    if engine is not None:
+        rollout.engine_logps, rollout.sync_seconds = engine_logps, sync_seconds
+        own = rollout.old_logps
+        if own is None:
+            own = scored(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, None)
+        rollout.engine_gap = logprob_gap(engine_logps, own, rollout.lengths)
     rollout.generation_seconds = time.perf_counter() - started
     return rollout
+
+
+def _generated(run, model, ids: list[list[int]], seeds: list[int], cfg, tokenizer) -> list[list[int]]:
+    """Collective: this process's completions sampled with HF generate on the training weights."""
+    grpo, completions = cfg.grpo, []
+    batch = grpo.generation_batch_size or len(ids)
+    with sampling.generating(run.accelerator, model, grpo.gather_for_generation) as (policy, synced):
+        for start in range(0, len(ids), batch):
+            completions += sampling.sample(
+                policy,
+                ids[start : start + batch],
+                seeds[start : start + batch],
+                grpo,
+                tokenizer.pad_token_id,
+                tokenizer.eos_token_id,
+                synced,
+            )
+    return completions
+
+
+def _end_ids(tokenizer) -> list[int]:
+    eos = tokenizer.eos_token_id
+    return list(eos) if isinstance(eos, list) else [eos]
 
 
 def advantages(totals: torch.Tensor, group: int, scale: str) -> torch.Tensor:
@@ -263,4 +303,7 @@ class StepStats:
             "generation_s": generated,
             "generation_share": self.generation_seconds / max(time.perf_counter() - self.started, 1e-9),
         }
+        if rollout.engine_gap is not None:
+            values["engine_logprob_gap_mean"], values["engine_logprob_gap_max"] = rollout.engine_gap
+            values["sync_s"] = rollout.sync_seconds if fresh else 0.0
         return values

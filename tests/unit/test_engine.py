@@ -1,0 +1,131 @@
+"""The generation engine's part that needs no engine: how it is started (never a checkpoint's code unless
+asked), its one-line failures (not installed, port in use, not reachable, a refusal in its log), the
+GRPO settings it refuses, and the log-probability gap it is measured by."""
+
+import http.server
+import socket
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from toolkit.engine import client
+from toolkit.engine.server import Engine, ServeSpec, engine_python, free_port, serve_command
+from toolkit.errors import UserError
+from toolkit.grpo.config import load_grpo_config
+from toolkit.grpo.engine import EngineSampler, logprob_gap
+
+
+def fake_venv(tmp_path: Path) -> Path:
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").write_text("")
+    return tmp_path / "venv"
+
+
+def test_a_missing_engine_environment_names_make_install_vllm(tmp_path):
+    with pytest.raises(
+        UserError, match=r"no engine environment at .*nowhere; build it with `make install-vllm`"
+    ):
+        engine_python(tmp_path / "nowhere")
+    with pytest.raises(UserError, match="make install-vllm"):
+        Engine.start(ServeSpec("m", "float32", 64), tmp_path / "log", venv=tmp_path / "nowhere")
+
+
+def test_a_port_in_use_is_one_line_before_anything_starts(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(UserError, match=f"grpo.vllm.port: 127.0.0.1:{port} is in use"):
+            Engine.start(ServeSpec("m", "float32", 64), tmp_path / "log", port=port, venv=fake_venv(tmp_path))
+    assert not (tmp_path / "log").exists()
+
+
+def test_an_engine_nobody_listens_for_is_not_reachable():
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    assert not client.healthy(url)
+    with pytest.raises(UserError, match=f"the engine at {url} is not reachable"):
+        client.load_adapter(url, "round-0", "/tmp/adapter")
+
+
+def test_an_exited_engine_says_what_its_log_refused(tmp_path):
+    log = tmp_path / "vllm.log"
+    log.write_text(
+        "WARNING ... OSError: [Errno 24] Too many open files\n"
+        "(Worker pid=1) ERROR RuntimeError: Unsupported CPU attention configuration: head_dim=40 isa=1\n"
+    )
+    process = subprocess.Popen(["false"])
+    process.wait()
+    engine = Engine("http://127.0.0.1:1", process, log, "models/tiny")
+    with pytest.raises(UserError, match=r"cannot serve models/tiny: .* head size \(head_dim=40\); its log: "):
+        engine.check_alive()
+    log.write_text("ValueError: something else\n")
+    with pytest.raises(UserError, match=r"exited \(code 1\): .*ValueError: something else; its log: "):
+        engine.check_alive()
+
+
+def test_the_engine_runs_no_checkpoint_code_unless_asked_and_fits_the_lora_rank():
+    python = Path("/venv/bin/python")
+    command = serve_command(python, ServeSpec("m", "float32", 64, lora_rank=12), "127.0.0.1", 8000)
+    assert "--trust-remote-code" not in command
+    assert command[command.index("--max-lora-rank") + 1] == "16"  # vLLM takes 8, 16, 32, ...
+    assert command[command.index("--host") + 1] == "127.0.0.1"
+    assert "--enable-lora" not in serve_command(python, ServeSpec("m", "float32", 64), "127.0.0.1", 8000)
+    asked = serve_command(python, ServeSpec("m", "float32", 64, trust_remote_code=True), "127.0.0.1", 8000)
+    assert "--trust-remote-code" in asked
+    with pytest.raises(UserError, match="lora.r: 1024 is above the engine's largest LoRA rank"):
+        serve_command(python, ServeSpec("m", "float32", 64, lora_rank=1024), "127.0.0.1", 8000)
+
+
+def test_a_start_adapter_is_refused_with_the_engine(tmp_path):
+    with pytest.raises(UserError, match="model.adapter is folded into the trained base"):
+        load_grpo_config(None, ["grpo.generation=vllm", f"model.adapter={tmp_path}"])
+    assert load_grpo_config(None, ["model.adapter=null"]).grpo.generation == "hf"
+
+
+def test_the_logprob_gap_counts_sampled_tokens_only():
+    engine = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, 0.0, 0.0]], dtype=torch.float64)
+    trainer = torch.tensor([[-1.1, -2.0, 0.0, 0.0], [-0.25, -7.0, 0.0, 0.0]])
+    mean, largest = logprob_gap(engine, trainer, torch.tensor([2, 1]))
+    assert mean == pytest.approx((0.1 + 0.0 + 0.25) / 3, rel=1e-6) and largest == pytest.approx(0.25)
+
+
+def test_whole_weights_need_an_engine_that_takes_them():
+    """An engine without vLLM's development mode answers /collective_rpc with 404: one line saying what to
+    turn on."""
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.send_response(404)
+            self.end_headers()
+            self.wfile.write(b'{"detail":"Not Found"}')
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(
+            UserError, match=f"the engine at {url} takes no weights: .* VLLM_SERVER_DEV_MODE=1"
+        ):
+            client.reload_weights(url, "/tmp/weights")
+    finally:
+        server.shutdown()
+
+
+def test_an_engine_that_dies_mid_run_says_so_with_its_logs_reason(tmp_path):
+    log = tmp_path / "vllm.log"
+    log.write_text("(EngineCore pid=7) ERROR RuntimeError: CPU out of memory\n")
+    process = subprocess.Popen(["false"])
+    process.wait()
+    sampler = EngineSampler(None, None, Engine("http://127.0.0.1:1", process, log, "m"))
+    sampler.ready = True
+    said = sampler._mid_run(UserError("grpo.vllm: the engine at http://127.0.0.1:1 is not reachable"))
+    assert (
+        said
+        == f"grpo.vllm: the engine exited mid-run (code 1): RuntimeError: CPU out of memory; its log: {log}"
+    )

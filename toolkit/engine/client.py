@@ -1,0 +1,108 @@
+"""The engine's HTTP API, the few calls ftkit makes: health, seeded completions of token ids with the
+sampled tokens' log-probabilities, LoRA adapters loaded and unloaded while it runs, and whole weights
+reloaded."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from toolkit.errors import UserError
+
+TIMEOUT_S = 600
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    """Sampled token ids, the end token included when one was sampled."""
+    logps: list[float]
+    """The engine's log-probability of each sampled token (raw logits, before temperature)."""
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+            return answer.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def post(url: str, path: str, payload: dict) -> dict | str:
+    """The answer's JSON (or text); an engine that cannot be reached or refuses is one line."""
+    request = urllib.request.Request(
+        f"{url}{path}", json.dumps(payload).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:
+            body = answer.read().decode()
+    except urllib.error.HTTPError as exc:
+        raise UserError(f"grpo.vllm: the engine at {url} refused {path}: {_message(exc)}") from exc
+    except (OSError, urllib.error.URLError) as exc:
+        raise UserError(
+            f"grpo.vllm: the engine at {url} is not reachable ({getattr(exc, 'reason', exc)})"
+        ) from exc
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError:
+        return body
+
+
+def _message(exc: urllib.error.HTTPError) -> str:
+    text = exc.read().decode(errors="replace")
+    try:
+        return json.loads(text).get("error", {}).get("message", text)[:300]
+    except (json.JSONDecodeError, AttributeError):
+        return text[:300]
+
+
+def complete(url: str, model: str, prompts: list[list[int]], seeds: list[int], sampling, stop_ids: list[int]):
+    """One completion per (prompt, seed), in their order, sampled per `sampling` (max_new_tokens,
+    temperature, top_k, top_p). The requests go at once, so the engine batches them; each one's seed alone
+    decides its draws."""
+
+    def one(prompt: list[int], seed: int) -> Completion:
+        payload = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k or -1,
+            "seed": seed,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "stop_token_ids": stop_ids,
+        }
+        choice = post(url, "/v1/completions", payload)["choices"][0]
+        return Completion(choice["token_ids"], choice["logprobs"]["token_logprobs"])
+
+    with ThreadPoolExecutor(max_workers=min(64, max(1, len(prompts)))) as pool:
+        return list(pool.map(one, prompts, seeds))
+
+
+def load_adapter(url: str, name: str, path: str) -> None:
+    post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+
+def unload_adapter(url: str, name: str) -> None:
+    post(url, "/v1/unload_lora_adapter", {"lora_name": name})
+
+
+def reload_weights(url: str, folder: str) -> None:
+    """The engine's weights replaced in place by the checkpoint in `folder` (vLLM's reload_weights, reached
+    through /collective_rpc, which its development mode opens), then its prefix cache dropped: the cached
+    prompts were computed with the old weights."""
+    try:
+        post(url, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}})
+    except UserError as exc:
+        if "Not Found" not in str(exc):
+            raise
+        raise UserError(
+            f"grpo.vllm: the engine at {url} takes no weights: model.method full reloads them through its "
+            "/collective_rpc, which VLLM_SERVER_DEV_MODE=1 in the engine's environment opens"
+        ) from exc
+    post(url, "/reset_prefix_cache", {})

@@ -1,0 +1,211 @@
+"""Starting, watching and stopping a vLLM server, or connecting to one the user started.
+
+The engine lives in its own virtual environment because vLLM pins its own transformers. It listens on
+127.0.0.1 unless the config names another address, never runs a checkpoint's code unless the user's config
+allows it, and writes its log where the caller says (the run folder). Every way it can fail is one line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.engine import client
+from toolkit.errors import UserError
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINE_VENV = REPO / ".venv-vllm"
+# vLLM accepts these LoRA ranks only (--max-lora-rank).
+LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+# What vLLM's log says when it cannot serve a model; the line is quoted in the error.
+REFUSALS = re.compile(r"^(?!.*WARNING).*?((?:Unsupported CPU attention|\w+Error:|Value error,) [^\n]*)", re.M)
+BASE_NAME = "base"
+"""The name the served base model answers to."""
+
+
+@dataclass
+class ServeSpec:
+    """What an engine ftkit starts serves, and how."""
+
+    model: str
+    dtype: str
+    max_model_len: int
+    lora_rank: int = 0
+    """The largest LoRA rank it must hot-load (0: no LoRA)."""
+    trust_remote_code: bool = False
+    kv_cache_gb: int = 1
+    """KV cache of a CPU engine (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = 0.3
+    """Share of a GPU's memory the engine takes (GPU engines)."""
+    reloads_weights: bool = False
+    """Whole weights are sent (full fine-tuning): vLLM's /collective_rpc is opened (its development mode)
+    for reload_weights."""
+
+
+def engine_python(venv: Path = ENGINE_VENV) -> Path:
+    """The engine environment's interpreter; a missing one is one line naming `make install-vllm`."""
+    python = venv / "bin" / "python"
+    if not python.is_file():
+        raise UserError(
+            f"grpo.generation=vllm: no engine environment at {venv}; build it with `make install-vllm`"
+        )
+    return python
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise UserError(
+                f"grpo.vllm.port: {host}:{port} is in use ({exc.strerror}); name another or 0"
+            ) from exc
+
+
+def serve_command(python: Path, spec: ServeSpec, host: str, port: int) -> list[str]:
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model]
+    command += ["--served-model-name", BASE_NAME, "--host", host, "--port", str(port)]
+    command += ["--dtype", spec.dtype, "--max-model-len", str(spec.max_model_len)]
+    # The request says how to sample; the checkpoint's generation_config.json must not change it.
+    command += ["--generation-config", "vllm", "--logprobs-mode", "raw_logprobs", "--disable-log-stats"]
+    if spec.lora_rank:
+        rank = next((r for r in LORA_RANKS if r >= spec.lora_rank), None)
+        if rank is None:
+            raise UserError(
+                f"lora.r: {spec.lora_rank} is above the engine's largest LoRA rank ({LORA_RANKS[-1]})"
+            )
+        command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
+    if spec.trust_remote_code:
+        command.append("--trust-remote-code")
+    if not _has_gpu():
+        command.append("--enforce-eager")  # compiling the CPU graphs costs more start time than it saves here
+    else:
+        command += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+    return command
+
+
+def _end_with_parent() -> None:
+    """In the engine's process before it starts: on Linux, a SIGTERM when the run's process dies, however it
+    dies (killed too), so no engine outlives its run."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform == "linux":
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _has_gpu() -> bool:
+    import shutil
+
+    return shutil.which("nvidia-smi") is not None
+
+
+class Engine:
+    """A running engine: its URL, and the process and log when ftkit started it (None for the user's)."""
+
+    def __init__(self, url: str, process: subprocess.Popen | None = None, log: Path | None = None, model=""):
+        self.url, self.process, self.log, self.model = url.rstrip("/"), process, log, model
+        self.started = time.perf_counter()
+        self.start_seconds = 0.0
+
+    @classmethod
+    def start(
+        cls, spec: ServeSpec, log: Path, host: str = "127.0.0.1", port: int = 0, venv: Path = ENGINE_VENV
+    ):
+        """Starts the server and returns at once; `wait_ready` waits for it."""
+        python = engine_python(venv)
+        if port:
+            check_port_free(host, port)
+        port = port or free_port(host)
+        env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+        if spec.reloads_weights:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gb))
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+            process = subprocess.Popen(
+                serve_command(python, spec, host, port),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # a stop signal to the run reaches the engine through stop() only
+                preexec_fn=_end_with_parent,
+            )
+        return cls(f"http://{host}:{port}", process, log, spec.model)
+
+    @classmethod
+    def connect(cls, url: str) -> Engine:
+        return cls(url)
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Seconds from start until the server answered /health; a server that exits or does not answer in
+        time is one line (with the refusal its log gives, when it gave one)."""
+        deadline = time.perf_counter() + timeout_s
+        while time.perf_counter() < deadline:
+            self.check_alive()
+            if client.healthy(self.url):
+                self.first_completion()
+                self.start_seconds = time.perf_counter() - self.started
+                return self.start_seconds
+            time.sleep(0.5)
+        self.stop()
+        where = f"; its log: {self.log}" if self.log else ""
+        raise UserError(f"grpo.vllm: the engine at {self.url} did not answer within {timeout_s:.0f} s{where}")
+
+    def first_completion(self) -> None:
+        """One token from the base model: an engine that answers /health may still fail at its first
+        forward pass (vLLM's CPU attention refuses some head sizes only then)."""
+        try:
+            client.post(self.url, "/v1/completions", {"model": BASE_NAME, "prompt": [0], "max_tokens": 1})
+        except UserError as exc:
+            self.stop()
+            raise UserError(self.failure(str(exc))) from exc
+
+    def failure(self, error: str) -> str:
+        """`error`, or what the log of an engine ftkit started says went wrong when it says something."""
+        if self.process is None:
+            return error
+        text = self.log.read_text(errors="replace") if self.log and self.log.is_file() else ""
+        if "Unsupported CPU attention" in text:
+            head = re.search(r"head_dim=\d+", text)
+            return (
+                f"model.path: the CPU engine cannot serve {self.model}: vLLM's CPU attention does not take "
+                f"its head size ({head.group(0) if head else 'see the log'}); its log: {self.log}"
+            )
+        return f"{error}: {self.reason()}" if REFUSALS.search(text) else error
+
+    def check_alive(self) -> None:
+        """One line when the engine ftkit started has exited (at start: what it refused, from its log)."""
+        if self.process is None or self.process.poll() is None:
+            return
+        raise UserError(self.failure(f"grpo.vllm: the engine exited (code {self.process.returncode})"))
+
+    def reason(self) -> str:
+        text = self.log.read_text(errors="replace") if self.log and self.log.is_file() else ""
+        found = REFUSALS.findall(text)
+        said = found[-1].strip() if found else "no reason found in its log"
+        return f"{said}; its log: {self.log}"
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """Ends the engine ftkit started (its whole process group: the server spawns workers)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        pgid = os.getpgid(self.process.pid)
+        os.killpg(pgid, 15)
+        try:
+            self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, 9)
+            self.process.wait()
