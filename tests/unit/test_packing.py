@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import REPO, tiny_llama_config
+from torch._inductor.kernel.flex import flex_cpu
 from transformers import AutoTokenizer, LlamaForCausalLM
 from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
@@ -123,6 +124,11 @@ def test_the_check_catches_attention_across_examples(attn, leak):
     assert logit_gap > 1e-3 and loss_gap > 1e-3
 
 
+@pytest.mark.skipif(
+    not flex_cpu.check_cpu_supported(),
+    reason="torch compiles flex_attention for a CPU with AVX2 only (not under ATEN_CPU_CAPABILITY=default, "
+    "nor on ARM); the attention it checks is CUDA's",
+)
 def test_flex_attention_keeps_packed_examples_apart():
     """The block mask transformers builds from the packed positions for flex_attention (what auto picks
     for packed rows on CUDA) gives every example the logits it gets alone. Forward only: torch has no CPU

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from toolkit.config import LoraConfig, ModelConfig
 from toolkit.errors import UserError
@@ -171,7 +172,7 @@ def test_the_70b_qlora_config_passes_the_launch_checks_on_two_4090s_and_the_plan
     assert "--config recipes/configs/llama3-70b-qlora.yaml" in plan.command
 
 
-def test_the_qlora_model_is_small_and_its_script_rebuilds_it_exactly(tmp_path):
+def test_the_qlora_model_is_small_and_its_script_rebuilds_it(tmp_path):
     import importlib.util
 
     from safetensors.torch import load_file
@@ -185,8 +186,20 @@ def test_the_qlora_model_is_small_and_its_script_rebuilds_it_exactly(tmp_path):
     assert (Path(Q64) / "model.safetensors").stat().st_size < 512 * 1024
     rebuilt = load_file(tmp_path / "rebuilt" / "model.safetensors")
     assert rebuilt.keys() == shipped.keys()
+    # The seeded initialisation differs in its last bits between CPU kernel sets: torch's normal_ has a
+    # vectorised and a scalar path (other log and cos), each value off by a few float32 steps of the
+    # spread's scale (initializer_range, 0.02; 32 steps of float32's eps, 7.6e-8, at most), and stored in
+    # bfloat16, rounded to the nearest of its numbers (one bfloat16 step of the value). Measured under
+    # ATEN_CPU_CAPABILITY=default on an AVX-512 CPU: 2 of 8192 values of a tensor 3.0e-8 apart.
+    spread = transformers.LlamaConfig.from_pretrained(Q64).initializer_range
     for name, tensor in shipped.items():
-        torch.testing.assert_close(rebuilt[name], tensor, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(
+            rebuilt[name],
+            tensor,
+            rtol=torch.finfo(torch.bfloat16).eps,
+            atol=spread * 32 * torch.finfo(torch.float32).eps,
+            msg=name,
+        )
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert unstamped(tmp_path / "rebuilt" / name) == unstamped(Path(Q64) / name), name
 
