@@ -23,7 +23,7 @@ from toolkit.engine.server import ENGINE_VENV, Engine, ServeSpec
 from toolkit.errors import USER_ERROR_EXIT_CODE
 
 pytestmark = pytest.mark.skipif(
-    not (ENGINE_VENV / "bin" / "python").is_file(),
+    not (ENGINE_VENV / ".installed").is_file(),  # written once `make install-vllm` has finished
     reason=f"no engine environment at {ENGINE_VENV}: `make install-vllm` builds it, `make test-vllm` runs it",
 )
 
