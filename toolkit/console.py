@@ -76,6 +76,19 @@ def quiet_third_party() -> None:
         hf_logging.disable_progress_bar()  # one "Loading weights" bar (the main process's), not one per rank
 
 
+def quiet_command() -> None:
+    """An `ftkit` command's console: the known noise quieted as in a run, and the libraries' progress bars
+    (loading, writing shards) off, so what the command prints is its own lines (FTKIT_VERBOSE=1: all)."""
+    quiet_third_party()
+    if verbose():
+        return
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    disable_progress_bars()
+
+
 # A row of transformers' load report: the weight's name, then its status.
 REPORT_ROW = re.compile(r"^(\S+)\s*\|\s*(UNEXPECTED|MISSING)\b", re.MULTILINE)
 HEAD_SWAP = {"lm_head.weight", "score.weight"}

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -122,6 +124,18 @@ def test_the_recipe_trains_each_family_with_lora_on_the_layers_it_names(trained,
     kinds = family_of(tiny_config(family)).recurrent
     shown = [line for line in printed.splitlines() if line.startswith("packing: ")]
     assert shown == [f"packing: {family}'s {kind.name} layers run each example on its own" for kind in kinds]
+
+
+def test_ftkit_export_prints_its_one_line_and_nothing_else(trained, tmp_path):
+    """Run as a user runs it: no library's warning, logging line or progress bar before the result."""
+    root, code, _ = trained["qwen3_5_text"]
+    assert code == 0
+    checkpoint, merged = root / "run" / "checkpoints" / "step-2", tmp_path / "merged"
+    command = [sys.executable, "-m", "toolkit.commands.cli", "export", str(checkpoint), "--merge-lora"]
+    done = subprocess.run([*command, "--out", str(merged)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "" and len(done.stdout.splitlines()) == 1, done.stdout + done.stderr
+    assert str(merged) in done.stdout
 
 
 @pytest.mark.usefixtures("signal_handlers_restored")

@@ -248,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         args.argv, args.accelerate_args = argv[:cut], argv[cut + 1 :]
     else:
         args = parser.parse_args(argv)
+    if args.command != "train":  # a launch's processes quiet themselves
+        from toolkit import console
+
+        console.quiet_command()
     try:
         return _run(args)
     except UserError as exc:
