@@ -152,6 +152,15 @@ def main(argv: list[str] | None = None) -> int:
         help="grpo under zero3/fsdp: gather the whole model on each GPU to generate (default on)",
     )
     plan.add_argument("--beta", type=float, help="grpo: KL weight; above 0 a reference is scored (default 0)")
+    plan.add_argument("--generation", choices=("hf", "vllm"), help="grpo: what samples (grpo.generation, hf)")
+    plan.add_argument(
+        "--gpu-memory-utilization", type=float, help="grpo with vllm: the engine's share of its GPU (0.3)"
+    )
+    plan.add_argument(
+        "--engine",
+        choices=("shared", "own"),
+        help="grpo with vllm: on the main process's GPU (default) or one of its own (grpo.vllm.url)",
+    )
     plan.add_argument(
         "--images-per-row", type=int, help="vision-language models: images in each row (default 1)"
     )

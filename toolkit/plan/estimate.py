@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from toolkit.errors import UserError
 from toolkit.launch.machine import GIB
 from toolkit.model import flops
-from toolkit.plan import comm, generation, images, longest, memory, parallel, pipeline, sequence
+from toolkit.plan import comm, engine, generation, images, longest, memory, parallel, pipeline, sequence
 from toolkit.plan.cost import Cost, CostRequest, estimate_cost
 from toolkit.plan.counts import ModelCounts, count_parameters, load_model_config
 from toolkit.plan.footprint import NO_IMAGES, ImageBytes, MemoryEstimate
@@ -47,9 +47,12 @@ class Plan:
     even the shortest), at the rows' micro-batch; None without."""
     images: ImageRows | None = None
     """A vision-language model's images per row (None: a text model)."""
+    engine: engine.EngineBytes | None = None
+    """grpo.generation vllm: the engine on its GPU (`plan.engine`); None otherwise."""
 
     def fits(self, row: MemoryEstimate) -> bool:
-        return fits(row, self.request)
+        """The setup fits its GPUs, and the engine (if any) starts on its share of its GPU."""
+        return fits(row, self.request) and (self.engine is None or self.engine.starts)
 
     def grad_accum(self, row: MemoryEstimate) -> int:
         return grad_accum(self.request, row.backend, row.micro_batch)
@@ -84,7 +87,8 @@ def make_plan(request: PlanRequest, cost: CostRequest | None = None) -> Plan:
         for b in _backends(request)
         for ckpt in _ckpt_options(request)
     ]
-    choice = recommend(counts, request, precision)
+    sampler = engine.estimate(counts, request, precision)
+    choice = recommend(counts, request, precision) if sampler is None or sampler.starts else None
     return Plan(
         request=request,
         counts=counts,
@@ -101,6 +105,7 @@ def make_plan(request: PlanRequest, cost: CostRequest | None = None) -> Plan:
         if request.longest_seq
         else None,
         images=rows_of_images,
+        engine=sampler,
     )
 
 
@@ -248,6 +253,9 @@ def _estimate(
         accumulation=grad_accum(request, backend, micro),
         images=_image_bytes(counts, request, precision, ckpt, micro),
     )
+    on_gpu = engine.training_gpu_bytes(counts, request, precision)
+    if on_gpu:
+        row = dataclasses.replace(row, engine=on_gpu)
     plan_round = request.generation_round()
     if plan_round is None:
         return row

@@ -112,6 +112,9 @@ class MemoryEstimate:
     images: int = 0
     """Of `activations`, what the images add (`ImageBytes`: their kept bytes, or the tower's peak where it
     is the larger); 0 for a text model."""
+    engine: int = 0
+    """grpo.generation vllm, the engine started by ftkit: its share of the main process's GPU (`plan.engine`),
+    held beside training's peak (no sleep between rounds yet); 0 otherwise."""
     grads_meet_activations: bool = True
     """Whether the gradients and the activations peak together. Not with one micro-batch a step on a torch
     backend that frees its gradients at each step (single, DDP): backward frees activations as it makes
@@ -138,6 +141,9 @@ class MemoryEstimate:
         training = sum(parts.values())
         if not self.grads_meet_activations and on_gpu:
             training -= min(self.states.grads, self.activations)
+        if self.engine:
+            parts["engine"] = self.engine
+            training += self.engine
         if self.generation is None:
             return {**parts, "total": training}
         generating = self.generation.total

@@ -57,7 +57,12 @@ def launch_line(
             "grpo.steps_per_generation": request.steps_per_generation,
             "grpo.gather_for_generation": request.gather_for_generation,
             "grpo.beta": request.beta,
+            "grpo.generation": request.generation,
         }
+        if request.generation == "vllm":
+            wanted["grpo.vllm.gpu_memory_utilization"] = request.gpu_memory_utilization
+        if request.generation == "vllm" and request.engine == "own":
+            wanted["grpo.vllm.url"] = "http://ENGINE_HOST:PORT"  # yours: the plan cannot know its address
     overrides = [f"{key}={_yaml_value(value)}" for key, value in wanted.items() if current[key] != value]
     overrides.append(f"train.micro_batch_size={row.micro_batch}")
     procs = "" if row.backend == "single" else f" --num_processes {request.gpus}"

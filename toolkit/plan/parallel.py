@@ -22,7 +22,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from toolkit.plan import comm, generation, memory
+from toolkit.plan import comm, engine, generation, memory
 from toolkit.plan.footprint import MemoryEstimate
 from toolkit.plan.memory import Precision
 from toolkit.plan.request import PlanRequest
@@ -233,6 +233,7 @@ def estimate(
         cpu_ram=memory.cpu_ram_bytes(counts, like, mesh.gpus, states, precision),
         reference=reference,
         generation=generating,
+        engine=engine.training_gpu_bytes(counts, request, precision),
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from toolkit.launch.machine import GIB
-from toolkit.plan import memory
+from toolkit.plan import engine, memory
 from toolkit.plan.estimate import Plan, fits
 from toolkit.plan.footprint import MemoryEstimate
 from toolkit.plan.layouts_report import layouts_section
@@ -122,8 +122,7 @@ def _part(name: str, total: int, trained: int) -> str:
 def _grpo_setup(plan: Plan) -> list[str]:
     """The round a GRPO plan assumes, and where its reference comes from."""
     r = plan.request
-    plan_round = r.generation_round()
-    if plan_round is None:
+    if r.objective != "grpo":
         return []
     if r.beta == 0:
         reference = "beta 0: no reference"
@@ -131,18 +130,30 @@ def _grpo_setup(plan: Plan) -> list[str]:
         reference = f"beta {r.beta:g}: a separate reference model"
     else:
         reference = f"beta {r.beta:g}: reference = the policy with its adapter off (no extra memory)"
+    completions = r.global_batch * r.steps_per_generation
+    rounds = (
+        f"{r.generations} completions a prompt, {completions} a round (global batch {r.global_batch} x "
+        f"{r.steps_per_generation} steps)"
+    )
+    if plan.engine is not None:
+        peak = plan.choice.per_gpu()["total"] - plan.choice.engine if plan.choice else None
+        return [
+            f"grpo     {rounds}, sampled by the vLLM engine (the training GPUs only score them); prompt "
+            f"{r.seq_len} + {r.max_new_tokens} new tokens a row; {reference}",
+            *engine.report_lines(plan.engine, r, peak, completions),
+        ]
     batch = f"{r.generation_batch} at once" if r.generation_batch else "its whole share at once"
     return [
-        f"grpo     {r.generations} completions a prompt, {plan_round.completions} a round (global batch "
-        f"{r.global_batch} x {r.steps_per_generation} steps), each GPU generating {batch}; "
-        f"prompt {r.seq_len} + {r.max_new_tokens} new tokens a row; gather for generation "
-        f"{'on' if r.gather_for_generation else 'off'}; {reference}"
+        f"grpo     {rounds}, each GPU generating {batch}; prompt {r.seq_len} + {r.max_new_tokens} new tokens "
+        f"a row; gather for generation {'on' if r.gather_for_generation else 'off'}; {reference}"
     ]
 
 
 def _margin_note(plan: Plan) -> list[str]:
     """The backends that fit only by eating into the margin the plan keeps free on each GPU."""
     r = plan.request
+    if plan.engine is not None and not plan.engine.starts:
+        return []  # nothing fits whatever the margin: the engine does not start
     fitting = {row.backend for row in plan.rows if plan.fits(row)}
     tight = [
         row for row in plan.rows if row.backend not in fitting and fits(row, r, margin=0.0) and r.margin > 0
@@ -166,18 +177,14 @@ def _recommendation(plan: Plan) -> list[str]:
             + f"; the smallest is {smallest.backend}: {smallest.per_gpu()['total'] / GIB:.1f} GiB per GPU, "
             f"{smallest.cpu_ram / GIB:.1f} GiB CPU RAM{_phases(smallest)}. "
             "Try --method lora or qlora, a shorter --seq-len, or more or larger GPUs"
-            + (
-                "; a smaller --generation-batch or --max-new-tokens shrinks the generation phase."
-                if smallest.peak_phase == "generation"
-                else "."
-            )
+            + _shrink_hint(plan, smallest)
         ]
     procs = 1 if row.backend == "single" else r.gpus
     ckpt = "on" if row.checkpointing else "off"
     lines = [
         f"recommended: accelerate_configs/{row.backend}.yaml, gradient checkpointing {ckpt}, micro-batch "
         f"{row.micro_batch} x GA {plan.grad_accum(row)} x {procs} GPU = global batch {r.global_batch}",
-        f"  {row.per_gpu()['total'] / GIB:.1f} of {r.gpu_mem:g} GiB per GPU{_phases(row)}, "
+        f"  {row.per_gpu()['total'] / GIB:.1f} of {r.gpu_mem:g} GiB {_where(row)}{_phases(row)}, "
         f"{row.cpu_ram / GIB:.1f} GiB CPU RAM",
     ]
     if plan.images is not None and plan.images.images:
@@ -187,6 +194,25 @@ def _recommendation(plan: Plan) -> list[str]:
     if plan.command:
         lines.append(f"  {plan.command}")
     return lines
+
+
+def _shrink_hint(plan: Plan, smallest: MemoryEstimate) -> str:
+    """The end of the nothing-fits line: what else shrinks a GRPO setup."""
+    if plan.engine is not None and plan.engine.shared:
+        return (
+            "; --engine own puts the engine on a GPU of its own, a lower --gpu-memory-utilization shrinks it."
+        )
+    if smallest.peak_phase == "generation":
+        return "; a smaller --generation-batch or --max-new-tokens shrinks the generation phase."
+    return "."
+
+
+def _where(row: MemoryEstimate) -> str:
+    """Per GPU, or the main process's GPU with the shared engine on it, which the others do not hold."""
+    if not row.engine:
+        return "per GPU"
+    others = (row.per_gpu()["total"] - row.engine) / GIB
+    return f"on the main process's GPU (the engine {row.engine / GIB:.1f} of it; the others {others:.1f})"
 
 
 def _phases(row: MemoryEstimate) -> str:
@@ -294,7 +320,17 @@ def to_json(plan: Plan) -> dict:
         "model_parallel": [_layout_json(plan, layout) for layout in plan.layouts],
         "longest_seq": plan.longest,
         "images": None if plan.images is None else dataclasses.asdict(plan.images),
+        "engine": _engine_json(plan),
     }
+
+
+def _engine_json(plan: Plan) -> dict | None:
+    """The vLLM engine on its GPU (grpo.generation vllm), in bytes."""
+    sampler = plan.engine
+    if sampler is None:
+        return None
+    derived = {"kv_cache": sampler.kv_cache, "rows": sampler.rows, "starts": sampler.starts}
+    return {**dataclasses.asdict(sampler), **derived}
 
 
 def _layout_json(plan: Plan, layout: Layout) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 from toolkit.config import LossConfig, LossHead, Method, VisionConfig
 from toolkit.errors import UserError
@@ -19,9 +19,11 @@ from toolkit.fields import (
     Range,
     field_errors,
 )
-from toolkit.grpo.config import GrpoConfig
+from toolkit.grpo.config import Generation, GrpoConfig, VllmConfig
 from toolkit.plan import GradCkpt, Objective, PlanDtype, PlanPrecision, generation
 from toolkit.plan.memory import Head
+
+EngineLayout = Literal["shared", "own"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,15 @@ class PlanRequest:
     """grpo: under ZeRO-3/FSDP the whole model is gathered on each GPU to generate."""
     beta: NonNegativeFloat = GrpoConfig.beta
     """grpo: KL weight (grpo.beta); above 0 a reference is scored (LoRA's adapter off costs nothing)."""
+    generation: Generation = GrpoConfig.generation
+    """grpo: what samples the completions (grpo.generation): hf generate on the training GPUs, or vllm."""
+    gpu_memory_utilization: Annotated[float, Range(low=0, high=1, low_open=True)] = (
+        VllmConfig.gpu_memory_utilization
+    )
+    """grpo with vllm: share of its GPU the engine takes (grpo.vllm.gpu_memory_utilization)."""
+    engine: EngineLayout = "shared"
+    """grpo with vllm: shared (ftkit starts it on the main process's GPU) or own (yours at grpo.vllm.url, on
+    a GPU of its own)."""
     images_per_row: NonNegativeInt = 1
     """Vision-language models: images in each row (under dpo: in each pair's prompt, read by both rows)."""
     max_pixels: PositiveInt | None = VisionConfig.max_pixels
@@ -129,6 +140,10 @@ class PlanRequest:
             raise UserError("--reference-model with --objective grpo needs --beta > 0 (at 0 none is loaded)")
         if self.beta > 0 and self.method == "full" and not self.reference_model:
             raise UserError("--objective grpo --method full with --beta > 0 needs --reference-model")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        changed = [name for name in ENGINE_OPTIONS if getattr(self, name) != defaults[name]]
+        if changed and self.generation != "vllm":
+            raise UserError(f"--{_flag(changed[0])} is for --generation vllm")
 
     @property
     def rows_per_example(self) -> int:
@@ -169,8 +184,8 @@ class PlanRequest:
             )
 
     def generation_round(self) -> generation.Round | None:
-        """GRPO's round (None for the other objectives)."""
-        if self.objective != "grpo":
+        """GRPO's round of HF generate on the training GPUs (None for the other objectives and the engine)."""
+        if self.objective != "grpo" or self.generation == "vllm":
             return None
         return generation.Round(
             completions=self.global_batch * self.steps_per_generation,
@@ -188,8 +203,13 @@ GRPO_OPTIONS = (
     "steps_per_generation",
     "gather_for_generation",
     "beta",
+    "generation",
+    "gpu_memory_utilization",
+    "engine",
 )
 """The options only --objective grpo reads."""
+ENGINE_OPTIONS = ("gpu_memory_utilization", "engine")
+"""The options only --generation vllm reads."""
 VISION_KEYS = ("train_projector", "train_tower", "tower_blocks", "max_pixels")
 """The options that are the recipe's vision keys, named alike."""
 VISION_OPTIONS = ("images_per_row", *VISION_KEYS)

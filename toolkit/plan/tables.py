@@ -24,8 +24,14 @@ def setups_table(plan: Plan) -> list[str]:
 
 def heading(plan: Plan, title: str) -> str:
     """The start of a table's heading line: its title, then the per-GPU columns the rows fill."""
-    head = f"{title:33}" + "".join(f"{h:>7}" for h in HEADINGS)
+    headings = (*HEADINGS[:-1], "engine", HEADINGS[-1]) if engine_shares(plan) else HEADINGS
+    head = f"{title:33}" + "".join(f"{h:>7}" for h in headings)
     return head + (f"{'peak':>6}" if generates(plan) else "")
+
+
+def engine_shares(plan: Plan) -> bool:
+    """Whether the vLLM engine sits on the main process's training GPU, which adds its column."""
+    return plan.engine is not None and plan.engine.shared
 
 
 def generates(plan: Plan) -> bool:
@@ -38,7 +44,8 @@ def row_line(plan: Plan, row: MemoryEstimate, name: str, extra: str = "", note: 
     then the caller's `note`."""
     parts = row.per_gpu()
     name = f"{name:13} grad ckpt {'on ' if row.checkpointing else 'off'}"
-    cells = "".join(f"{parts[k] / GIB:7.1f}" for k in COLUMNS)
+    columns = (*COLUMNS[:-1], "engine", COLUMNS[-1]) if engine_shares(plan) else COLUMNS
+    cells = "".join(f"{parts.get(k, 0) / GIB:7.1f}" for k in columns)
     cells += f"{PHASES[row.peak_phase]:>6}" if generates(plan) else ""
     notes = [text for text in ("states in CPU RAM" if row.states.in_cpu_ram else "", note) if text]
     end = f"  ({'; '.join(notes)})" if notes else ""
