@@ -159,6 +159,10 @@ def test_text_and_json_show_the_generation_phase(capsys):
         ),
         (["--objective", "grpo", "--method", "full", "--beta", "0.1"], "needs --reference-model"),
         (["--reference-model"], "--reference-model is for --objective dpo or grpo"),
+        (["--engine", "own"], "--engine is for --objective grpo"),
+        (["--objective", "grpo", "--engine", "own"], "--engine is for --generation vllm"),
+        (["--objective", "grpo", "--gpu-memory-utilization", "0.5"], "is for --generation vllm"),
+        (["--objective", "grpo", "--generation", "vllm", "--gpu-memory-utilization", "1.5"], "--gpu-memory-"),
     ],
 )
 def test_options_that_do_not_go_together_are_one_line_errors(capsys, options, message):
@@ -170,3 +174,69 @@ def test_options_that_do_not_go_together_are_one_line_errors(capsys, options, me
 def test_the_plan_request_refuses_the_same_without_the_command_line():
     with pytest.raises(UserError, match="--beta is for --objective grpo"):
         make_plan(PlanRequest(model="Qwen/Qwen2.5-0.5B", beta=0.1))
+
+
+# The engine (grpo.generation vllm, toolkit/plan/engine.py) on Llama-3-8B, LoRA r=16 in bf16: its weights are
+# every parameter, adapters included, x 2 bytes: W = 8,072,204,288 x 2 = 16,144,408,576. One row of 1024 +
+# 512 tokens caches K and V x 32 layers x 8 kv heads x 128 x 2 bytes a token: 131,072 x 1536 = 201,326,592.
+ENGINE_WEIGHTS = 8_072_204_288 * 2
+ENGINE_ROW = 2 * 32 * 8 * 128 * 2 * 1536
+
+
+def test_the_engine_shares_the_main_gpu_its_kv_cache_what_is_left_of_its_share():
+    """2 x 80 GiB at U 0.3: the engine takes 24 GiB of the first GPU, K = 24 GiB - W = 9,625,395,200 bytes,
+    47 rows of 1536 tokens (9,625,395,200 // 201,326,592 = 47.8); HF generate's phase is gone."""
+    hf = grpo_plan(gpu_mem=80)
+    plan = grpo_plan(gpu_mem=80, generation="vllm")
+    engine = plan.engine
+    assert (engine.weights, engine.row_cache, engine.share) == (ENGINE_WEIGHTS, ENGINE_ROW, 24 * GIB)
+    assert engine.kv_cache == 24 * GIB - ENGINE_WEIGHTS == 9_625_395_200
+    assert engine.rows == 47 and engine.starts and engine.shared
+    for backend in ("ddp", "zero3"):
+        with_engine, without = row(plan, backend), row(hf, backend)
+        assert with_engine.generation is None and with_engine.engine == 24 * GIB
+        # Training's parts are HF's; its peak is training's (the scoring pass stays under it) + the engine.
+        assert with_engine.per_gpu()["total"] == without.per_gpu()["training"] + 24 * GIB
+    assert row(hf, "zero3").peak_phase == "generation"  # gathering to generate, which the engine spares
+    assert plan.choice is not None and plan.choice.engine == 24 * GIB
+
+
+def test_an_engine_of_its_own_leaves_the_training_gpus_to_training():
+    """At U 0.9 of a 24 GiB GPU of its own: 21.6 GiB, K = 23,192,823,398 - W = 7,048,414,822 bytes, 35
+    rows (7,048,414,822 // 201,326,592 = 35.01)."""
+    plan = grpo_plan(generation="vllm", engine="own", gpu_memory_utilization=0.9)
+    engine = plan.engine
+    assert engine.share == int(0.9 * 24 * GIB) == 23_192_823_398 and not engine.shared
+    assert (engine.kv_cache, engine.rows) == (7_048_414_822, 35)
+    ddp, hf = row(plan, "ddp"), row(grpo_plan(), "ddp").per_gpu()
+    assert ddp.engine == 0 and "engine" not in ddp.per_gpu()
+    assert ddp.per_gpu()["total"] == hf["training"]
+    assert plan.choice is not None and "grpo.vllm.url=" in plan.command
+
+
+def test_the_engines_launch_line_is_a_config_the_recipe_accepts(at_the_checkout_root):
+    plan = grpo_plan(gpu_mem=80, generation="vllm", gpu_memory_utilization=0.4)
+    config = "recipes/configs/demo-grpo.yaml"
+    cfg = load_grpo_config(config, shlex.split(plan.command.split(config, 1)[1]))
+    assert (cfg.grpo.generation, cfg.grpo.vllm.gpu_memory_utilization, cfg.grpo.vllm.url) == (
+        "vllm",
+        0.4,
+        None,
+    )
+
+
+def test_sharing_a_24_gib_gpu_the_8b_no_longer_fits(capsys):
+    """HF generate fits 2 x 24 GiB; with the engine on the first GPU nothing does: at U 0.9 training (ddp,
+    ckpt on, 19.5 GiB) + 21.6 GiB is past 24 x 0.95; at the default 0.3 its 7.2 GiB do not hold W (15.0)."""
+    assert grpo_plan().choice is not None
+    squeezed = grpo_plan(generation="vllm", gpu_memory_utilization=0.9)
+    assert squeezed.engine.starts and squeezed.choice is None
+    assert not any(squeezed.fits(r) for r in squeezed.rows)
+    default = grpo_plan(generation="vllm")
+    assert default.engine.kv_cache == 0 and not default.engine.starts and default.choice is None
+    argv = ["plan", "--model", GRPO["model"], "--gpus", "2", "--objective", "grpo", "--seq-len", "1024"]
+    assert cli.main([*argv, "--max-new-tokens", "512", "--generation", "vllm"]) == 1
+    out = capsys.readouterr().out
+    assert "the engine does not start" in out and "--engine own" in out
+    assert cli.main([*argv, "--max-new-tokens", "512", "--generation", "vllm", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["engine"]["starts"] is False
