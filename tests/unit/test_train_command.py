@@ -261,3 +261,9 @@ def test_grpo_launches_its_recipe_with_its_config_and_auto_plans_its_generation_
     assert not plan_request(unused, [], 2, 12.0).reference_model
     used = load_recipe_config(name, None, ["grpo.reference_model=toolkit/assets/tiny-llama", "grpo.beta=0.1"])
     assert plan_request(used, [], 2, 12.0).reference_model
+    # The engine ftkit starts shares the main process's GPU; one at grpo.vllm.url has a GPU of its own.
+    vllm = ["model.adapter=null", "grpo.generation=vllm", "grpo.vllm.gpu_memory_utilization=0.5"]
+    shared = plan_request(load_recipe_config(name, None, vllm), [], 2, 12.0)
+    assert (shared.generation, shared.gpu_memory_utilization, shared.engine) == ("vllm", 0.5, "shared")
+    yours = load_recipe_config(name, None, [*vllm, "grpo.vllm.url=http://127.0.0.1:8000"])
+    assert plan_request(yours, [], 2, 12.0).engine == "own"

@@ -24,6 +24,9 @@ def choose(cfg: RecipeConfig, overrides: list[str], hardware, processes: int) ->
     """(accelerate config name, recipe overrides it implies, one line saying why)."""
     mem = hardware.gpu_mem_gib if hardware.gpu_count else hardware.ram_gib / processes
     request = plan_request(cfg, overrides, processes, mem)
+    if not hardware.gpu_count and request.generation == "vllm":
+        # A CPU engine takes grpo.vllm.kv_cache_gb of RAM beside the processes, not a share of theirs.
+        request = dataclasses.replace(request, engine="own")
     # With GPUs, offloaded states must also fit in RAM; without, RAM is what the processes share already.
     plan = make_plan(dataclasses.replace(request, cpu_mem=hardware.ram_gib if hardware.gpu_count else None))
     row = plan.choice
@@ -92,6 +95,9 @@ def _with_grpo(request: PlanRequest, cfg: GrpoRecipeConfig) -> PlanRequest:
         steps_per_generation=grpo.steps_per_generation,
         gather_for_generation=grpo.gather_for_generation,
         beta=grpo.beta,
+        generation=grpo.generation,
+        gpu_memory_utilization=grpo.vllm.gpu_memory_utilization,
+        engine="own" if grpo.vllm.url else "shared",
     )
 
 
