@@ -3,6 +3,7 @@
 import dataclasses
 import json
 
+import huggingface_hub
 import pytest
 import torch
 from helpers import tiny_llama_config
@@ -227,7 +228,8 @@ def test_cost_from_a_run(tmp_path):
         (["--model", "Qwen/Qwen2.5-0.5B", "--tokens", "1e6"], "--tokens-per-s X or --from-run"),
     ],
 )
-def test_bad_input_is_one_line(capsys, argv, message):
+def test_bad_input_is_one_line(capsys, monkeypatch, argv, message):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # an unknown id never asks the hub
     assert cli.main(["plan", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
