@@ -57,6 +57,21 @@ def test_built_in_table_matches_published_parameter_counts():
         assert source == "built-in table"
 
 
+@pytest.mark.parametrize(
+    "model_id, kinds, kv_heads",
+    [
+        ("Qwen/Qwen3.5-9B", "24 gated DeltaNet + 8 attention layers", 4),
+        ("google/gemma-4-31B-it", "60 attention layers", 16),
+        ("nvidia/Nemotron-H-8B-Base-8K", "24 Mamba-2 + 4 attention + 24 feed-forward-only layers", 8),
+    ],
+)
+def test_the_dense_2026_families_in_the_table_have_their_published_layouts(model_id, kinds, kv_heads):
+    """The layer mix each card publishes, beside the rounded count above (which alone would not see a
+    pattern cut short); the shapes are the checkpoints' (see the table's comments)."""
+    counts = count_parameters(load_model_config(model_id)[0], "full", 16)
+    assert (counts.layer_kinds, counts.kv_heads) == (kinds, kv_heads)
+
+
 def _counts(method: str, trainable: int, frozen: int, quantizable: int = 0):
     """Real counts of the small model with round numbers swapped in, so the arithmetic reads plainly."""
     counts = count_parameters(tiny_llama_config(), "full", 4)
