@@ -72,6 +72,30 @@ def test_the_dense_2026_families_in_the_table_have_their_published_layouts(model
     assert (counts.layer_kinds, counts.kv_heads) == (kinds, kv_heads)
 
 
+def test_the_shipped_gemma_4_config_fits_2x24_gb_as_its_header_says():
+    from helpers import REPO
+
+    from toolkit.plan.report import render_text
+    from toolkit.recipes import load_any_recipe_config
+
+    path = REPO / "recipes" / "configs" / "gemma-4-31b-qlora.yaml"
+    cfg = load_any_recipe_config(path)
+    request = PlanRequest(
+        model=cfg.model.path,
+        gpus=2,
+        gpu_mem=24.0,
+        method=cfg.model.method,
+        grad_ckpt="on",
+        micro_batch=cfg.train.micro_batch_size,
+        seq_len=cfg.data.max_length,
+        global_batch=cfg.train.global_batch_size,
+    )
+    plan = make_plan(request)
+    assert (plan.choice.backend, plan.choice.checkpointing, plan.fits(plan.choice)) == ("fsdp", True, True)
+    assert "--config recipes/configs/gemma-4-31b-qlora.yaml" in render_text(plan)
+    assert "accelerate launch --config_file accelerate_configs/fsdp.yaml" in path.read_text()
+
+
 def _counts(method: str, trainable: int, frozen: int, quantizable: int = 0):
     """Real counts of the small model with round numbers swapped in, so the arithmetic reads plainly."""
     counts = count_parameters(tiny_llama_config(), "full", 4)
