@@ -3,6 +3,7 @@
 import dataclasses
 import json
 
+import huggingface_hub
 import pytest
 import torch
 from helpers import tiny_llama_config
@@ -54,6 +55,45 @@ def test_built_in_table_matches_published_parameter_counts():
         else:
             assert total == published, model_id
         assert source == "built-in table"
+
+
+@pytest.mark.parametrize(
+    "model_id, kinds, kv_heads",
+    [
+        ("Qwen/Qwen3.5-9B", "24 gated DeltaNet + 8 attention layers", 4),
+        ("google/gemma-4-31B-it", "60 attention layers", 16),
+        ("nvidia/Nemotron-H-8B-Base-8K", "24 Mamba-2 + 4 attention + 24 feed-forward-only layers", 8),
+    ],
+)
+def test_the_dense_2026_families_in_the_table_have_their_published_layouts(model_id, kinds, kv_heads):
+    """The layer mix each card publishes, beside the rounded count above (which alone would not see a
+    pattern cut short); the shapes are the checkpoints' (see the table's comments)."""
+    counts = count_parameters(load_model_config(model_id)[0], "full", 16)
+    assert (counts.layer_kinds, counts.kv_heads) == (kinds, kv_heads)
+
+
+def test_the_shipped_gemma_4_config_fits_2x24_gb_as_its_header_says():
+    from helpers import REPO
+
+    from toolkit.plan.report import render_text
+    from toolkit.recipes import load_any_recipe_config
+
+    path = REPO / "recipes" / "configs" / "gemma-4-31b-qlora.yaml"
+    cfg = load_any_recipe_config(path)
+    request = PlanRequest(
+        model=cfg.model.path,
+        gpus=2,
+        gpu_mem=24.0,
+        method=cfg.model.method,
+        grad_ckpt="on",
+        micro_batch=cfg.train.micro_batch_size,
+        seq_len=cfg.data.max_length,
+        global_batch=cfg.train.global_batch_size,
+    )
+    plan = make_plan(request)
+    assert (plan.choice.backend, plan.choice.checkpointing, plan.fits(plan.choice)) == ("fsdp", True, True)
+    assert "--config recipes/configs/gemma-4-31b-qlora.yaml" in render_text(plan)
+    assert "accelerate launch --config_file accelerate_configs/fsdp.yaml" in path.read_text()
 
 
 def _counts(method: str, trainable: int, frozen: int, quantizable: int = 0):
@@ -227,7 +267,8 @@ def test_cost_from_a_run(tmp_path):
         (["--model", "Qwen/Qwen2.5-0.5B", "--tokens", "1e6"], "--tokens-per-s X or --from-run"),
     ],
 )
-def test_bad_input_is_one_line(capsys, argv, message):
+def test_bad_input_is_one_line(capsys, monkeypatch, argv, message):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # an unknown id never asks the hub
     assert cli.main(["plan", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1

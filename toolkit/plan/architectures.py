@@ -311,6 +311,77 @@ _TABLE = [
         ),
         "35B",
     ),
+    # Dense hybrids and Gemma-4, each the language model of its checkpoint (the vision tower is not counted,
+    # as above). Qwen3.5-9B: the text_config of the hub's config.json (revision c202236), as copied into
+    # public test fixtures that check it against the checkpoint; the card's layout is 8 x (3 gated DeltaNet +
+    # 1 gated attention), 9B. It counts 8.95B, as GGUF conversions report; untied embeddings.
+    (
+        ("Qwen/Qwen3.5-9B",),
+        dict(
+            model_type="qwen3_5_text",
+            vocab_size=248320,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            max_position_embeddings=262144,
+            rms_norm_eps=1e-6,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
+            **_layers(4096, 12288, 32, 16, 4, tie_word_embeddings=False),
+        ),
+        "9B",
+    ),
+    # Gemma-4-31B: the text_config of gemma-4-31B-it's config.json (transformers 5.7.0), as dumped with its
+    # tensor shapes in a public model report; the meta build gives those shapes (sliding layers: 16 kv heads
+    # of 256; every sixth layer global: 4 kv heads of 512, keys reused as values). Published as 31B.
+    (
+        ("google/gemma-4-31B-it", "google/gemma-4-31B"),
+        dict(
+            model_type="gemma4_text",
+            vocab_size=262144,
+            vocab_size_per_layer_input=262144,
+            head_dim=256,
+            global_head_dim=512,
+            num_global_key_value_heads=4,
+            attention_k_eq_v=True,
+            hidden_size_per_layer_input=0,
+            num_kv_shared_layers=0,
+            enable_moe_block=False,
+            hidden_activation="gelu_pytorch_tanh",
+            final_logit_softcapping=30.0,
+            sliding_window=1024,
+            max_position_embeddings=262144,
+            rms_norm_eps=1e-6,
+            layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10,
+            **_layers(5376, 21504, 60, 32, 16, tie_word_embeddings=True),
+        ),
+        "31B",
+    ),
+    # Nemotron-H-8B: 24 Mamba-2, 24 feed-forward and 4 attention blocks. transformers' NemotronHConfig
+    # documents these values as its defaults, which are this checkpoint's; Megatron-Bridge's
+    # NemotronHConfig8B and TensorRT-LLM's test config of it agree. Published as 8B.
+    (
+        ("nvidia/Nemotron-H-8B-Base-8K",),
+        dict(
+            model_type="nemotron_h",
+            vocab_size=131072,
+            hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+            mamba_num_heads=128,
+            mamba_head_dim=64,
+            ssm_state_size=128,
+            n_groups=8,
+            conv_kernel=4,
+            expand=2,
+            head_dim=128,
+            mlp_hidden_act="relu2",
+            layer_norm_epsilon=1e-5,
+            max_position_embeddings=8192,
+            **_layers(4096, 21504, 52, 32, 8, tie_word_embeddings=False),
+        ),
+        "8B",
+    ),
 ]
 
 ARCHITECTURES: dict[str, dict] = {name.lower(): config for names, config, _ in _TABLE for name in names}

@@ -17,7 +17,7 @@ from toolkit.config import VisionConfig
 from toolkit.errors import UserError
 from toolkit.model import lora_targets, moe, vision
 from toolkit.model.families import family_of, widest
-from toolkit.plan import architectures
+from toolkit.plan import architectures, hub
 from toolkit.plan.images import VisionCounts, count_vision
 from toolkit.train.head import logit_change_problem
 
@@ -27,7 +27,7 @@ class ModelCounts:
     """Parameter counts (unique tensors, tied weights once) and the dimensions the estimates need."""
 
     source: str
-    """Where the config came from: a path, the built-in table, or the local Hugging Face cache."""
+    """Where the config came from: a path, the built-in table, the local Hugging Face cache, or the hub."""
     model_type: str
     method: str
     """full | lora | qlora: decides what is trainable."""
@@ -96,9 +96,10 @@ class ModelCounts:
 
 
 def load_model_config(model: str):
-    """The transformers config of a local model dir, a config.json path, or a built-in or cached hub id.
+    """The transformers config of a local model dir, a config.json path, a built-in hub id, or another hub id
+    (its config.json from the local cache, else fetched alone from the hub unless offline: `plan.hub`).
 
-    Never touches the network: a hub id that is neither built in nor in the local cache is an error.
+    Every config.json is read as plain JSON: no model code runs, whatever the repository ships.
     """
     from transformers import AutoConfig
 
@@ -111,15 +112,8 @@ def load_model_config(model: str):
     built_in = architectures.lookup(model)
     if built_in is not None:
         return AutoConfig.for_model(**built_in), "built-in table"
-    try:
-        config = AutoConfig.from_pretrained(model, local_files_only=True)
-    except (OSError, ValueError):
-        known = ", ".join(architectures.known_ids())
-        raise UserError(
-            f"--model {model}: no such path, not in the built-in table, not in the local Hugging Face "
-            f"cache (built in: {known}; or pass a directory holding config.json)"
-        ) from None
-    return _trained_family(config, model), "local Hugging Face cache"
+    file, source = hub.config_json(model, architectures.known_ids())
+    return _trained_family(_config_from_dict(_read_json(file), model), model), source
 
 
 def _trained_family(config, model: str):
@@ -330,9 +324,16 @@ def _tp_split(model, tp_plan: dict[str, str]) -> tuple[int, int]:
 
 def _config_from_dict(raw: dict, model: str):
     from transformers import AutoConfig
+    from transformers import __version__ as transformers_version
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if "model_type" not in raw:
         raise UserError(f"--model {model}: config.json has no model_type")
+    if raw["model_type"] not in CONFIG_MAPPING:
+        raise UserError(
+            f"--model {model}: model_type {raw['model_type']!r} is not one transformers "
+            f"{transformers_version} knows, and ftkit never runs a repository's own model code"
+        )
     check_sizes(raw, model)
     try:
         return AutoConfig.for_model(**raw)
