@@ -5,11 +5,13 @@ loss."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 
 import pytest
 import torch
 from helpers import REPO, micro_llama
+from test_agent_data import LLAMA31, QWEN25
 from transformers import AutoTokenizer
 
 from toolkit.data.chat import ensure_chat_template
@@ -267,3 +269,30 @@ def test_only_the_models_tokens_train():
     )
     assert rollouts.step_counts(rollout, torch.arange(2), prompts)[0] == 6
     assert torch.equal(rollouts.Rollout.from_state_dict(rollout.state_dict()).mask, mask)
+
+
+@pytest.mark.parametrize(
+    "template, written, said",
+    [
+        (
+            QWEN25,
+            '<tool_call>\n{"name": "calculator", "arguments": {"expression": "38 + 47"}}\n</tool_call>',
+            "\n<|im_start|>user\n<tool_response>\n85\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        ),
+        (
+            LLAMA31,
+            '{"name": "calculator", "parameters": {"expression": "38 + 47"}}',
+            "<|start_header_id|>ipython<|end_header_id|>\n\n85<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+        ),
+    ],
+)
+def test_tool_turns_are_written_as_qwen_and_llama3_templates_write_them(
+    tmp_path, tokenizer, template, written, said
+):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template
+    env = environment(tmp_path)
+    calls = parse_calls(written)
+    results = [env.run(call) for call in calls]
+    ids = multiturn.environment_turns(tok, written, calls, results, env.schemas)
+    assert tok.decode(ids) == said
