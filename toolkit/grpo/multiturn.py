@@ -73,7 +73,8 @@ def _sample_turn(policy, prompts, seeds, talks, active, turn, grpo, tokenizer, s
     contexts = [prompts[i] + talks[i].tokens for i in rows]
     budgets = [grpo.max_new_tokens - len(talks[i].tokens) for i in rows]
     turn_seeds = [turn_seed(seeds[i], turn) for i in rows]
-    step = grpo.generation_batch_size or len(rows)
+    # Lockstep needs as many generate calls on every process, whatever its count of active rows: one.
+    step = len(rows) if synced else (grpo.generation_batch_size or len(rows))
     sampled = []
     for start in range(0, len(rows), step):
         part = slice(start, start + step)
