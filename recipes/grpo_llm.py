@@ -20,6 +20,7 @@ from toolkit.grpo import loss as grpo_loss
 from toolkit.grpo import prompts as prompt_sets
 from toolkit.grpo import rollout as rollouts
 from toolkit.grpo.engine import EngineSampler
+from toolkit.grpo.environment import Environment
 from toolkit.grpo.rewards import Rewards
 from toolkit.run import Run
 from toolkit.train import evaluate, loss
@@ -38,14 +39,15 @@ def main(argv: list[str]) -> int:
 def train(run: Run, cfg, engine) -> int:
     accelerator = run.accelerator
 
-    # A user's reward function is imported, and a reward model loaded, before anything else loads.
+    # A user's reward function and tools are imported, and a reward model loaded, before anything else loads.
     rewards = Rewards.build(cfg.grpo, accelerator.device)
+    environment = Environment.build(cfg.grpo)  # None unless grpo.environment names tools: single-turn
 
     # Prompts (every SFT layout: the last assistant turn is the reference answer) and model.
     with run.interruptible():
         tokenizer, train_set, eval_set = run.chat_data()
         rewards.check_tokenizer(tokenizer)
-        prompts = prompt_sets.prompt_set(train_set, tokenizer)
+        prompts = prompt_sets.prompt_set(train_set, tokenizer, opening=environment is not None)
         eval_loader = run.eval_loader(eval_set, tokenizer.pad_token_id)
         model = run.load_model()
     optimizer, scheduler = run.optimizer(model)
@@ -67,7 +69,7 @@ def train(run: Run, cfg, engine) -> int:
         if rollout is None or rollout.round_index != rollouts.round_of(step, cfg):
             round_index = rollouts.round_of(step, cfg)
             rollout = rollouts.generate(
-                run, model, prompts, rewards, cfg, tokenizer, round_index, reference, engine
+                run, model, prompts, rewards, cfg, tokenizer, round_index, reference, engine, environment
             )
         rows = rollout.step_rows(step, cfg)
         completion_tokens, step_tokens = rollouts.step_counts(rollout, rows, prompts)

@@ -38,11 +38,25 @@ class VllmConfig:
 
 
 @dataclass
+class EnvironmentConfig:
+    tools: list[str] = field(default_factory=list)
+    """Python functions the model may call, as module:function or path/to/file.py:function (type hints and
+    a docstring with an Args section: their JSON schemas come from them); empty: single-turn GRPO."""
+    tool_timeout_s: PositiveFloat = 5.0
+    """Seconds a tool call may run; past it the model reads a timeout error as the tool's answer."""
+
+
+@dataclass
 class GrpoConfig:
     num_generations: Annotated[int, Range(low=2)] = 8
     """Completions sampled per prompt (the group its advantages are normalised in)."""
     max_new_tokens: PositiveInt = 32
-    """Tokens a completion may have (one that reaches it without its end token is cut there)."""
+    """Tokens a completion may have (one that reaches it without its end token is cut there); with an
+    environment, the whole conversation after the prompt: the model's turns and the tools' together."""
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    """Tools the model may call between its turns (multi-turn rollouts, docs/grpo.md); none by default."""
+    max_turns: int = 4
+    """With an environment: model turns a conversation may have (each tool answer gives it another)."""
     temperature: PositiveFloat = 1.0
     """Sampling temperature."""
     top_p: Annotated[float, Range(low=0, high=1, low_open=True)] = 1.0
@@ -140,6 +154,8 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
         raise UserError(f"grpo.format_pattern: not a regular expression ({exc})") from exc
     if grpo.beta > 0 and cfg.model.method == "full" and not grpo.reference_model:
         raise UserError("grpo.beta > 0 with model.method full needs grpo.reference_model (a frozen copy)")
+    if grpo.max_turns < 1:
+        raise UserError(f"grpo.max_turns: {grpo.max_turns} must be at least 1")
     if grpo.generation == "vllm":
         validate_engine(cfg)
     if grpo.reference_model:
@@ -158,6 +174,10 @@ def validate_engine(cfg: GrpoRecipeConfig) -> None:
         raise UserError(
             f"grpo.vllm.host: {cfg.grpo.vllm.host} would expose vLLM's development endpoints, which a full "
             "fine-tune's engine opens to reload its weights; keep it on 127.0.0.1"
+        )
+    if cfg.grpo.environment.tools:
+        raise UserError(
+            "grpo.environment: multi-turn rollouts run on HF generate only so far; set grpo.generation=hf"
         )
     if cfg.lora.use_dora:
         raise UserError(

@@ -42,7 +42,12 @@ def _completion_columns(logps: torch.Tensor, starts, lengths) -> torch.Tensor:
 
 
 def token_mask(batch: dict, columns: int, dtype) -> torch.Tensor:
-    return (torch.arange(columns, device=batch["lengths"].device) < batch["lengths"][:, None]).to(dtype)
+    """1 on the completion tokens the loss trains: within each one's length, and the model's own (a
+    multi-turn conversation's environment tokens are 0)."""
+    mask = (torch.arange(columns, device=batch["lengths"].device) < batch["lengths"][:, None]).to(dtype)
+    if batch.get("mask") is not None:
+        mask = mask * batch["mask"][:, :columns].to(dtype)
+    return mask
 
 
 def micro_terms(cfg, logps: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
@@ -68,7 +73,7 @@ def micro_terms(cfg, logps: torch.Tensor, batch: dict) -> dict[str, torch.Tensor
         per_token = per_token + cfg.beta * kl
     per_token = per_token * mask
     if cfg.loss == "grpo":
-        objective = (per_token.sum(1) / batch["lengths"].clamp(min=1)).sum()
+        objective = (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum()
     elif cfg.loss == "dr_grpo":
         objective = per_token.sum() / cfg.max_new_tokens
     else:

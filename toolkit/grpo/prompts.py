@@ -36,13 +36,23 @@ def last_turn(row: dict) -> tuple[list[int], list[int]] | None:
     return (row["input_ids"][:start], row["input_ids"][start:end]) if start else None
 
 
-def prompt_set(dataset, tokenizer) -> PromptSet:
-    """Every row of `dataset` that has a prompt and an answer."""
+def first_prompt(row: dict, turn: tuple[list[int], list[int]]) -> list[int]:
+    """The ids before the row's first trained token: a conversation's opening, before the model's first
+    turn (its tool calls and their results, in the data, come after it)."""
+    first = next(i for i, label in enumerate(row["labels"]) if label != IGNORE)
+    return list(row["input_ids"][:first]) if first else list(turn[0])
+
+
+def prompt_set(dataset, tokenizer, opening: bool = False) -> PromptSet:
+    """Every row of `dataset` that has a prompt and an answer; `opening`: the prompt is what precedes the
+    first assistant turn (multi-turn rollouts), else the last."""
     ids, answers, texts = [], [], []
     for row in dataset:
         turn = last_turn(row)
         if turn is None:
             continue
+        if opening:
+            turn = (first_prompt(row, turn), turn[1])
         ids.append(list(turn[0]))
         answers.append(tokenizer.decode(turn[1], skip_special_tokens=True).strip())
         texts.append(tokenizer.decode(turn[0], skip_special_tokens=True))

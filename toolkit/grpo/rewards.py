@@ -138,13 +138,14 @@ class Rewards:
         return scores
 
 
-def load_user_function(spec: str):
-    """The function `spec` names: `package.module:function`, or `path/to/file.py:function`."""
+def load_user_function(spec: str, key: str = "grpo.rewards"):
+    """The function `spec` names: `package.module:function`, or `path/to/file.py:function` (`key`: the
+    config key that names it, for the one-line errors)."""
     where, _, name = spec.rpartition(":")
     if where.endswith(".py"):
         path = Path(where).expanduser()
         if not path.is_file():
-            raise UserError(f"grpo.rewards: {where} does not exist")
+            raise UserError(f"{key}: {where} does not exist")
         module_spec = importlib.util.spec_from_file_location(f"ftkit_reward_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
@@ -154,8 +155,8 @@ def load_user_function(spec: str):
         try:
             module = importlib.import_module(where)
         except ImportError as exc:
-            raise UserError(f"grpo.rewards: cannot import {where} for {spec} ({exc})") from exc
+            raise UserError(f"{key}: cannot import {where} for {spec} ({exc})") from exc
     function = getattr(module, name, None)
     if not callable(function):
-        raise UserError(f"grpo.rewards: {where} has no function {name}")
+        raise UserError(f"{key}: {where} has no function {name}")
     return function

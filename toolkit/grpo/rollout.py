@@ -15,8 +15,8 @@ import torch
 from toolkit.data.collate import Collator
 from toolkit.data.encode import IGNORE
 from toolkit.distributed import data_shard, tensor_parallel_size
+from toolkit.grpo import multiturn, sampling
 from toolkit.grpo import prompts as prompt_sets
-from toolkit.grpo import sampling
 from toolkit.grpo.config import prompts_per_round, steps_per_round
 from toolkit.grpo.engine import logprob_gap
 from toolkit.grpo.loss import completion_logps, normaliser
@@ -51,6 +51,11 @@ class Rollout:
     """(mean, max) |engine log-prob - trainer log-prob| over the round's sampled tokens (engine rounds)."""
     sync_seconds: float = 0.0
     """Seconds the round's weight sync to the engine took."""
+    mask: torch.Tensor | None = None
+    """Multi-turn: 1 on the tokens the model sampled, 0 on the environment's, [N, max_new_tokens]; None
+    when every completion token is the model's."""
+    turn_stats: dict[str, torch.Tensor] | None = None
+    """Multi-turn: each conversation's turns, tool calls, tool errors and timeouts, [N] each."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors only (safetensors in a checkpoint): what resuming mid-round needs."""
@@ -63,7 +68,8 @@ class Rollout:
             "order": self.order,
         }
         state.update({f"rewards.{name}": values for name, values in self.rewards.items()})
-        for name in ("old_logps", "ref_logps", "engine_logps"):
+        state.update({f"turns.{name}": values for name, values in (self.turn_stats or {}).items()})
+        for name in ("old_logps", "ref_logps", "engine_logps", "mask"):
             if getattr(self, name) is not None:
                 state[name] = getattr(self, name)
         return {key: value.contiguous() for key, value in state.items()}
@@ -71,6 +77,7 @@ class Rollout:
     @classmethod
     def from_state_dict(cls, state: dict[str, torch.Tensor]) -> Rollout:
         rewards = {key[8:]: value for key, value in state.items() if key.startswith("rewards.")}
+        turns = {key[6:]: value for key, value in state.items() if key.startswith("turns.")}
         return cls(
             int(state["round_index"]),
             state["prompt"],
@@ -82,6 +89,8 @@ class Rollout:
             state.get("ref_logps"),
             state["order"],
             engine_logps=state.get("engine_logps"),
+            mask=state.get("mask"),
+            turn_stats=turns or None,
         )
 
     def step_rows(self, step: int, cfg) -> torch.Tensor:
@@ -101,15 +110,18 @@ class Rollout:
             for i in chunk.tolist():
                 prompt_ids = prompts.ids[int(self.prompt[i])]
                 completion = self.completions[i, : self.lengths[i]].tolist()
+                labels = completion
+                if self.mask is not None:  # the environment's tokens are context, never a target
+                    labels = [t if keep else IGNORE for t, keep in zip(completion, self.mask[i].tolist())]
                 records.append(
-                    {"input_ids": prompt_ids + completion, "labels": [IGNORE] * len(prompt_ids) + completion}
+                    {"input_ids": prompt_ids + completion, "labels": [IGNORE] * len(prompt_ids) + labels}
                 )
                 starts.append(len(prompt_ids))
             batch = {key: value.to(device) for key, value in collate(records).items()}
             batch["starts"] = torch.tensor(starts, device=device)
             batch["lengths"] = self.lengths[chunk].to(device)
             batch["advantages"] = self.advantages[chunk].to(device)
-            for name in ("old_logps", "ref_logps", "engine_logps"):
+            for name in ("old_logps", "ref_logps", "engine_logps", "mask"):
                 values = getattr(self, name)
                 batch[name] = values[chunk].to(device) if values is not None else None
             batches.append(batch)
@@ -128,10 +140,11 @@ def round_of(step: int, cfg) -> int:
 
 
 def generate(
-    run, model, prompts, rewards, cfg, tokenizer, round_index: int, reference, engine=None
+    run, model, prompts, rewards, cfg, tokenizer, round_index: int, reference, engine=None, environment=None
 ) -> Rollout:
     """Collective: round `round_index`'s rollout, the same on every process; sampled with HF generate, or by
-    `engine` (grpo/engine.py's EngineSampler) when given."""
+    `engine` (grpo/engine.py's EngineSampler) when given; conversations with `environment`'s tools when
+    given (grpo/multiturn.py), their final answers rewarded."""
     started = time.perf_counter()
     accelerator, grpo = run.accelerator, cfg.grpo
     rank, world = data_shard(accelerator)
@@ -141,14 +154,22 @@ def generate(
     mine = slots[begin:end]
     seeds = [sampling.completion_seed(cfg.seed, round_index, s, picked[s], g) for s, g in slots]
     ids = [prompts.ids[picked[s]] for s, _ in slots]
-    if engine is None:
+    talks = None
+    if environment is not None:
+        talks = multiturn.conversations(
+            run, model, ids[begin:end], seeds[begin:end], cfg, tokenizer, environment
+        )
+        completions = [talk.tokens for talk in talks]
+    elif engine is None:
         completions = _generated(run, model, ids[begin:end], seeds[begin:end], cfg, tokenizer)
     else:  # the main process asks for the whole round, every process gets it all and keeps its share
         tokens, counts, engine_logps, sync_seconds = engine.sample(
             model, ids, seeds, _end_ids(tokenizer), round_index
         )
         completions = [tokens[i, : counts[i]].tolist() for i in range(begin, end)]
-    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    texts = (
+        [t.answer for t in talks] if talks else tokenizer.batch_decode(completions, skip_special_tokens=True)
+    )
     scores = rewards.score(
         [prompts.texts[picked[s]] for s, _ in mine],
         texts,
@@ -175,6 +196,8 @@ def generate(
         None,
         round_order(len(slots), cfg.seed, round_index),
     )
+    if talks is not None:
+        rollout.mask, rollout.turn_stats = conversation_tables(accelerator, talks, grpo.max_new_tokens)
     if steps_per_round(cfg) > 1:
         rollout.old_logps = scored(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, None)
     if grpo.beta > 0:
@@ -205,6 +228,19 @@ def _generated(run, model, ids: list[list[int]], seeds: list[int], cfg, tokenize
                 synced,
             )
     return completions
+
+
+def conversation_tables(accelerator, talks, width: int):
+    """Collective: the round's token masks [N, width] and per-conversation counts from every process's
+    share of conversations."""
+    mask = torch.zeros(len(talks), width, dtype=torch.long)
+    for i, talk in enumerate(talks):
+        mask[i, : len(talk.trained)] = torch.tensor(talk.trained, dtype=torch.long)
+    counts = torch.tensor(
+        [[talk.stats[n] for n in multiturn.STAT_NAMES] for talk in talks], dtype=torch.float64
+    )
+    mask, counts = gather_shares(accelerator, mask), gather_shares(accelerator, counts.view(len(talks), -1))
+    return mask, {name: counts[:, i].contiguous() for i, name in enumerate(multiturn.STAT_NAMES)}
 
 
 def _end_ids(tokenizer) -> list[int]:
@@ -265,10 +301,11 @@ def resumed(state: dict, start_step: int, cfg) -> Rollout | None:
 
 
 def step_counts(rollout: Rollout, rows: torch.Tensor, prompts) -> tuple[int, int]:
-    """(completion tokens, all tokens) of the step's completions."""
+    """(trained completion tokens, all tokens) of the step's completions."""
     completion = int(rollout.lengths[rows].sum())
+    trained = int(rollout.mask[rows].sum()) if rollout.mask is not None else completion
     prompt = sum(len(prompts.ids[int(rollout.prompt[i])]) for i in rows.tolist())
-    return completion, completion + prompt
+    return trained, completion + prompt
 
 
 class StepStats:
@@ -303,6 +340,8 @@ class StepStats:
             "generation_s": generated,
             "generation_share": self.generation_seconds / max(time.perf_counter() - self.started, 1e-9),
         }
+        for name, counts in (rollout.turn_stats or {}).items():
+            values[name] = float(counts[rows].mean())
         if rollout.engine_gap is not None:
             values["engine_logprob_gap_mean"], values["engine_logprob_gap_max"] = rollout.engine_gap
             values["sync_s"] = rollout.sync_seconds if fresh else 0.0

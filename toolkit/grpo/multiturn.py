@@ -1,0 +1,150 @@
+"""Multi-turn rollouts: each completion is a conversation with a tool environment. The model's turn ends at
+its end-of-turn token (or when the conversation's token budget runs out); the tool calls it wrote are run and
+their answers appended in the chat template's own form, then the model speaks again, up to grpo.max_turns.
+
+A conversation is one token sequence after the prompt, with a mask: 1 on the tokens the model sampled, 0 on
+what the environment wrote (tool turns, the next turn's header), which the loss never trains. Every turn of a
+conversation is sampled with its own seed, derived from the completion's seed and the turn's number, so a
+conversation is the same whichever process and batch it is sampled in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+
+from toolkit.errors import UserError
+from toolkit.grpo import sampling
+from toolkit.grpo.environment import Environment, parse_calls
+
+# A stand-in for the conversation before the model's turn: what the template writes after an assistant turn
+# does not depend on it.
+OPENING = [{"role": "user", "content": "?"}]
+STAT_NAMES = ("turns", "tool_calls", "tool_errors", "tool_timeouts")
+
+
+@dataclass
+class Conversation:
+    tokens: list[int] = field(default_factory=list)
+    """Everything after the prompt: the model's turns and the environment's."""
+    trained: list[int] = field(default_factory=list)
+    """Per token: 1 where the model sampled it, 0 where the environment wrote it."""
+    answer: str = ""
+    """The model's last turn as text (what the rewards score)."""
+    done: bool = False
+    stats: dict = field(default_factory=lambda: dict.fromkeys(STAT_NAMES, 0))
+
+    def add(self, tokens: list[int], trained: int) -> None:
+        self.tokens += tokens
+        self.trained += [trained] * len(tokens)
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """Turn `turn`'s seed of the completion seeded `seed` (turn 0 keeps it)."""
+    if turn == 0:
+        return seed
+    key = f"{seed}/turn/{turn}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def conversations(
+    run, model, prompts: list[list[int]], seeds: list[int], cfg, tokenizer, environment: Environment
+) -> list[Conversation]:
+    """Collective: this process's conversations, one per prompt, sampled with HF generate."""
+    grpo = cfg.grpo
+    talks = [Conversation() for _ in prompts]
+    end_ids = _end_ids(tokenizer)
+    with sampling.generating(run.accelerator, model, grpo.gather_for_generation) as (policy, synced):
+        for turn in range(grpo.max_turns):
+            active = [i for i, talk in enumerate(talks) if not talk.done]
+            if not active and not synced:
+                break
+            sampled = _sample_turn(policy, prompts, seeds, talks, active, turn, grpo, tokenizer, synced)
+            for i, tokens in zip(active, sampled, strict=True):
+                _answer(talks[i], tokens, turn, grpo, tokenizer, environment, end_ids)
+    return talks
+
+
+def _sample_turn(policy, prompts, seeds, talks, active, turn, grpo, tokenizer, synced) -> list[list[int]]:
+    """The active conversations' next model turns, each within its remaining budget. Sharded models
+    generate in lockstep: a process with none left samples a stand-in row and drops it."""
+    rows = active or [0]
+    contexts = [prompts[i] + talks[i].tokens for i in rows]
+    budgets = [grpo.max_new_tokens - len(talks[i].tokens) for i in rows]
+    turn_seeds = [turn_seed(seeds[i], turn) for i in rows]
+    # Lockstep needs as many generate calls on every process, whatever its count of active rows: one.
+    step = len(rows) if synced else (grpo.generation_batch_size or len(rows))
+    sampled = []
+    for start in range(0, len(rows), step):
+        part = slice(start, start + step)
+        limit = dataclasses.replace(grpo, max_new_tokens=max(1, max(budgets[part])))
+        sampled += sampling.sample(
+            policy,
+            contexts[part],
+            turn_seeds[part],
+            limit,
+            tokenizer.pad_token_id,
+            tokenizer.eos_token_id,
+            synced,
+        )
+    return [tokens[: max(budget, 0)] for tokens, budget in zip(sampled, budgets)] if active else []
+
+
+def _answer(talk: Conversation, tokens, turn, grpo, tokenizer, environment, end_ids) -> None:
+    """The model's turn added to `talk`; its tool calls run and their answers added (masked), unless the
+    conversation ends here: no call, no end token (the budget ran out), or no turn left."""
+    talk.add(tokens, 1)
+    talk.stats["turns"] += 1
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    calls = parse_calls(text)
+    talk.answer = text.strip()
+    ended = bool(tokens) and tokens[-1] in end_ids
+    if not calls or not ended or turn + 1 == grpo.max_turns:
+        talk.stats["tool_calls"] += len(calls) if ended else 0
+        talk.done = True
+        return
+    results = [environment.run(call) for call in calls]
+    talk.stats["tool_calls"] += len(calls)
+    talk.stats["tool_errors"] += sum(r.kind == "error" for r in results)
+    talk.stats["tool_timeouts"] += sum(r.kind == "timeout" for r in results)
+    said = environment_turns(tokenizer, text, calls, results, environment.schemas)
+    room = grpo.max_new_tokens - len(talk.tokens)
+    talk.add(said[:room], 0)
+    talk.done = len(said) >= room  # no room left for another model turn
+
+
+def environment_turns(tokenizer, text: str, calls, results, schemas) -> list[int]:
+    """Token ids of what the chat template writes after the model's turn: the tool turns holding `results`
+    and the header of the model's next turn."""
+    readable = [c for c in calls if not c.problem]
+    # The text before the calls (a Llama 3 style turn is the call alone).
+    before = text.split("<tool_call>")[0].strip() if "<tool_call>" in text else ""
+    assistant = {"role": "assistant", "content": before if readable else text.strip()}
+    if readable:
+        assistant["tool_calls"] = [
+            {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in readable
+        ]
+    tools = [
+        {"role": "tool", "name": call.name or "tool", "content": result.content}
+        for call, result in zip(calls, results, strict=True)
+    ]
+    through = _render(tokenizer, [*OPENING, assistant], schemas, False).rstrip()
+    full = _render(tokenizer, [*OPENING, assistant, *tools], schemas, True)
+    if not full.startswith(through):
+        raise UserError(
+            "grpo.environment: the chat template renders an assistant turn differently once tool turns "
+            "follow (not prefix-stable), so the tool turns cannot be appended to the model's"
+        )
+    return tokenizer(full[len(through) :], add_special_tokens=False)["input_ids"]
+
+
+def _render(tokenizer, messages, schemas, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tools=schemas, tokenize=False, add_generation_prompt=generation_prompt
+    )
+
+
+def _end_ids(tokenizer) -> set[int]:
+    eos = tokenizer.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos])
