@@ -16,11 +16,11 @@ import torch
 from toolkit import distributed
 from toolkit.entry import exit_with, recipe_args
 from toolkit.grpo import config as grpo_config
+from toolkit.grpo import environment as environments
 from toolkit.grpo import loss as grpo_loss
 from toolkit.grpo import prompts as prompt_sets
 from toolkit.grpo import rollout as rollouts
 from toolkit.grpo.engine import EngineSampler
-from toolkit.grpo.environment import Environment
 from toolkit.grpo.rewards import Rewards
 from toolkit.run import Run
 from toolkit.train import evaluate, loss
@@ -32,16 +32,16 @@ def main(argv: list[str]) -> int:
     with (
         Run.start(cfg, args.config or str(grpo_config.DEMO_GRPO_CONFIG), "grpo_llm") as run,
         EngineSampler.started(run, cfg) as engine,  # None unless grpo.generation names an engine
+        environments.started(run, cfg) as environment,  # tools, an OpenEnv server, or None: single-turn
     ):
-        return train(run, cfg, engine)
+        return train(run, cfg, engine, environment)
 
 
-def train(run: Run, cfg, engine) -> int:
+def train(run: Run, cfg, engine, environment) -> int:
     accelerator = run.accelerator
 
-    # A user's reward function and tools are imported, and a reward model loaded, before anything else loads.
+    # A user's reward function is imported, and a reward model loaded, before anything else loads.
     rewards = Rewards.build(cfg.grpo, accelerator.device)
-    environment = Environment.build(cfg.grpo)  # None unless grpo.environment names tools: single-turn
 
     # Prompts (every SFT layout: the last assistant turn is the reference answer) and model.
     with run.interruptible():

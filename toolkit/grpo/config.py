@@ -38,12 +38,35 @@ class VllmConfig:
 
 
 @dataclass
+class OpenEnvConfig:
+    url: str | None = None
+    """An OpenEnv server you started (http://host:port): each conversation is one session on its /ws."""
+    app: str | None = None
+    """Or the server ftkit starts for the run, one per process on 127.0.0.1: an ASGI app as uvicorn names
+    it (module:app, imported from where you launch) in a process of its own, stopped at the end."""
+    action_field: str = "message"
+    """The action's field that carries the model's turn ({action_field: text})."""
+    observation_field: str = ""
+    """The observation's field whose text is the next user turn ("": the observation as JSON)."""
+    reward_weight: float = 1.0
+    """Weight of the environment's reward (the sum of its steps' rewards) in the total, beside
+    grpo.rewards; it is logged as reward_environment either way (0: logged only)."""
+    request_timeout_s: PositiveFloat = 30.0
+    """Seconds a reset or step may take; past it the model reads a timeout error and the conversation ends."""
+    start_timeout_s: PositiveFloat = 60.0
+    """Seconds the server ftkit starts may take to answer /health."""
+
+
+@dataclass
 class EnvironmentConfig:
     tools: list[str] = field(default_factory=list)
     """Python functions the model may call, as module:function or path/to/file.py:function (type hints and
     a docstring with an Args section: their JSON schemas come from them); empty: single-turn GRPO."""
     tool_timeout_s: PositiveFloat = 5.0
     """Seconds a tool call may run; past it the model reads a timeout error as the tool's answer."""
+    openenv: OpenEnvConfig = field(default_factory=OpenEnvConfig)
+    """An OpenEnv environment instead of tools (`pip install ftkit[openenv]`, docs/grpo.md): the model's
+    turns are its actions, its observations the user turns between them."""
 
 
 @dataclass
@@ -156,6 +179,8 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
         raise UserError("grpo.beta > 0 with model.method full needs grpo.reference_model (a frozen copy)")
     if grpo.max_turns < 1:
         raise UserError(f"grpo.max_turns: {grpo.max_turns} must be at least 1")
+    if grpo.environment.openenv.url or grpo.environment.openenv.app:
+        validate_openenv(grpo.environment)
     if grpo.generation == "vllm":
         validate_engine(cfg)
     if grpo.reference_model:
@@ -175,7 +200,7 @@ def validate_engine(cfg: GrpoRecipeConfig) -> None:
             f"grpo.vllm.host: {cfg.grpo.vllm.host} would expose vLLM's development endpoints, which a full "
             "fine-tune's engine opens to reload its weights; keep it on 127.0.0.1"
         )
-    if cfg.grpo.environment.tools:
+    if cfg.grpo.environment.tools or cfg.grpo.environment.openenv.url or cfg.grpo.environment.openenv.app:
         raise UserError(
             "grpo.environment: multi-turn rollouts run on HF generate only so far; set grpo.generation=hf"
         )
@@ -183,6 +208,18 @@ def validate_engine(cfg: GrpoRecipeConfig) -> None:
         raise UserError(
             "grpo.generation=vllm: lora.use_dora adapters are not loaded by the engine; turn it off"
         )
+
+
+def validate_openenv(environment: EnvironmentConfig) -> None:
+    settings = environment.openenv
+    if environment.tools:
+        raise UserError("grpo.environment: name tools or an OpenEnv environment (openenv), not both")
+    if settings.url and settings.app:
+        raise UserError("grpo.environment.openenv: name url (a server you started) or app (ftkit starts it)")
+    if settings.url and not re.match(r"^(https?|wss?)://[^/\s]+/?$", settings.url):
+        raise UserError(f"grpo.environment.openenv.url: {settings.url!r} is not http://host:port")
+    if settings.app and not re.fullmatch(r"[\w.]+:[\w.]+", settings.app):
+        raise UserError(f"grpo.environment.openenv.app: {settings.app!r} is not module:app")
 
 
 def prompts_per_round(cfg: GrpoRecipeConfig) -> int:

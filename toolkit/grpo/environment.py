@@ -136,3 +136,28 @@ def tool_schema(name: str, function) -> dict:
         raise UserError(
             f"grpo.environment.tools: {name}: no JSON schema from its signature ({reason})"
         ) from None
+
+
+@contextlib.contextmanager
+def started(run, cfg):
+    """Collective: the run's environment: the tools (imported here, before the model loads), an OpenEnv
+    server (yours, or ftkit's started on each process and stopped however the run ends), or None
+    (single-turn GRPO)."""
+    from toolkit.grpo import openenv
+
+    if not openenv.configured(cfg.grpo):
+        yield Environment.build(cfg.grpo)
+        return
+    from toolkit.distributed import agreed_error
+
+    log = run.output_dir / f"openenv-{run.accelerator.process_index}.log"
+    with contextlib.ExitStack() as stack:
+        error = ""
+        try:
+            environment = stack.enter_context(openenv.served(cfg.grpo.environment.openenv, log))
+        except UserError as exc:
+            error = str(exc)
+        error = agreed_error(run.accelerator, error)
+        if error:
+            raise UserError(error)
+        yield environment

@@ -10,6 +10,7 @@ conversation is the same whichever process and batch it is sampled in.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ class Conversation:
     answer: str = ""
     """The model's last turn as text (what the rewards score)."""
     done: bool = False
+    reward: float | None = None
+    """The environment's reward for the conversation (OpenEnv: the sum of its steps'; None: none given)."""
     stats: dict = field(default_factory=lambda: dict.fromkeys(STAT_NAMES, 0))
 
     def add(self, tokens: list[int], trained: int) -> None:
@@ -55,15 +58,30 @@ def conversations(
     grpo = cfg.grpo
     talks = [Conversation() for _ in prompts]
     end_ids = _end_ids(tokenizer)
-    with sampling.generating(run.accelerator, model, grpo.gather_for_generation) as (policy, synced):
+    with (
+        sampling.generating(run.accelerator, model, grpo.gather_for_generation) as (policy, synced),
+        _episodes(environment, prompts, seeds, grpo, tokenizer, end_ids) as answer,
+    ):
         for turn in range(grpo.max_turns):
             active = [i for i, talk in enumerate(talks) if not talk.done]
             if not active and not synced:
                 break
             sampled = _sample_turn(policy, prompts, seeds, talks, active, turn, grpo, tokenizer, synced)
             for i, tokens in zip(active, sampled, strict=True):
-                _answer(talks[i], tokens, turn, grpo, tokenizer, environment, end_ids)
+                answer(i, talks[i], tokens, turn)
     return talks
+
+
+def _episodes(environment, prompts, seeds, grpo, tokenizer, end_ids):
+    """A context giving answer(index, talk, tokens, turn): an OpenEnv environment's sessions, opened for
+    these conversations and closed after them; the tools need none."""
+    if isinstance(environment, Environment):
+
+        def answer(index, talk, tokens, turn):
+            _answer(talk, tokens, turn, grpo, tokenizer, environment, end_ids)
+
+        return contextlib.nullcontext(answer)
+    return environment.episodes(prompts, seeds, grpo, tokenizer, end_ids)
 
 
 def _sample_turn(policy, prompts, seeds, talks, active, turn, grpo, tokenizer, synced) -> list[list[int]]:
@@ -129,8 +147,14 @@ def environment_turns(tokenizer, text: str, calls, results, schemas) -> list[int
         {"role": "tool", "name": call.name or "tool", "content": result.content}
         for call, result in zip(calls, results, strict=True)
     ]
+    return appended(tokenizer, assistant, tools, schemas)
+
+
+def appended(tokenizer, assistant: dict, following: list[dict], schemas=None) -> list[int]:
+    """Token ids of what the chat template writes after the model's turn `assistant`: the `following`
+    turns and the header of the model's next turn."""
     through = _render(tokenizer, [*OPENING, assistant], schemas, False).rstrip()
-    full = _render(tokenizer, [*OPENING, assistant, *tools], schemas, True)
+    full = _render(tokenizer, [*OPENING, assistant, *following], schemas, True)
     if not full.startswith(through):
         raise UserError(
             "grpo.environment: the chat template renders an assistant turn differently once tool turns "

@@ -15,7 +15,7 @@ import torch
 from toolkit.data.collate import Collator
 from toolkit.data.encode import IGNORE
 from toolkit.distributed import data_shard, tensor_parallel_size
-from toolkit.grpo import multiturn, sampling
+from toolkit.grpo import multiturn, openenv, sampling
 from toolkit.grpo import prompts as prompt_sets
 from toolkit.grpo.config import prompts_per_round, steps_per_round
 from toolkit.grpo.engine import logprob_gap
@@ -177,6 +177,8 @@ def generate(
         [len(tokens) for tokens in completions],
         [prompts.ids[picked[s]] + tokens for (s, _), tokens in zip(mine, completions, strict=True)],
     )
+    if talks is not None and openenv.configured(grpo):  # the environment's own rewards, beside grpo.rewards
+        scores = openenv.add_reward(scores, talks, grpo.environment.openenv.reward_weight)
     names = list(scores)
     padded = torch.zeros(len(mine), grpo.max_new_tokens, dtype=torch.long)
     for i, tokens in enumerate(completions):
