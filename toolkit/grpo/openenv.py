@@ -49,12 +49,15 @@ class Session:
     def __init__(self, url: str, timeout_s: float):
         self.url, self.timeout_s = url, timeout_s
         self.socket, self.lost, self.requests = None, "", 0
+        self.held = contextlib.ExitStack()  # the connection, closed by close()
 
     def reset(self, seed: int, prompt: str) -> Reply:
         from websockets.sync.client import connect
 
         try:
-            self.socket = connect(ws_url(self.url), open_timeout=self.timeout_s, max_size=None)
+            self.socket = self.held.enter_context(
+                connect(ws_url(self.url), open_timeout=self.timeout_s, max_size=None)
+            )
         except Exception as exc:  # refused, timed out, a failed handshake: websockets' errors share no base
             self.lost = f"error: the environment at {self.url} is not reachable ({exc})"
             return Reply(self.lost, kind="error")
@@ -86,10 +89,9 @@ class Session:
         return Reply(text, kind=kind)
 
     def close(self) -> None:
-        if self.socket is not None:
-            with contextlib.suppress(Exception):
-                self.socket.close()
-            self.socket = None
+        with contextlib.suppress(Exception):
+            self.held.close()
+        self.socket = None
 
 
 def read_reply(raw) -> Reply:

@@ -1,0 +1,240 @@
+"""Multi-turn GRPO over an OpenEnv environment served on localhost (tests/openenv_countdown.py): the embedded
+model's conversations with it, each reset with its seed and stopping by itself, a bounded number of
+requests, the environment's text masked, its rewards summed; failures as turns; the server ftkit starts."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import time
+
+import pytest
+import torch
+from helpers import REPO
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+countdown = pytest.importorskip(
+    "openenv_countdown", reason="openenv-core is not installed (pip install 'ftkit[openenv]')"
+)
+import uvicorn  # noqa: E402  (installed with openenv-core)
+from accelerate import Accelerator  # noqa: E402
+
+from toolkit.data.chat import ensure_chat_template  # noqa: E402
+from toolkit.engine.server import free_port  # noqa: E402
+from toolkit.errors import UserError  # noqa: E402
+from toolkit.grpo import multiturn, openenv, sampling  # noqa: E402
+from toolkit.grpo.config import GrpoConfig, GrpoRecipeConfig, OpenEnvConfig, load_grpo_config  # noqa: E402
+
+TINY = REPO / "toolkit" / "assets" / "tiny-llama"
+MAX_TURNS = 4
+
+
+@pytest.fixture(scope="module")
+def url():
+    """The countdown environment on a free port of 127.0.0.1, in a thread of this process."""
+    port = free_port("127.0.0.1")
+    server = uvicorn.Server(uvicorn.Config(countdown.app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = AutoTokenizer.from_pretrained(TINY)
+    ensure_chat_template(tok)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    """The embedded model, its end token made likely (the bare model rarely ends a turn by itself). One
+    thread: token by token, a model this small waits on its threads more than it computes."""
+    tiny = AutoModelForCausalLM.from_pretrained(TINY)
+    bias = tiny.lm_head.weight.new_zeros(tiny.config.vocab_size)
+    bias[tokenizer.eos_token_id] = 10.0
+    tiny.lm_head.register_forward_hook(lambda module, args, out: out + bias)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tiny
+    torch.set_num_threads(threads)
+
+
+class Run:
+    accelerator = Accelerator(cpu=True)
+
+
+def recipe(url: str, **overrides) -> GrpoRecipeConfig:
+    grpo = GrpoConfig(max_new_tokens=128, max_turns=MAX_TURNS, temperature=1.0)
+    grpo.environment.openenv = OpenEnvConfig(url=url, observation_field="text", **overrides)
+    return GrpoRecipeConfig(grpo=grpo)
+
+
+def prompts(tokenizer, count: int) -> list[list[int]]:
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Count down from {n}."}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+        for n in range(count)
+    ]
+
+
+def talk_with(url, model, tokenizer, seeds, **overrides):
+    cfg = recipe(url, **overrides)
+    environment = openenv.OpenEnv(cfg.grpo.environment.openenv, url)
+    environment.check()
+    before = countdown.COUNTS.copy()
+    talks = multiturn.conversations(
+        Run(), model, prompts(tokenizer, len(seeds)), seeds, cfg, tokenizer, environment
+    )
+    served = countdown.COUNTS - before
+    return talks, served, environment.requests
+
+
+def spans(talk) -> list[tuple[int, list[int]]]:
+    """The conversation as runs of (trained, token ids)."""
+    runs = []
+    for token, trained in zip(talk.tokens, talk.trained, strict=True):
+        if runs and runs[-1][0] == trained:
+            runs[-1][1].append(token)
+        else:
+            runs.append((trained, [token]))
+    return runs
+
+
+def test_the_embedded_model_plays_an_episode_per_conversation_and_each_stops_by_itself(url, model, tokenizer):
+    seeds = [10, 11, 12, 13]
+    countdown.SEEDS.clear()
+    talks, served, requests = talk_with(url, model, tokenizer, seeds)
+    # Each conversation was reset once, with its own seed and its prompt's text.
+    assert [seed for seed, _ in countdown.SEEDS] == seeds
+    assert all("Count down from" in prompt for _, prompt in countdown.SEEDS)
+    # Bounded: one reset per conversation, one step per model turn, nothing else.
+    turns = [talk.stats["turns"] for talk in talks]
+    assert served == {"reset": len(seeds), "step": sum(turns)} and requests == len(seeds) + sum(turns)
+    assert all(1 <= t <= MAX_TURNS for t in turns)
+    by_episode = 0
+    for seed, talk in zip(seeds, talks, strict=True):
+        episode = 2 + seed % 2  # the countdown's length for this seed
+        assert talk.done and talk.stats["turns"] <= episode, "a finished episode gets no further turn"
+        runs = spans(talk)
+        model_turns = [tokenizer.decode(ids, skip_special_tokens=True) for trained, ids in runs if trained]
+        said = [tokenizer.decode(ids) for trained, ids in runs if not trained]
+        assert len(model_turns) == talk.stats["turns"] and runs[0][0] == 1
+        # Only the model's tokens train: every masked run is the environment's answer to the turn before it,
+        # in the chat template's user turn, and every model turn but the last ends with its end token.
+        for k, text in enumerate(said):
+            assert text == (
+                f"\n<|im_start|>user\nyou wrote {len(model_turns[k])} characters; {episode - k - 1} left"
+                "<|im_end|>\n<|im_start|>assistant\n"
+            )
+        for trained, ids in runs[:-1]:
+            assert not trained or ids[-1] == tokenizer.eos_token_id
+        # The environment's reward: one point per turn of even length, summed over the conversation.
+        assert talk.reward == sum(float(len(text) % 2 == 0) for text in model_turns)
+        assert talk.stats["tool_errors"] == talk.stats["tool_timeouts"] == 0
+        by_episode += talk.stats["turns"] == episode
+    assert by_episode >= 2, "some conversations must end because their episode ended"
+    assert any(t > 1 for t in turns), "the environment's answers must lead to further model turns"
+    # The same seeds give the same conversations (the environment's episodes included).
+    again, _, _ = talk_with(url, model, tokenizer, seeds)
+    assert [(t.tokens, t.trained, t.reward) for t in again] == [
+        (t.tokens, t.trained, t.reward) for t in talks
+    ]
+
+
+def scripted(monkeypatch, tokenizer, turns: list[str]):
+    """sampling.sample replaced by a model that writes `turns[k]` (then its end token) as its k-th turn."""
+    calls = []
+
+    def sample(policy, contexts, seeds, cfg, pad_id, eos_id, synced):
+        calls.append(1)
+        tokens = tokenizer(turns[len(calls) - 1], add_special_tokens=False)["input_ids"] + [eos_id]
+        return [tokens[: cfg.max_new_tokens] for _ in contexts]
+
+    monkeypatch.setattr(sampling, "sample", sample)
+    monkeypatch.setattr(sampling, "generating", lambda *a: contextlib.nullcontext((None, False)))
+
+
+def test_an_error_a_timeout_and_a_lost_session_are_turns_the_model_reads(monkeypatch, url, tokenizer):
+    scripted(monkeypatch, tokenizer, ["boom", "sleep", "abc", "abcd"])
+    started = time.monotonic()
+    (talk,), served, requests = talk_with(url, None, tokenizer, [11], request_timeout_s=0.5)
+    assert time.monotonic() - started < 3, "a step past its timeout is not waited for"
+    said = [tokenizer.decode(ids, skip_special_tokens=True) for trained, ids in spans(talk) if not trained]
+    assert len(said) == 3 and "error: the environment refused: the countdown exploded" in said[0]
+    assert "error: the environment did not answer within 0.5 s" in said[1]
+    assert "error: the environment did not answer within 0.5 s" in said[2], "a lost session sends nothing"
+    assert talk.stats == {"turns": 4, "tool_calls": 4, "tool_errors": 3, "tool_timeouts": 1}
+    assert served == {"reset": 1, "step": 2} and requests == 3 and talk.reward is None
+
+
+def test_the_environments_reward_joins_the_total_with_its_weight():
+    talks = [multiturn.Conversation(reward=2.0), multiturn.Conversation()]
+    scores = openenv.add_reward({"exact_answer": [1.0, 0.0], "total": [1.0, 0.0]}, talks, 0.5)
+    assert scores == {"exact_answer": [1.0, 0.0], "environment": [2.0, 0.0], "total": [2.0, 0.0]}
+
+
+def test_a_server_that_does_not_answer_or_lacks_the_fields_is_one_line(url):
+    closed = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    cases = [
+        (OpenEnvConfig(url=closed), closed, "grpo.environment.openenv: no OpenEnv server answers at"),
+        (
+            OpenEnvConfig(url=url, action_field="msg"),
+            url,
+            r"openenv.action_field: the environment's action has no field 'msg' \(it has metadata, message\)",
+        ),
+        (OpenEnvConfig(url=url, observation_field="txt"), url, "observation has no field 'txt'"),
+    ]
+    for settings, where, message in cases:
+        with pytest.raises(UserError, match=message) as caught:
+            openenv.OpenEnv(settings, where).check()
+        assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["grpo.environment.openenv.url=http://127.0.0.1:1", "grpo.environment.tools=[m:f]"],
+            "name tools or an OpenEnv environment",
+        ),
+        (
+            ["grpo.environment.openenv.url=http://127.0.0.1:1", "grpo.environment.openenv.app=m:app"],
+            "name url .* or app",
+        ),
+        (["grpo.environment.openenv.url=127.0.0.1:8000"], "is not http://host:port"),
+        (["grpo.environment.openenv.app=server.py"], "is not module:app"),
+        (
+            ["grpo.environment.openenv.app=m:app", "grpo.generation=vllm"],
+            "multi-turn rollouts run on HF generate only",
+        ),
+    ],
+)
+def test_bad_openenv_settings_are_one_line(overrides, message):
+    with pytest.raises(UserError, match=message) as caught:
+        load_grpo_config(None, ["model.adapter=null", *overrides])
+    assert "\n" not in str(caught.value)
+
+
+def test_ftkit_serves_the_app_for_the_run_and_stops_it(monkeypatch, tmp_path):
+    monkeypatch.chdir(REPO / "tests")  # where the app's module is, as a user launches beside theirs
+    settings = OpenEnvConfig(app="openenv_countdown:app", start_timeout_s=60)
+    with openenv.served(settings, tmp_path / "openenv.log") as environment:
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+", environment.url)
+        session = openenv.Session(environment.url, 10)
+        assert session.reset(3, "").observation == {"text": "3 turns", "left": 3}
+        session.close()
+    assert openenv._unhealthy(environment.url, 2), "the server is stopped with the run"
+    with (
+        pytest.raises(UserError, match=r"openenv.app: the server exited \(code \d+\): .*nowhere") as caught,
+        openenv.served(OpenEnvConfig(app="nowhere:app"), tmp_path / "bad.log"),
+    ):
+        pass
+    assert "\n" not in str(caught.value)
