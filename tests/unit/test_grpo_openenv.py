@@ -67,7 +67,8 @@ def model(tokenizer):
 
 
 class Run:
-    accelerator = Accelerator(cpu=True)
+    def __init__(self):
+        self.accelerator = Accelerator(cpu=True)
 
 
 def recipe(url: str, **overrides) -> GrpoRecipeConfig:
@@ -210,7 +211,7 @@ def test_a_server_that_does_not_answer_or_lacks_the_fields_is_one_line(url):
             "name url .* or app",
         ),
         (["grpo.environment.openenv.url=127.0.0.1:8000"], "is not http://host:port"),
-        (["grpo.environment.openenv.app=server.py"], "is not module:app"),
+        (["grpo.environment.openenv.app=server.py"], "is not module:app or file.py:app"),
         (
             ["grpo.environment.openenv.app=m:app", "grpo.generation=vllm"],
             "multi-turn rollouts run on HF generate only",

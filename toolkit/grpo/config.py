@@ -42,8 +42,9 @@ class OpenEnvConfig:
     url: str | None = None
     """An OpenEnv server you started (http://host:port): each conversation is one session on its /ws."""
     app: str | None = None
-    """Or the server ftkit starts for the run, one per process on 127.0.0.1: an ASGI app as uvicorn names
-    it (module:app, imported from where you launch) in a process of its own, stopped at the end."""
+    """Or the server ftkit starts for the run, one per process on 127.0.0.1: an ASGI app (module:app from
+    where you launch, or path/to/server.py:app) served by uvicorn in a process of its own, stopped at the
+    end."""
     action_field: str = "message"
     """The action's field that carries the model's turn ({action_field: text})."""
     observation_field: str = ""
@@ -218,8 +219,8 @@ def validate_openenv(environment: EnvironmentConfig) -> None:
         raise UserError("grpo.environment.openenv: name url (a server you started) or app (ftkit starts it)")
     if settings.url and not re.match(r"^(https?|wss?)://[^/\s]+/?$", settings.url):
         raise UserError(f"grpo.environment.openenv.url: {settings.url!r} is not http://host:port")
-    if settings.app and not re.fullmatch(r"[\w.]+:[\w.]+", settings.app):
-        raise UserError(f"grpo.environment.openenv.app: {settings.app!r} is not module:app")
+    if settings.app and not re.fullmatch(r"([\w.]+|.+\.py):[\w.]+", settings.app):
+        raise UserError(f"grpo.environment.openenv.app: {settings.app!r} is not module:app or file.py:app")
 
 
 def prompts_per_round(cfg: GrpoRecipeConfig) -> int:

@@ -257,7 +257,14 @@ def served(settings, log: Path):
     from toolkit.engine.server import Engine, _end_with_parent, free_port
 
     port = free_port("127.0.0.1")
-    command = [sys.executable, "-m", "uvicorn", settings.app, "--host", "127.0.0.1", "--port", str(port)]
+    where, _, name = settings.app.rpartition(":")
+    app = [settings.app]
+    if where.endswith(".py"):  # a file: its folder is where uvicorn imports it from
+        path = Path(where).expanduser()
+        if not path.is_file():
+            raise UserError(f"{KEY}.app: {where} does not exist")
+        app = [f"{path.stem}:{name}", "--app-dir", str(path.resolve().parent)]
+    command = [sys.executable, "-m", "uvicorn", *app, "--host", "127.0.0.1", "--port", str(port)]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:  # the child keeps its own copy of the descriptor
         process = subprocess.Popen(

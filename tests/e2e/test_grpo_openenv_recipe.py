@@ -1,0 +1,56 @@
+"""recipes/grpo_llm.py with an OpenEnv environment ftkit serves for the run (tests/openenv_countdown.py): the
+server starts beside the run, the conversations' rewards join the total and their steps are logged, and the
+server is gone when the run ends. The conversations themselves (several turns, masks, seeds, failures) are
+tested on the embedded model in tests/unit/test_grpo_openenv.py."""
+
+import re
+
+import pytest
+from helpers import REPO, run_script, train_lines
+
+pytest.importorskip("openenv", reason="openenv-core is not installed (pip install 'ftkit[openenv]')")
+
+from toolkit.grpo import openenv  # noqa: E402
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo-openenv") / "run"
+    args = [
+        f"output_dir={out}",
+        "model.adapter=null",
+        "model.method=lora",
+        f"train.max_steps={STEPS}",
+        "train.log_every_steps=1",
+        "train.warmup_steps=0",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        f"data.train={REPO / 'toolkit' / 'assets' / 'demo' / 'tools_eval.jsonl'}",
+        "data.eval=null",
+        "data.eval_fraction=0.05",
+        "data.max_length=224",
+        "eval.exact_match_samples=0",
+        "eval.max_batches=0",
+        "grpo.num_generations=4",
+        "grpo.max_new_tokens=24",
+        "grpo.rewards=[length]",
+        "grpo.max_turns=3",
+        f"grpo.environment.openenv.app={REPO / 'tests' / 'openenv_countdown.py'}:app",
+        "grpo.environment.openenv.observation_field=text",
+    ]
+    run_script(REPO / "recipes" / "grpo_llm.py", args, out)
+    return out
+
+
+def test_the_recipe_serves_the_environment_adds_its_rewards_and_stops_it(run):
+    rows = train_lines(run)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for row in rows:
+        assert row["reward"] == pytest.approx(row["reward_length"] + row["reward_environment"])
+        assert row["tool_calls"] == row["turns"] >= 1 and row["tool_errors"] == row["tool_timeouts"] == 0
+    assert any(r["reward_environment"] > 0 for r in rows), "the environment rewards even-length turns"
+    log = (run / "openenv-0.log").read_text()
+    port = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", log).group(1)
+    assert openenv._unhealthy(f"http://127.0.0.1:{port}", 2), "the server stops with the run"
