@@ -157,8 +157,8 @@ def appended(tokenizer, assistant: dict, following: list[dict], schemas=None) ->
     full = _render(tokenizer, [*OPENING, assistant, *following], schemas, True)
     if not full.startswith(through):
         raise UserError(
-            "grpo.environment: the chat template renders an assistant turn differently once tool turns "
-            "follow (not prefix-stable), so the tool turns cannot be appended to the model's"
+            "grpo.environment: the chat template renders an assistant turn differently once the "
+            "environment's turns follow (not prefix-stable), so they cannot be appended to the model's"
         )
     return tokenizer(full[len(through) :], add_special_tokens=False)["input_ids"]
 
