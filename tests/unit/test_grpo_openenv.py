@@ -176,6 +176,24 @@ def test_an_error_a_timeout_and_a_lost_session_are_turns_the_model_reads(monkeyp
     assert served == {"reset": 1, "step": 2} and requests == 3 and talk.reward is None
 
 
+def test_answers_that_are_not_observations_are_error_turns_and_a_full_server_is_one_line():
+    ok = openenv.read_reply('{"type": "observation", "data": {"observation": {"a": 1}, "reward": 2}}')
+    assert (ok.kind, ok.observation, ok.reward, ok.done) == ("ok", {"a": 1}, 2.0, False)
+    for raw, said in [
+        ("not json", "not an observation: not json"),
+        ('{"type": "observation", "data": {"observation": "a"}}', "not an observation"),
+        ('{"type": "observation", "data": {"observation": {}, "done": "yes"}}', "not an observation"),
+        ('{"type": "observation", "data": {"observation": {}, "reward": NaN}}', "not a finite number: nan"),
+        ('{"type": "error", "data": {"message": "no", "code": "EXECUTION_ERROR"}}', "refused: no"),
+    ]:
+        reply = openenv.read_reply(raw)
+        assert reply.kind == "error" and said in reply.text and reply.text.startswith("error: ")
+    full = '{"type": "error", "data": {"message": "Server at capacity (1/1)", "code": "CAPACITY_REACHED"}}'
+    with pytest.raises(UserError, match="refused a session .* larger max_concurrent_envs") as caught:
+        openenv.read_reply(full)
+    assert "\n" not in str(caught.value)
+
+
 def test_the_environments_reward_joins_the_total_with_its_weight():
     talks = [multiturn.Conversation(reward=2.0), multiturn.Conversation()]
     scores = openenv.add_reward({"exact_answer": [1.0, 0.0], "total": [1.0, 0.0]}, talks, 0.5)

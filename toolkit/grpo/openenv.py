@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import subprocess
 import sys
 import time
@@ -113,8 +114,8 @@ def read_reply(raw) -> Reply:
     reward, done = (data.get("reward"), data.get("done", False)) if observed else (None, False)
     if not observed or not isinstance(done, bool):
         return Reply(f"error: the environment's answer is not an observation: {str(raw)[:200]}", kind="error")
-    if reward is not None and not isinstance(reward, (int, float)):
-        return Reply(f"error: the environment's reward is not a number: {reward!r}", kind="error")
+    if reward is not None and not (isinstance(reward, (int, float)) and math.isfinite(reward)):
+        return Reply(f"error: the environment's reward is not a finite number: {reward!r}", kind="error")
     return Reply("", data["observation"], None if reward is None else float(reward), done)
 
 
