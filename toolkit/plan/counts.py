@@ -248,11 +248,12 @@ def _counts(model, text, method: str, lora_r: int, source: str) -> ModelCounts:
     total = sum(p.numel() for p in params)
     head = model.get_output_embeddings()
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    routing = moe.routing(text)
-    matmul_frozen, matmul_trainable = moe.matmul_weights(model, routing.active_share)
     expert_params = sum(
         p.numel() for m in model.modules() for p in m.parameters(recurse=False) if moe.is_routed_expert(p, m)
     )
+    # A dense model whose config keeps a mixture's defaults (Nemotron-H-8B: no "moe" layer) routes nothing.
+    routing = moe.routing(text) if expert_params else moe.Routing()
+    matmul_frozen, matmul_trainable = moe.matmul_weights(model, routing.active_share)
     quantizable = sum(m.weight.numel() for m in linears if m is not head and not m.weight.requires_grad)
     layer_names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_names]
