@@ -20,6 +20,9 @@ from dataclasses import dataclass
 FLA = "flash-linear-attention"
 CAUSAL_CONV = "causal-conv1d"
 MAMBA_SSM = "mamba-ssm"
+# Kernel packages that compile CUDA code against the installed torch: `make install-gpu-kernels` builds them
+# (toolkit/model/kernel_build.py); flash-linear-attention installs from a wheel (the `gpu` extra).
+CUDA_BUILT = (CAUSAL_CONV, MAMBA_SSM)
 # Each kernel package's import name.
 KERNEL_MODULES = {FLA: "fla", CAUSAL_CONV: "causal_conv1d", MAMBA_SSM: "mamba_ssm"}
 
@@ -276,8 +279,16 @@ def kernel_notes(family: Family | None, on_gpu: bool) -> list[str]:
     kinds = ", ".join(kind.name for kind in family.recurrent)
     return [
         f"{family.model_type}'s {kinds} layers run without {' and '.join(missing)} (not installed): "
-        "transformers' PyTorch versions give the same results, slower; pip install them for speed"
+        f"transformers' PyTorch versions give the same results, slower; {install_line(missing)}"
     ]
+
+
+def install_line(missing: list[str]) -> str:
+    """How to install kernel packages: pip for the wheels, make install-gpu-kernels for what compiles."""
+    wheels = [name for name in missing if name not in CUDA_BUILT]
+    built = [name for name in missing if name in CUDA_BUILT]
+    fixes = [f"pip install {' '.join(wheels)}"] if wheels else []
+    return "; ".join(fixes + ([f"make install-gpu-kernels (builds {' and '.join(built)})"] if built else []))
 
 
 # Config keys of the dropout rates transformers applies while a model trains.
