@@ -178,7 +178,8 @@ def token_activation_bytes(
     checkpointing keeps of a layer, one RMSNorm's)."""
     e = compute_bytes(precision)
     norm = 4 * counts.hidden + 2 * e * counts.hidden
-    largest = max(_layer_bytes(counts, mixers, e, lora_dropout, tp) for mixers in set(layer_mixers(counts)))
+    kinds = set(getattr(counts, "mixers", ())) or {(ATTENTION,)}
+    largest = max(_layer_bytes(counts, mixers, e, lora_dropout, tp) for mixers in kinds)
     return largest, residual_bytes(counts, precision) * counts.hidden, norm
 
 
