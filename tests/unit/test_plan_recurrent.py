@@ -118,6 +118,8 @@ def test_plan_shows_the_packed_rows_tokens_per_step(capsys):
     out = capsys.readouterr().out
     assert "tokens   16 packed rows x 2048 = 32,768 a step, every one an example's" in out
     assert "gated DeltaNet layers start each example from an empty state" in out
+    (launch,) = [line.split() for line in out.splitlines() if "accelerate launch" in line]
+    assert "data.packing=true" in launch
     assert cli(["plan", "--model", "Qwen/Qwen3.5-9B", "--global-batch", "16"]) == 0
     assert "tokens   at most 16 rows x 2048 = 32,768 a step: each example padded" in capsys.readouterr().out
 
