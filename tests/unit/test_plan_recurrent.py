@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_families import tiny_config
+from tiny_families import FAMILIES, tiny_config
 from transformers import Lfm2ForCausalLM
 
 from toolkit.commands.cli import main as cli
 from toolkit.errors import UserError
-from toolkit.model.families import SHORT_CONV
+from toolkit.model.families import SHORT_CONV, family_of
 from toolkit.plan import memory, pipeline
 from toolkit.plan.counts import count_parameters, load_model_config
 from toolkit.plan.estimate import make_plan
@@ -48,6 +48,20 @@ def test_qwen3_5_9b_counts_each_gated_deltanet_layer_as_what_it_keeps():
     assert memory.token_activation_bytes(c, BF16)[0] == delta_net
     # Counted as attention (as before), every layer would keep 24 x 49,408 bytes a token less.
     assert delta_net - attention == 49_408
+
+
+@pytest.mark.parametrize("model_type", [t for t in FAMILIES if family_of(tiny_config(t)).recurrent])
+def test_every_recurrent_family_counts_its_own_kind(model_type):
+    """Each hybrid of tests/tiny_families.py names its shapes its own way; every recurrent kind it has is
+    counted by its own formula, none as attention."""
+    config = tiny_config(model_type)
+    family = family_of(config)
+    c = count_parameters(config, "lora", 8)
+    assert dict(c.recurrent_kept).keys() == {kind.name for kind in family.recurrent}
+    assert all(compute > 0 and inner > 0 for _, (compute, _, inner) in c.recurrent_kept)
+    assert sum(kind in mixers for mixers in c.mixers for kind in dict(c.recurrent_kept)) == sum(
+        family.count(kind) for kind in family.recurrent
+    )
 
 
 def test_nemotron_h_mixer_layers_hold_no_mlp():
