@@ -89,10 +89,10 @@ demo-grpo: install
 
 # causal-conv1d and mamba-ssm, the short-convolution and Mamba-2 layers' GPU kernels (docs/models.md): compiled
 # against .venv's CUDA torch, a line every 30 s and each one's time (tens of minutes on few cores; MAX_JOBS=N
-# caps the compiler's jobs). Refused in one line without nvcc, with a CPU torch, or with an nvcc of another
+# caps the compiler's jobs), within the lock's versions. Refused in one line without nvcc, with a CPU torch, or with an nvcc of another
 # CUDA major release; pip's output in .venv/kernel-builds/.
 install-gpu-kernels: install
-	$(PY) -m toolkit.model.kernel_build $(VENV)/kernel-builds
+	$(PY) -m toolkit.model.kernel_build $(VENV)/kernel-builds $(LOCK)
 
 # pytest exits 5 when it collects no tests: said in one line, not a failed stage.
 pytest = $(PY) -m pytest $(1) || { code=$$?; [ $$code -eq 5 ] && echo "no tests collected in $(1)" || exit $$code; }

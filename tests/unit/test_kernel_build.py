@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from helpers import REPO
@@ -58,8 +57,10 @@ def test_on_this_cpu_machine_the_module_refuses_in_one_line(tmp_path):
 
 
 def fake_pip(monkeypatch, code: int, seconds: float):
+    """pip replaced by a script that prints its arguments, waits, and exits with `code`."""
     script = (
-        f"import sys, time; print('compiling'); time.sleep({seconds}); print('last line'); sys.exit({code})"
+        f"import sys, time; print('compiling', sys.argv[1:]); time.sleep({seconds}); print('last line'); "
+        f"sys.exit({code})"
     )
     monkeypatch.setattr(kernel_build, "PIP", (sys.executable, "-c", script))
     monkeypatch.setattr(kernel_build, "nvcc_release", lambda: "12.8")
@@ -68,12 +69,13 @@ def fake_pip(monkeypatch, code: int, seconds: float):
 
 def test_a_build_shows_progress_and_its_time(monkeypatch, tmp_path, capsys, nothing_installed):
     fake_pip(monkeypatch, 0, 1.5)
-    assert kernel_build.build("causal-conv1d>=1.5", tmp_path / "c.log", progress_s=0.5) == 0
+    log, constraints = tmp_path / "c.log", REPO / "constraints.txt"
+    assert kernel_build.build("causal-conv1d>=1.5", log, constraints, progress_s=0.5) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == f"causal-conv1d: building (compiles CUDA code; pip's output in {tmp_path / 'c.log'})"
+    assert out[0] == f"causal-conv1d: building (compiles CUDA code; pip's output in {log})"
     assert [line for line in out if line.startswith("causal-conv1d: still building, ")]
     assert out[-1].startswith("causal-conv1d: built and installed in ") and out[-1].endswith(" s")
-    assert "compiling" in Path(tmp_path / "c.log").read_text()
+    assert f"compiling ['-c', '{constraints}', 'causal-conv1d>=1.5']" in log.read_text()
 
 
 def test_every_missing_package_is_built_in_order_and_a_failure_stops(monkeypatch, tmp_path, capsys):
@@ -88,9 +90,9 @@ def test_every_missing_package_is_built_in_order_and_a_failure_stops(monkeypatch
     assert "last line" in err and "mamba-ssm: pip failed (exit 3) after " in err
 
 
-def test_make_runs_it_after_install():
+def test_make_runs_it_after_install_within_the_lock():
     makefile = (REPO / "Makefile").read_text()
-    assert (
-        "install-gpu-kernels: install\n\t$(PY) -m toolkit.model.kernel_build $(VENV)/kernel-builds\n"
-        in makefile
+    target = (
+        "install-gpu-kernels: install\n\t$(PY) -m toolkit.model.kernel_build $(VENV)/kernel-builds $(LOCK)\n"
     )
+    assert target in makefile

@@ -1,12 +1,14 @@
 """`make install-gpu-kernels`: causal-conv1d and mamba-ssm, the GPU kernels of the short-convolution and
 Mamba-2 layers (toolkit/model/families.py), compiled against the environment's CUDA torch. They are not in
 the `gpu` extra because pip cannot build them in isolation (their build imports torch) and they compile
-CUDA code for minutes; without them those layers run transformers' PyTorch versions and packed rows run
-them one example at a time (exact, slower).
+CUDA code for minutes (their setup first looks for a prebuilt wheel matching torch and CUDA on the
+projects' release pages, and compiles where none matches); without them those layers run transformers'
+PyTorch versions and packed rows run them one example at a time (exact, slower).
 
 What would make the build fail is refused first, in one line, exit 2: no nvcc, a CPU build of torch, or an
 nvcc whose CUDA major release is not torch's. Each package then builds with a line every PROGRESS_S seconds
-and its time at the end; pip's output goes to a log file beside the environment, shown in part on failure.
+and its time at the end, inside the versions the suite passed with (constraints.txt: pip may not move torch
+or transformers); pip's output goes to a log file beside the environment, shown in part on failure.
 """
 
 from __future__ import annotations
@@ -65,14 +67,16 @@ def check(torch_version: str, torch_cuda: str | None, nvcc: str) -> None:
         )
 
 
-def build(spec: str, log: Path, progress_s: float = PROGRESS_S) -> int:
-    """pip-install `spec`, a line every `progress_s` seconds and its time at the end; pip's exit code."""
+def build(spec: str, log: Path, constraints: Path | None = None, progress_s: float = PROGRESS_S) -> int:
+    """pip-install `spec` (within `constraints`), a line every `progress_s` seconds and its time at the end;
+    pip's exit code."""
     name = _name(spec)
     print(f"{name}: building (compiles CUDA code; pip's output in {log})", flush=True)
     start, next_line = time.monotonic(), progress_s
     env = {**os.environ, "MAX_JOBS": os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))}
     with log.open("w") as out:
-        pip = subprocess.Popen([*PIP, spec], stdout=out, stderr=subprocess.STDOUT, env=env)
+        within = ["-c", str(constraints)] if constraints else []
+        pip = subprocess.Popen([*PIP, *within, spec], stdout=out, stderr=subprocess.STDOUT, env=env)
         while pip.poll() is None:
             time.sleep(min(1.0, progress_s))
             elapsed = time.monotonic() - start
@@ -92,7 +96,7 @@ def build(spec: str, log: Path, progress_s: float = PROGRESS_S) -> int:
     return 0
 
 
-def main(logs: Path) -> int:
+def main(logs: Path, constraints: Path | None = None) -> int:
     """Build what is missing; 2 where the build is refused, pip's exit code where it fails."""
     found = _installed()
     missing = [spec for spec in PACKAGES if _name(spec) not in found]
@@ -107,7 +111,7 @@ def main(logs: Path) -> int:
         return 2
     logs.mkdir(parents=True, exist_ok=True)
     for spec in missing:
-        code = build(spec, logs / f"{_name(spec)}.log")
+        code = build(spec, logs / f"{_name(spec)}.log", constraints)
         if code:
             return code
     return 0
@@ -127,4 +131,5 @@ def _installed() -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(sys.prefix) / "kernel-builds"))
+    args = [Path(arg) for arg in sys.argv[1:3]]
+    sys.exit(main(args[0] if args else Path(sys.prefix) / "kernel-builds", *args[1:]))
