@@ -6,6 +6,8 @@ step, refused where packing would leak, as the recipe refuses it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from tiny_families import FAMILIES, tiny_config
@@ -136,6 +138,9 @@ def test_plan_shows_the_packed_rows_tokens_per_step(capsys):
     assert "data.packing=true" in launch
     assert cli(["plan", "--model", "Qwen/Qwen3.5-9B", "--global-batch", "16"]) == 0
     assert "tokens   at most 16 rows x 2048 = 32,768 a step: each example padded" in capsys.readouterr().out
+    assert cli(["plan", "--model", "Qwen/Qwen3.5-9B", "--packing", "--seq-len", "4096", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["tokens_per_step"] == 32 * 4096 and plan["request"]["packing"] is True
 
 
 def test_packing_is_refused_where_the_recipe_refuses_it(tmp_path):

@@ -323,6 +323,7 @@ def to_json(plan: Plan) -> dict:
         "request": dataclasses.asdict(plan.request),
         "precision": dataclasses.asdict(plan.precision),
         "flops_per_token": plan.flops_per_token,
+        "tokens_per_step": plan.request.tokens_per_step,
         "backends": [_row_json(plan, row) for row in plan.rows],
         "recommendation": None
         if choice is None
