@@ -47,10 +47,8 @@ def launch_line(
             "lora.dropout": request.lora_dropout,
             "lora.target_modules": "all-linear",
         }
-    if request.objective == "sft":
-        wanted["data.packing"] = request.packing
     if request.packing:  # the recipe takes one of the two
-        wanted["data.group_by_length"] = False
+        wanted |= {"data.packing": True, "data.group_by_length": False}
     if seeing:
         wanted |= {f"vision.{key}": getattr(request, key) for key in VISION_KEYS}
     if request.objective == "grpo":
