@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 # With a GPU, the `gpu` extra too (Liger's Triton kernels, which need the CUDA torch chosen above).
 GPU_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ",gpu")
 
-.PHONY: install install-vllm test-vllm lock demo demo-dpo demo-rm demo-grpo demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean
+.PHONY: install install-vllm install-gpu-kernels test-vllm lock demo demo-dpo demo-rm demo-grpo demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -86,6 +86,13 @@ demo-grpo: install
 		train.overwrite=true train.max_steps=235 output_dir=runs/demo-grpo-start eval.exact_match_samples=0
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/grpo_llm.py \
 		train.overwrite=true $(ARGS)
+
+# causal-conv1d and mamba-ssm, the short-convolution and Mamba-2 layers' GPU kernels (docs/models.md): compiled
+# against .venv's CUDA torch, a line every 30 s and each one's time (tens of minutes on few cores; MAX_JOBS=N
+# caps the compiler's jobs), within the lock's versions. Refused in one line without nvcc, with a CPU torch, or with an nvcc of another
+# CUDA major release; pip's output in .venv/kernel-builds/.
+install-gpu-kernels: install
+	$(PY) -m toolkit.model.kernel_build $(VENV)/kernel-builds $(LOCK)
 
 # pytest exits 5 when it collects no tests: said in one line, not a failed stage.
 pytest = $(PY) -m pytest $(1) || { code=$$?; [ $$code -eq 5 ] && echo "no tests collected in $(1)" || exit $$code; }

@@ -194,7 +194,15 @@ def test_recurrent_kernels_are_reported_per_layer_kind_on_a_gpu_machine():
     packages = {**machine().packages, "mamba-ssm": None, "causal-conv1d": None}
     lacking = finding(machine(packages=packages), "recurrent kernels")
     assert lacking.status == "warn" and "Mamba-2: mamba-ssm missing, causal-conv1d missing" in lacking.message
-    assert lacking.fix.startswith("pip install causal-conv1d mamba-ssm ")
+    assert (
+        lacking.fix
+        == "make install-gpu-kernels (builds causal-conv1d and mamba-ssm), where those families train"
+    )
+    packages = {**packages, "flash-linear-attention": None}
+    fix = finding(machine(packages=packages), "recurrent kernels").fix
+    assert fix.startswith(
+        "pip install flash-linear-attention; make install-gpu-kernels (builds causal-conv1d"
+    )
     assert not [
         f for f in diagnose(machine(gpus=[], p2p=[], torch_cuda=None)) if f.check == "recurrent kernels"
     ]

@@ -219,6 +219,9 @@ def test_a_gpu_run_names_the_kernel_packages_it_lacks(monkeypatch):
     monkeypatch.setattr(families.importlib.util, "find_spec", lambda name: None)
     (note,) = families.kernel_notes(family, on_gpu=True)
     assert "qwen3_next's gated DeltaNet layers run without flash-linear-attention and causal-conv1d" in note
+    assert note.endswith(
+        "pip install flash-linear-attention; make install-gpu-kernels (builds causal-conv1d)"
+    )
     assert families.kernel_notes(family, on_gpu=False) == []
     assert families.kernel_notes(family_of(tiny_config("smollm3")), on_gpu=True) == []
     monkeypatch.setattr(families.importlib.util, "find_spec", lambda name: object())

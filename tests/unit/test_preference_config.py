@@ -59,6 +59,8 @@ def test_every_dpo_key_is_documented():
         (["dpo.beta=high"], "dpo.beta has the wrong type"),
         (["dpo.max_prompt_length=64"], "dpo.max_prompt_length: must be in [0, data.max_length=64)"),
         (["data.packing=true"], "data.packing is for SFT; pairs are batched whole"),
+        (["dpo.loss=kto", "dpo.sft_weight=null", "data.packing=true"], "data.packing is for SFT"),
+        (["data.streaming=true"], "data.streaming is for SFT (it packs rows); pairs are read whole"),
         (["dpo.sft_weight=-1"], "dpo.sft_weight"),
         (["dpo.reference_model=/no/such/ref"], "dpo.reference_model: /no/such/ref does not exist"),
         (["dpo.loss=orpo", "dpo.reference_model=x"], "dpo.loss orpo uses no reference model"),

@@ -102,6 +102,7 @@ def test_reward_configs_are_told_apart_and_checked():
     assert cfg.reward.center_coefficient == 0.5
     for override, words in [
         ("data.packing=true", "data.packing is for SFT"),
+        ("data.streaming=true", "data.streaming is for SFT"),
         ("loss.head=chunked", "loss.head: chunked"),
         ("reward.max_prompt_length=64", "reward.max_prompt_length: must be below"),
         ("reward.center_coefficent=1", "center_coefficient"),

@@ -77,6 +77,7 @@ def plan_request(cfg: RecipeConfig, overrides: list[str], processes: int, mem_gi
         reference_model=bool(dpo and dpo.reference_model),
         loss_head=cfg.loss.head,
         chunk_tokens=cfg.loss.chunk_tokens,
+        packing=cfg.data.packing or cfg.data.streaming,
         **{key: getattr(cfg.vision, key) for key in VISION_KEYS},
     )
     return _with_grpo(request, cfg) if isinstance(cfg, GrpoRecipeConfig) else request

@@ -109,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         help="train.activation_offload: saved activations in CPU RAM, one layer's on the GPU",
     )
     plan.add_argument(
+        "--packing",
+        action="store_true",
+        default=None,
+        help="data.packing: examples packed into rows of --seq-len tokens (sft)",
+    )
+    plan.add_argument(
         "--longest-seq",
         action="store_true",
         default=None,

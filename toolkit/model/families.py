@@ -20,6 +20,9 @@ from dataclasses import dataclass
 FLA = "flash-linear-attention"
 CAUSAL_CONV = "causal-conv1d"
 MAMBA_SSM = "mamba-ssm"
+# Kernel packages that compile CUDA code against the installed torch: `make install-gpu-kernels` builds them
+# (toolkit/model/kernel_build.py); flash-linear-attention installs from a wheel (the `gpu` extra).
+CUDA_BUILT = (CAUSAL_CONV, MAMBA_SSM)
 # Each kernel package's import name.
 KERNEL_MODULES = {FLA: "fla", CAUSAL_CONV: "causal_conv1d", MAMBA_SSM: "mamba_ssm"}
 
@@ -42,11 +45,66 @@ class LayerKind:
     """Transformers hands its GPU kernels the packed examples' boundaries (`cu_seq_lens_q`, `seq_idx`)."""
     positions: bool = False
     """Restarted position ids keep each packed example to itself (softmax attention)."""
+    kept: Callable[[object], Kept] | None = None
+    """What one such layer keeps per token for the backward pass on the GPU kernels' path (from the text
+    config; `ftkit plan`'s activations): none, the plan counts it as attention."""
 
     @property
     def packs(self) -> bool:
         """Packed examples stay apart in it: by their position ids, or run one at a time."""
         return self.positions or bool(self.modules)
+
+
+@dataclass(frozen=True)
+class Kept:
+    """Per token, what a recurrent layer's mixer keeps for the backward pass (its input norm and MLP are
+    counted as any layer's): no sequence x sequence scores, a chunk kernel's per-chunk matrices instead."""
+
+    compute: int
+    """Elements in the compute dtype (projections, convolution outputs, gates, the mixer's output)."""
+    fp32: int
+    """Elements in float32 (decays, the chunk kernel's per-token matrices, the gated norm's upcast)."""
+    inner: int
+    """Width of the output projection's input (what LoRA dropout copies for it)."""
+
+
+# Tokens per chunk of flash-linear-attention's chunked delta rules: each keeps a chunk x chunk float32
+# matrix per head (its WY form) and recomputes the chunk states in backward.
+FLA_CHUNK = 64
+
+
+def _delta_net_kept(c) -> Kept:
+    """Gated DeltaNet (flash-linear-attention's chunk_gated_delta_rule, causal-conv1d): the qkv projection
+    (2K + V, the convolution's input) and the convolution's output, z, a and b, beta, the rule's output, the
+    gated norm's gate and output (K = key heads x key size, V = value heads x value size, H value heads);
+    in float32 the decay g, the WY matrix and the norm's upcast."""
+    keys = c.linear_num_key_heads * c.linear_key_head_dim
+    values, heads = c.linear_num_value_heads * c.linear_value_head_dim, c.linear_num_value_heads
+    return Kept(4 * keys + 6 * values + 3 * heads, heads + FLA_CHUNK * heads + values, values)
+
+
+def _kda_kept(c) -> Kept:
+    """Kimi delta attention (chunk_kimi_delta_attention): q, k and v projections and their convolutions'
+    outputs, the rule's output, the output gate and the norm's output (W = heads x head size, H heads,
+    beta per head); in float32 the per-channel decay, the WY matrix and the norm's upcast."""
+    width, heads = c.linear_num_heads * c.linear_head_dim, c.linear_num_heads
+    return Kept(9 * width + heads, 2 * width + FLA_CHUNK * heads, width)
+
+
+def _short_conv_kept(c) -> Kept:
+    """Short convolution (LFM2): the projection's B, C and x, B x, the convolution's output and C times it."""
+    return Kept(6 * c.hidden_size, 0, c.hidden_size)
+
+
+def _mamba2_kept(c) -> Kept:
+    """Mamba-2 (mamba-ssm's chunked scan): the input projection (z, x B C, dt), the convolution's output,
+    the scan's output with and without its gate, the gated norm's output (I = heads x head size, G groups of
+    state size N, H heads); in float32 dt and its cumulative decay, and the norm's upcast."""
+    heads = _field(c, "mamba_num_heads", "mamba_n_heads", "n_mamba_heads", "num_heads")
+    inner = heads * _field(c, "mamba_head_dim", "mamba_d_head", "mamba_headdim", "head_dim")
+    groups = _field(c, "n_groups", "mamba_n_groups", "mamba_ngroups")
+    bc = 2 * groups * _field(c, "ssm_state_size", "mamba_d_state", "state_size")
+    return Kept(6 * inner + 2 * bc + heads, 2 * heads + inner, inner)
 
 
 def _delta_net_state(c) -> int:
@@ -83,13 +141,27 @@ ATTENTION = LayerKind("attention", recurrent=False, positions=True)
 # whole row: a pooled key can hold two examples' tokens, whatever their positions.
 COMPRESSED = LayerKind("compressed or sparse-indexed attention", recurrent=False)
 GATED_DELTA_NET = LayerKind(
-    "gated DeltaNet", True, (FLA, CAUSAL_CONV), _delta_net_state, ("GatedDeltaNet",), boundaries=True
+    "gated DeltaNet",
+    True,
+    (FLA, CAUSAL_CONV),
+    _delta_net_state,
+    ("GatedDeltaNet",),
+    boundaries=True,
+    kept=_delta_net_kept,
 )
 # Transformers never hands its kernel (chunk_kimi_delta_attention) the boundaries: always one at a time.
-KIMI_DELTA = LayerKind("Kimi delta attention", True, (FLA, CAUSAL_CONV), _kda_state, ("DeltaAttention",))
+KIMI_DELTA = LayerKind(
+    "Kimi delta attention", True, (FLA, CAUSAL_CONV), _kda_state, ("DeltaAttention",), kept=_kda_kept
+)
 LIGHTNING = LayerKind("lightning attention", True)
 SHORT_CONV = LayerKind(
-    "short convolution", True, (CAUSAL_CONV,), _short_conv_state, ("ShortConv",), boundaries=True
+    "short convolution",
+    True,
+    (CAUSAL_CONV,),
+    _short_conv_state,
+    ("ShortConv",),
+    boundaries=True,
+    kept=_short_conv_kept,
 )
 MAMBA = LayerKind("Mamba", True, (MAMBA_SSM, CAUSAL_CONV))
 MAMBA2 = LayerKind(
@@ -99,6 +171,7 @@ MAMBA2 = LayerKind(
     _mamba2_state,
     ("Mamba2Mixer", "H1Mixer", "BambaMixer", "HybridMambaLayer", "Zamba2MambaMixer"),
     boundaries=True,
+    kept=_mamba2_kept,
 )
 RG_LRU = LayerKind("RG-LRU recurrence", True)
 RWKV = LayerKind("RWKV", True)
@@ -206,8 +279,16 @@ def kernel_notes(family: Family | None, on_gpu: bool) -> list[str]:
     kinds = ", ".join(kind.name for kind in family.recurrent)
     return [
         f"{family.model_type}'s {kinds} layers run without {' and '.join(missing)} (not installed): "
-        "transformers' PyTorch versions give the same results, slower; pip install them for speed"
+        f"transformers' PyTorch versions give the same results, slower; {install_line(missing)}"
     ]
+
+
+def install_line(missing: list[str]) -> str:
+    """How to install kernel packages: pip for the wheels, make install-gpu-kernels for what compiles."""
+    wheels = [name for name in missing if name not in CUDA_BUILT]
+    built = [name for name in missing if name in CUDA_BUILT]
+    fixes = [f"pip install {' '.join(wheels)}"] if wheels else []
+    return "; ".join(fixes + ([f"make install-gpu-kernels (builds {' and '.join(built)})"] if built else []))
 
 
 # Config keys of the dropout rates transformers applies while a model trains.

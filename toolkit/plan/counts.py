@@ -19,6 +19,7 @@ from toolkit.model import lora_targets, moe, vision
 from toolkit.model.families import family_of, widest
 from toolkit.plan import architectures, hub
 from toolkit.plan.images import VisionCounts, count_vision
+from toolkit.plan.memory import ATTENTION
 from toolkit.train.head import logit_change_problem
 
 
@@ -67,6 +68,18 @@ class ModelCounts:
     are never cut across processes."""
     latent_cache: bool = False
     """The cache is MLA's latent (kv_lora_rank + qk_rope_head_dim): tensor parallelism does not split it."""
+    mixers: tuple[tuple[str, ...], ...] = ()
+    """Each decoder layer's sequence mixers as the activations count them: "attention", or a recurrent
+    kind's name where `recurrent_kept` has it (none: feed-forward only; an empty tuple: every layer
+    attention and an MLP)."""
+    recurrent_kept: tuple[tuple[str, tuple[int, int, int]], ...] = ()
+    """Per recurrent kind, what one such layer keeps per token for backward: (compute-dtype elements, fp32
+    elements, its output projection's input width), from toolkit/model/families.py's `Kept`."""
+    packing_leak: str = ""
+    """The layer kind that would let one packed example reach the next ("": packing is exact; the recipe
+    refuses data.packing otherwise)."""
+    mlp_alone: bool = False
+    """The MLPs are layers of their own (Nemotron-H): a mixer layer has none."""
     state_per_sequence: int = 0
     """Elements the recurrent layers (linear attention, convolution, Mamba) keep per sequence while
     generating, whatever its length, instead of a per-token cache."""
@@ -235,11 +248,12 @@ def _counts(model, text, method: str, lora_r: int, source: str) -> ModelCounts:
     total = sum(p.numel() for p in params)
     head = model.get_output_embeddings()
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    routing = moe.routing(text)
-    matmul_frozen, matmul_trainable = moe.matmul_weights(model, routing.active_share)
     expert_params = sum(
         p.numel() for m in model.modules() for p in m.parameters(recurse=False) if moe.is_routed_expert(p, m)
     )
+    # A dense model whose config keeps a mixture's defaults (Nemotron-H-8B: no "moe" layer) routes nothing.
+    routing = moe.routing(text) if expert_params else moe.Routing()
+    matmul_frozen, matmul_trainable = moe.matmul_weights(model, routing.active_share)
     quantizable = sum(m.weight.numel() for m in linears if m is not head and not m.weight.requires_grad)
     layer_names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_names]
@@ -276,6 +290,8 @@ def _counts(model, text, method: str, lora_r: int, source: str) -> ModelCounts:
         latent_cache=bool(family.latent_kv),
         recurrent=family.recurrent[0].name if family.recurrent else "",
         state_per_sequence=family.state_elements(text),
+        **_activation_shapes(family, text),
+        packing_leak=family.leaks.name if family.leaks else "",
         positions=getattr(text, "max_position_embeddings", None) or 0,
         experts=routing.experts,
         experts_per_token=routing.per_token,
@@ -287,6 +303,20 @@ def _counts(model, text, method: str, lora_r: int, source: str) -> ModelCounts:
         tp_split_trainable=split_trainable,
         pipeline_parts=_pipeline_parts(params, layers),
     )
+
+
+def _activation_shapes(family, text) -> dict:
+    """`ModelCounts.mixers`, `recurrent_kept` and `mlp_alone`: a recurrent kind without a formula of what it
+    keeps is counted as attention."""
+    kept = {kind.name: kind.kept(text) for kind in family.recurrent if kind.kept}
+    mixers = tuple(
+        tuple(kind.name if kind.name in kept else ATTENTION for kind in layer) for layer in family.layers
+    )
+    return {
+        "mixers": mixers,
+        "recurrent_kept": tuple((name, (k.compute, k.fp32, k.inner)) for name, k in kept.items()),
+        "mlp_alone": any(not layer for layer in family.layers),
+    }
 
 
 def _mlp_width(text) -> int:

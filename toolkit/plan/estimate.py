@@ -77,6 +77,11 @@ def make_plan(request: PlanRequest, cost: CostRequest | None = None) -> Plan:
     config, source = load_model_config(request.model)
     counts = count_parameters(config, request.method, request.lora_r, source, request.vision)
     request.check_model(counts.model_type, counts.vision is not None)
+    if request.packing and counts.packing_leak:
+        raise UserError(
+            f"--packing: {request.model} ({counts.model_type}) has {counts.packing_leak} layers, which let "
+            "one packed example reach the next; the recipe refuses data.packing on it"
+        )
     rows_of_images = _image_rows(counts, request)
     if rows_of_images is not None:
         images.check_row(rows_of_images, request.row_tokens)

@@ -47,6 +47,8 @@ def launch_line(
             "lora.dropout": request.lora_dropout,
             "lora.target_modules": "all-linear",
         }
+    if request.packing:  # the recipe takes one of the two
+        wanted |= {"data.packing": True, "data.group_by_length": False}
     if seeing:
         wanted |= {f"vision.{key}": getattr(request, key) for key in VISION_KEYS}
     if request.objective == "grpo":

@@ -19,6 +19,7 @@ is in `plan.comm`; GRPO's generation phase is in `plan.generation`; the records 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from toolkit.config import LossConfig
@@ -42,6 +43,8 @@ FRAGMENTATION = 0.10
 """Share of tensor memory the caching allocator loses to fragmentation."""
 PROCESS_RAM = 2 * GIB
 """CPU RAM of one training process before it loads a model (Python, torch, CUDA libraries, data)."""
+ATTENTION = "attention"
+"""A decoder layer's softmax attention in `ModelCounts.mixers` (a recurrent mixer goes by its kind's name)."""
 
 
 @dataclass(frozen=True)
@@ -141,38 +144,78 @@ def activation_bytes(
         each RMSNorm (2 a layer)  4h + 2eh        fp32 copy of its input, normalised x, its output
         attention                 5e*h_a + 4a     q, k and v (repeated to every head), the SDPA output and its
                                                   contiguous copy for o_proj; fp32 log-sum-exp per head
+        recurrent mixer           e*c + 4f        what its kind keeps (toolkit/model/families.py, Kept):
+                                                  c compute-dtype and f fp32 elements, no s x s scores
         SwiGLU MLP                4e*i            gate, up, SiLU(gate), and their product
         mixture of experts        2ekh + 8E       the token's k copies sent to its experts and their outputs
                                                   before the weighted sum; fp32 router logits and
                                                   probabilities over the E experts. Its i is the width the
                                                   token spans: k experts' (and a shared expert's)
         LoRA dropout (p > 0)      (e+1)(5h+h_a+i) a dropped copy of each adapted input, with its 1-byte mask
-    The head adds one RMSNorm (the loss head's own memory is `head_bytes`). With gradient checkpointing only
-    each layer's input is kept (r bytes per h, r the weights' dtype size: the residual stream's dtype), plus
-    one layer being recomputed.
+                                                  (a recurrent mixer's: 2h + its output projection's input)
+    A hybrid's layers each count their own mixer (an attention layer attention, a gated DeltaNet layer its
+    own); a family whose MLPs are layers of their own (Nemotron-H) has one norm and no MLP in its mixer
+    layers. The head adds one RMSNorm (the loss head's own memory is `head_bytes`). With gradient
+    checkpointing only each layer's input is kept (r bytes per h, r the weights' dtype size: the residual
+    stream's dtype), plus the largest layer being recomputed.
     Under tensor parallelism of size `tp` (which divides the heads and i) the attention and MLP terms and the
-    dropped inputs of o_proj and down_proj are split tp ways; the norms and the residual stream stay whole.
+    dropped inputs of o_proj and down_proj are split tp ways; the norms, the residual stream and the
+    recurrent mixers stay whole.
     Total = s x b x per-token bytes.
     """
     layer, kept, norm = token_activation_bytes(counts, precision, lora_dropout, tp)
-    stored = counts.layers * kept + layer if checkpointing else counts.layers * layer
+    if checkpointing:
+        stored = counts.layers * kept + layer
+    else:
+        stored = stack_activation_bytes(counts, precision, lora_dropout, tp)
     return (stored + norm) * seq_len * micro_batch
 
 
 def token_activation_bytes(
     counts, precision: Precision, lora_dropout: float = 0.0, tp: int = 1
 ) -> tuple[int, int, int]:
-    """Per token, as `activation_bytes` counts them: (a decoder layer's activations, what checkpointing keeps
-    of a layer, one RMSNorm's)."""
+    """Per token, as `activation_bytes` counts them: (the largest decoder layer's activations, what
+    checkpointing keeps of a layer, one RMSNorm's)."""
     e = compute_bytes(precision)
+    norm = 4 * counts.hidden + 2 * e * counts.hidden
+    kinds = set(getattr(counts, "mixers", ())) or {(ATTENTION,)}
+    largest = max(_layer_bytes(counts, mixers, e, lora_dropout, tp) for mixers in kinds)
+    return largest, residual_bytes(counts, precision) * counts.hidden, norm
+
+
+def stack_activation_bytes(counts, precision: Precision, lora_dropout: float = 0.0, tp: int = 1) -> int:
+    """Per token, every decoder layer's activations (without checkpointing)."""
+    e = compute_bytes(precision)
+    kinds = Counter(layer_mixers(counts))
+    return sum(n * _layer_bytes(counts, mixers, e, lora_dropout, tp) for mixers, n in kinds.items())
+
+
+def layer_mixers(counts) -> tuple[tuple[str, ...], ...]:
+    """Each decoder layer's sequence mixers as the plan counts them (`ModelCounts.mixers`); a shape without
+    them (a vision tower's block) is attention and an MLP in every layer."""
+    return getattr(counts, "mixers", ()) or ((ATTENTION,),) * counts.layers
+
+
+def _layer_bytes(counts, mixers: tuple[str, ...], e: int, lora_dropout: float, tp: int) -> int:
+    """One decoder layer's activations per token, `mixers` its sequence mixers (see `activation_bytes`)."""
     h, h_a, i = counts.hidden, counts.heads * counts.head_dim, counts.intermediate
-    norm = 4 * h + 2 * e * h
-    layer = 2 * norm + (5 * e * h_a + 4 * counts.heads + 4 * e * i) // tp
-    if counts.experts:
-        layer += 2 * e * counts.experts_per_token * h + 8 * counts.experts
+    attention = ATTENTION in mixers
+    mlp = not mixers or not getattr(counts, "mlp_alone", False)
+    whole = (4 * h + 2 * e * h) * (bool(mixers) + mlp)
+    split = (5 * e * h_a + 4 * counts.heads) * attention + 4 * e * i * mlp
+    dropped, dropped_split = 3 * h * attention + 2 * h * mlp, h_a * attention + i * mlp
+    kept = dict(getattr(counts, "recurrent_kept", ()))
+    for name in mixers:
+        if name in kept:
+            compute, fp32, inner = kept[name]
+            whole += e * compute + 4 * fp32
+            dropped += 2 * h + inner
+    if counts.experts and mlp:
+        whole += 2 * e * counts.experts_per_token * h + 8 * counts.experts
+    layer = whole + split // tp
     if counts.method != "full" and lora_dropout > 0:
-        layer += (e + 1) * (5 * h + (h_a + i) // tp)
-    return layer, residual_bytes(counts, precision) * h, norm
+        layer += (e + 1) * (dropped + dropped_split // tp)
+    return layer
 
 
 def residual_bytes(counts, precision: Precision) -> int:

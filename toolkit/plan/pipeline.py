@@ -196,6 +196,7 @@ def gpu_counts(counts, pipe: Pipe, index: int):
         embed=counts.embed if first else 0,
         lm_head=counts.lm_head if last else 0,
         layers=len(ids),
+        mixers=tuple(counts.mixers[i] for i in ids) if counts.mixers else (),
     )
 
 
@@ -243,7 +244,10 @@ def _head_bytes(held, pipe: Pipe, tokens: int, request: PlanRequest, precision: 
 def _layer_activations(held, pipe: Pipe, index: int, tokens: int, ckpt: bool, precision, request) -> int:
     layer, kept, norm = memory.token_activation_bytes(held, precision, request.lora_dropout)
     last = index == pipe.mesh.pp - 1
-    per_micro_batch = held.layers * (kept if ckpt else layer) + (norm if last else 0)
+    stack = (
+        held.layers * kept if ckpt else memory.stack_activation_bytes(held, precision, request.lora_dropout)
+    )
+    per_micro_batch = stack + (norm if last else 0)
     recomputed = layer * tokens if ckpt else 0
     return math.ceil(pipe.in_flight(index) * per_micro_batch * tokens) + recomputed
 

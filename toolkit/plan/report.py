@@ -54,6 +54,7 @@ def _header(plan: Plan) -> list[str]:
         f"seq {r.seq_len} | global batch {r.global_batch} | {head}"
         + (" | activations offloaded to CPU RAM" if r.activation_offload else ""),
         *_experts(c),
+        _tokens(plan),
         *_vision(plan),
         f"compute  {plan.flops_per_token / 1e9:.2f} GFLOP per trained token (see toolkit/model/flops.py)",
         *_grpo_setup(plan),
@@ -67,6 +68,23 @@ def _layers(c) -> list[str]:
         return []
     latent = f", multi-head latent attention caching {c.cache[0][0]} a token" if c.latent_cache else ""
     return [f"layers   {c.layer_kinds}{latent}"]
+
+
+def _tokens(plan: Plan) -> str:
+    """What a step's tokens are: packed rows full of examples, or examples padded to their micro-batch's
+    longest (a hybrid's packed rows keep each example's recurrent state its own)."""
+    r, c = plan.request, plan.counts
+    rows = r.global_batch * r.rows_per_example
+    if not r.packing:
+        return (
+            f"tokens   at most {rows} rows x {r.row_tokens} = {r.tokens_per_step:,} a step: each example "
+            "padded to its micro-batch's longest (--packing fills the rows with whole examples)"
+        )
+    state = f"; its {c.recurrent} layers start each example from an empty state" if c.recurrent else ""
+    return (
+        f"tokens   {rows} packed rows x {r.row_tokens} = {r.tokens_per_step:,} a step, every one an "
+        f"example's but the rows' unfilled ends{state}"
+    )
 
 
 def _experts(c) -> list[str]:
@@ -305,6 +323,7 @@ def to_json(plan: Plan) -> dict:
         "request": dataclasses.asdict(plan.request),
         "precision": dataclasses.asdict(plan.precision),
         "flops_per_token": plan.flops_per_token,
+        "tokens_per_step": plan.request.tokens_per_step,
         "backends": [_row_json(plan, row) for row in plan.rows],
         "recommendation": None
         if choice is None

@@ -54,6 +54,9 @@ class PlanRequest:
     activation_offload: bool = False
     """train.activation_offload: the activations saved for backward wait in CPU RAM; the GPU holds one
     layer's."""
+    packing: bool = False
+    """data.packing (or data.streaming): whole examples packed into rows of --seq-len tokens, so a step's
+    tokens are examples' rather than padding (sft only, as the recipes)."""
     longest_seq: bool = False
     """Also find each setup's and layout's longest --seq-len that fits (a multiple of 1024, up to 1M)."""
     dtype: PlanDtype = "auto"
@@ -113,6 +116,10 @@ class PlanRequest:
             raise UserError(f"--{_flag(name)} {message}")
         if self.reference_model and self.objective == "sft":
             raise UserError("--reference-model is for --objective dpo or grpo")
+        if self.packing and self.objective != "sft":
+            raise UserError(
+                f"--packing is for --objective sft: the {self.objective} recipe batches whole rows"
+            )
         if self.tower_blocks and not self.train_tower:
             raise UserError("--tower-blocks chooses the blocks --train-tower trains; add --train-tower")
         per_step = (self.micro_batch or 1) * self.gpus
@@ -154,6 +161,11 @@ class PlanRequest:
     def row_tokens(self) -> int:
         """Tokens of one trained sequence: under grpo a prompt and its completion."""
         return self.seq_len + (self.max_new_tokens if self.objective == "grpo" else 0)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens a step computes: rows of --seq-len tokens (packed), or padded up to it at most."""
+        return self.global_batch * self.rows_per_example * self.row_tokens
 
     @property
     def head(self) -> Head:

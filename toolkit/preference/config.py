@@ -90,6 +90,8 @@ def check_pair_data(cfg: RecipeConfig) -> None:
     """What every recipe that reads preference pairs refuses of the data section."""
     if cfg.data.packing:
         raise UserError("data.packing is for SFT; pairs are batched whole (data.group_by_length pads less)")
+    if cfg.data.streaming:
+        raise UserError("data.streaming is for SFT (it packs rows); pairs are read whole, before training")
     if cfg.data.format != "auto":
         raise UserError("data.format: preference layouts are detected from the records; leave it auto")
 

@@ -4,7 +4,7 @@ optional extras, the default accelerate config, DeepSpeed's ops and bitsandbytes
 from __future__ import annotations
 
 from toolkit.commands.doctor.records import PACKAGES, Finding, Probes
-from toolkit.model.families import GATED_DELTA_NET, KIMI_DELTA, MAMBA2, SHORT_CONV
+from toolkit.model.families import GATED_DELTA_NET, KIMI_DELTA, MAMBA2, SHORT_CONV, install_line
 
 OPTIONAL = {
     "deepspeed": "the zero*.yaml configs need it: pip install 'ftkit[deepspeed]'",
@@ -70,7 +70,7 @@ def recurrent_kernels(p: Probes) -> Finding | None:
         "recurrent kernels",
         "warn",
         f"{shown} (their layers run transformers' PyTorch versions, packed rows one example at a time)",
-        f"pip install {' '.join(missing)} --no-build-isolation, where those families train",
+        f"{install_line(missing)}, where those families train",
     )
 
 
