@@ -158,6 +158,10 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
         raise UserError(f"grpo.max_turns: {grpo.max_turns} must be at least 1")
     if grpo.generation == "vllm":
         validate_engine(cfg)
+    if grpo.environment.tools:
+        from toolkit.grpo.environment import Environment  # imports the user's tools: only when named
+
+        Environment.build(grpo)  # a tool not importable or without type hints: one line, nothing written
     if grpo.reference_model:
         check_local_path(grpo.reference_model, "grpo.reference_model")
 
@@ -175,14 +179,19 @@ def validate_engine(cfg: GrpoRecipeConfig) -> None:
             f"grpo.vllm.host: {cfg.grpo.vllm.host} would expose vLLM's development endpoints, which a full "
             "fine-tune's engine opens to reload its weights; keep it on 127.0.0.1"
         )
-    if cfg.grpo.environment.tools:
-        raise UserError(
-            "grpo.environment: multi-turn rollouts run on HF generate only so far; set grpo.generation=hf"
-        )
     if cfg.lora.use_dora:
         raise UserError(
             "grpo.generation=vllm: lora.use_dora adapters are not loaded by the engine; turn it off"
         )
+
+
+def check_engine_environment(cfg: GrpoRecipeConfig) -> None:
+    """Before the run writes anything: an engine ftkit would start needs its environment (.venv-vllm).
+    Not part of `validate_grpo`, which also checks configs planned for another machine."""
+    if cfg.grpo.generation == "vllm" and not cfg.grpo.vllm.url:
+        from toolkit.engine import server
+
+        server.engine_python(server.ENGINE_VENV)
 
 
 def prompts_per_round(cfg: GrpoRecipeConfig) -> int:
