@@ -175,10 +175,10 @@ def scripted(monkeypatch, tokenizer, turns: list[str]):
     returns the seeds each call was given."""
     seen = []
 
-    def sample(policy, contexts, seeds, cfg, pad_id, eos_id, synced):
+    def sample(policy, contexts, seeds, cfg, pad_id, end_ids, synced, stops=None):
         seen.append(list(seeds))
         turn = len(seen) - 1
-        tokens = tokenizer(turns[turn], add_special_tokens=False)["input_ids"] + [eos_id]
+        tokens = tokenizer(turns[turn], add_special_tokens=False)["input_ids"] + [end_ids[0]]
         return [tokens[: cfg.max_new_tokens] for _ in contexts]
 
     monkeypatch.setattr(sampling, "sample", sample)

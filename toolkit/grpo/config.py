@@ -82,8 +82,9 @@ class GrpoConfig:
     rewards: list[str] = field(default_factory=lambda: ["exact_answer"])
     """Reward functions, summed: exact_answer (the completion equals the data's answer) | format (it
     matches grpo.format_pattern) | length (minus its share of max_new_tokens) | module:function or
-    path/to/file.py:function (yours: f(prompts, completions, answers) -> list of floats) | a reward model's
-    folder (recipes/reward_llm.py's final/ or merged/, with the policy's tokenizer)."""
+    path/to/file.py:function (yours: f(prompts, completions, answers) -> list of floats, or
+    f(trajectories) -> list of floats on whole conversations) | a reward model's folder
+    (recipes/reward_llm.py's final/ or merged/, with the policy's tokenizer)."""
     reward_weights: list[float] = field(default_factory=list)
     """One weight per reward function (empty: 1 each)."""
     format_pattern: str = r"\S.*"
