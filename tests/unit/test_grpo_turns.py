@@ -8,16 +8,19 @@ import contextlib
 
 import pytest
 import scripted_agent
+import torch
 from helpers import REPO, load_recipe
 from test_agent_data import LLAMA31
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.data.chat import ensure_chat_template
-from toolkit.engine import server
+from toolkit.engine import client, server
 from toolkit.errors import USER_ERROR_EXIT_CODE, run_main
 from toolkit.grpo import multiturn, sampling
 from toolkit.grpo.config import GrpoConfig, GrpoRecipeConfig
+from toolkit.grpo.engine import EngineSampler, logprob_gap
 from toolkit.grpo.environment import Environment
+from toolkit.grpo.rewards import Rewards, TrajectoryReward
 
 CALCULATOR = f"{REPO / 'toolkit' / 'assets' / 'demo' / 'calculator.py'}:calculator"
 BUDGET = 96
@@ -139,3 +142,95 @@ def test_the_turn_ends_each_template_writes():
     assert not ends.strings and ends.closed([5, ends.ids[1]]) == "token" and ends.closed([5]) is None
     stops = sampling.StopStrings(["ab"], lambda tokens: "".join(chr(96 + t) for t in tokens))
     assert stops.cut([3, 1, 2, 1, 2]) == [3, 1, 2] and stops.cut([1, 1]) == [1, 1]
+
+
+def test_on_the_engine_the_main_process_asks_each_turn_and_keeps_the_models_log_probs(monkeypatch, agent):
+    """EngineSampler's turns through client.complete, answered here by the scripted agent as the engine
+    would (its seed, its budget, its stop strings kept): the same conversations as HF generate's, the
+    engine's log-probs on the model's tokens and none on the environment's."""
+    model, tokenizer = agent
+    seeds = list(range(100, 108))
+    expected = hf_conversations(monkeypatch, model, tokenizer, seeds)
+    payloads = []
+
+    def post(url, path, payload):
+        payloads.append(payload)
+        limits = GrpoConfig(max_new_tokens=payload["max_tokens"])
+        decode = lambda tokens: tokenizer.decode(tokens, skip_special_tokens=False)  # noqa: E731
+        stops = sampling.StopStrings(payload.get("stop", []), decode)
+        ends = payload["stop_token_ids"]
+        (tokens,) = sampling.sample(
+            model, [payload["prompt"]], [payload["seed"]], limits, 3, ends, False, stops
+        )
+        logps = [-1.0 - 0.01 * t for t in tokens]
+        return {"choices": [{"token_ids": tokens, "logprobs": {"token_logprobs": logps}}]}
+
+    monkeypatch.setattr(client, "post", post)
+    cfg = GrpoRecipeConfig(grpo=GrpoConfig(max_new_tokens=BUDGET, max_turns=3))
+    cfg.grpo.environment.tools = [CALCULATOR]
+    held = type("Engine", (), {"url": "http://engine", "check_alive": lambda self: None})()
+    engine = EngineSampler(type("Accelerator", (), {"num_processes": 1})(), cfg, held)
+    monkeypatch.setattr(engine, "sync", lambda model, round_index: 0.25)
+    prompt = agent_prompt(tokenizer)
+    talks, sync_seconds = multiturn.engine_conversations(
+        engine, model, [prompt] * len(seeds), seeds, cfg, tokenizer, Environment.build(cfg.grpo), 0
+    )
+    assert sync_seconds == 0.25
+    assert [(t.tokens, t.trained, t.stats) for t in talks] == [
+        (t.tokens, t.trained, t.stats) for t in expected
+    ]
+    assert all(p["stop"] == ["</tool_call>"] and p["include_stop_str_in_output"] for p in payloads)
+    later = [p for p in payloads if len(p["prompt"]) > len(prompt)]  # second and third turns
+    assert later and all(p["max_tokens"] == BUDGET - (len(p["prompt"]) - len(prompt)) for p in later)
+    assert {p["seed"] for p in later} <= {multiturn.turn_seed(s, t) for s in seeds for t in (1, 2)}
+    table = multiturn.logp_table(talks, BUDGET)
+    for i, talk in enumerate(talks):
+        for j, (token, trained) in enumerate(zip(talk.tokens, talk.trained, strict=True)):
+            assert table[i, j].item() == pytest.approx(-1.0 - 0.01 * token if trained else 0.0)
+    # The gap between the engine and the trainer counts the model's tokens only.
+    lengths = torch.tensor([len(t.tokens) for t in talks])
+    mask = torch.zeros(len(talks), BUDGET, dtype=torch.long)
+    for i, talk in enumerate(talks):
+        mask[i, : len(talk.trained)] = torch.tensor(talk.trained)
+    trainer = table + mask * 0.125 - (1 - mask) * 5.0  # the environment's tokens far off: not counted
+    assert logprob_gap(table, trainer, lengths, mask) == pytest.approx((0.125, 0.125))
+
+
+REWARDS = """
+def calls(trajectories):
+    return [t["tool_calls"] + 10 * (t["messages"][-1]["content"] == t["answer"]) for t in trajectories]
+
+
+def answers(prompts, completions, answers):
+    return [1.0] * len(completions)
+"""
+
+
+def test_a_reward_on_whole_trajectories_is_declared_by_its_one_parameter(monkeypatch, tmp_path, agent):
+    model, tokenizer = agent
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    grpo = GrpoConfig(rewards=[f"{tmp_path / 'rewards.py'}:calls", f"{tmp_path / 'rewards.py'}:answers"])
+    rewards = Rewards.build(grpo)
+    assert isinstance(rewards.functions["calls"], TrajectoryReward)
+    assert not isinstance(rewards.functions["answers"], TrajectoryReward)
+    talks = hf_conversations(monkeypatch, model, tokenizer, list(range(100, 108)))
+    texts = [t.answer for t in talks]
+    trajectories = multiturn.trajectories(["p"] * len(talks), ["7"] * len(talks), texts, talks)
+    assert trajectories[0]["prompt"] == "p" and trajectories[0]["messages"] == talks[0].messages
+    scores = rewards.score(
+        ["p"] * len(talks), texts, ["7"] * len(talks), [1] * len(talks), None, trajectories
+    )
+    expected = [t.stats["tool_calls"] + 10 * (t.answer == "7") for t in talks]
+    assert scores["calls"] == expected and len(set(expected)) > 1
+    assert scores["total"] == [v + 1.0 for v in expected]
+    # Single-turn GRPO: one assistant message per completion.
+    (single,) = multiturn.trajectories(["p"], ["7"], [" 7 "], None)
+    assert single == {
+        "prompt": "p",
+        "messages": [{"role": "assistant", "content": "7"}],
+        "answer": "7",
+        "turns": 1,
+        "tool_calls": 0,
+        "tool_errors": 0,
+        "tool_timeouts": 0,
+    }
