@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 
 RECIPE = REPO / "recipes" / "grpo_llm.py"
 CALCULATOR = f"{REPO / 'toolkit' / 'assets' / 'demo' / 'calculator.py'}:calculator"
-STEPS, BUDGET, LORA_RANK = 3, 48, 8
+STEPS, BUDGET, LORA_RANK = 2, 128, 8
 REWARDS = """
 def calls(trajectories):
     return [float(t["tool_calls"]) for t in trajectories]
