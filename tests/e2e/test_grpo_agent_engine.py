@@ -65,6 +65,7 @@ def runs(tmp_path_factory):
             "grpo.num_generations=4",
             f"grpo.max_new_tokens={BUDGET}",
             "grpo.max_turns=3",
+            "grpo.beta=0.05",
             f"grpo.rewards=[format,{root / 'rewards.py'}:calls]",
             "grpo.format_pattern=.*7.*",
             f"grpo.environment.tools=[{CALCULATOR}]",
@@ -86,6 +87,9 @@ def test_conversations_on_the_engine_match_across_layouts(runs):
     assert any(r["reward_calls"] > 0 for r in expected) and all(r["advantage_std"] > 0 for r in expected)
     for a, b in zip(expected, got, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-3), a["step"]
+        # The loss of one update per round is about 0 (ratio 1, advantages centred): the gradient tells.
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4) and a["grad_norm"] > 0, a["step"]
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=1e-6), a["step"]
         for key in ("reward", "reward_calls", "completion_len", "turns", "tool_calls", "tool_errors"):
             assert b[key] == pytest.approx(a[key], rel=1e-6), (a["step"], key)
         # Over the model's tokens only: the environment's have no engine log-prob.
