@@ -101,10 +101,19 @@ def hf_conversations(monkeypatch, model, tokenizer, seeds):
     return multiturn.conversations(run, model, [prompt] * len(seeds), seeds, cfg, tokenizer, environment)
 
 
-def test_a_turn_ends_at_its_tool_calls_close_and_the_environment_answers_there(monkeypatch, agent):
+SEEDS = list(range(100, 116))
+
+
+@pytest.fixture(scope="module")
+def sampled(agent):
+    """The scripted agent's conversations for SEEDS, sampled together with HF generate."""
+    with pytest.MonkeyPatch.context() as patch:
+        return hf_conversations(patch, *agent, SEEDS)
+
+
+def test_a_turn_ends_at_its_tool_calls_close_and_the_environment_answers_there(monkeypatch, agent, sampled):
     model, tokenizer = agent
-    seeds = list(range(100, 116))
-    talks = hf_conversations(monkeypatch, model, tokenizer, seeds)
+    seeds, talks = SEEDS, sampled
     closes, answered = 0, 0
     for talk in talks:
         runs = segments(talk)
@@ -125,7 +134,7 @@ def test_a_turn_ends_at_its_tool_calls_close_and_the_environment_answers_there(m
     assert closes == answered > 0 and sum(t.stats["tool_errors"] for t in talks) == answered
     assert any(t.answer == "7" for t in talks) and any(t.stats["turns"] > 1 for t in talks)
     # Each row stops on its own tokens: the same conversations sampled one by one.
-    for seed, talk in zip(seeds[:4], talks[:4]):
+    for seed, talk in zip(seeds[:3], talks[:3]):
         (alone,) = hf_conversations(monkeypatch, model, tokenizer, [seed])
         assert (alone.tokens, alone.trained) == (talk.tokens, talk.trained)
 
@@ -144,13 +153,14 @@ def test_the_turn_ends_each_template_writes():
     assert stops.cut([3, 1, 2, 1, 2]) == [3, 1, 2] and stops.cut([1, 1]) == [1, 1]
 
 
-def test_on_the_engine_the_main_process_asks_each_turn_and_keeps_the_models_log_probs(monkeypatch, agent):
+def test_on_the_engine_the_main_process_asks_each_turn_and_keeps_the_models_log_probs(
+    monkeypatch, agent, sampled
+):
     """EngineSampler's turns through client.complete, answered here by the scripted agent as the engine
     would (its seed, its budget, its stop strings kept): the same conversations as HF generate's, the
     engine's log-probs on the model's tokens and none on the environment's."""
     model, tokenizer = agent
-    seeds = list(range(100, 108))
-    expected = hf_conversations(monkeypatch, model, tokenizer, seeds)
+    seeds, expected = SEEDS[:8], sampled[:8]
     payloads = []
 
     def post(url, path, payload):
@@ -206,14 +216,13 @@ def answers(prompts, completions, answers):
 """
 
 
-def test_a_reward_on_whole_trajectories_is_declared_by_its_one_parameter(monkeypatch, tmp_path, agent):
-    model, tokenizer = agent
+def test_a_reward_on_whole_trajectories_is_declared_by_its_one_parameter(tmp_path, sampled):
     (tmp_path / "rewards.py").write_text(REWARDS)
     grpo = GrpoConfig(rewards=[f"{tmp_path / 'rewards.py'}:calls", f"{tmp_path / 'rewards.py'}:answers"])
     rewards = Rewards.build(grpo)
     assert isinstance(rewards.functions["calls"], TrajectoryReward)
     assert not isinstance(rewards.functions["answers"], TrajectoryReward)
-    talks = hf_conversations(monkeypatch, model, tokenizer, list(range(100, 108)))
+    talks = sampled
     texts = [t.answer for t in talks]
     trajectories = multiturn.trajectories(["p"] * len(talks), ["7"] * len(talks), texts, talks)
     assert trajectories[0]["prompt"] == "p" and trajectories[0]["messages"] == talks[0].messages
