@@ -111,9 +111,9 @@ test-e2e: install
 	$(call pytest,tests/e2e -m alone --durations=10)
 	$(call pytest,tests/e2e -m "not alone" -n 2 --dist loadfile --durations=25)
 
-# GRPO on the vLLM engine (tests/e2e/test_grpo_engine.py): they skip, saying why, where .venv-vllm is missing.
+# GRPO on the vLLM engine (tests/e2e/test_grpo_engine.py, test_grpo_agent_engine.py): they skip, saying why, where .venv-vllm is missing.
 test-vllm: install install-vllm
-	$(PY) -m pytest tests/e2e/test_grpo_engine.py tests/unit/test_engine.py -rs --durations=10
+	$(PY) -m pytest tests/e2e/test_grpo_engine.py tests/e2e/test_grpo_agent_engine.py tests/unit/test_engine.py -rs --durations=10
 
 # llama.cpp's quantizer and converter for `ftkit export --gguf` (docs/gguf.md): pip builds llama.cpp from
 # llama-cpp-python's source (about 5 minutes of two cores, once: pip caches the wheel), then the converter that

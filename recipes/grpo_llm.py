@@ -29,6 +29,7 @@ from toolkit.train import evaluate, loss
 def main(argv: list[str]) -> int:
     args = recipe_args(argv, __doc__, "recipes/configs/demo-grpo.yaml", "grpo.num_generations=8")
     cfg = grpo_config.load_grpo_config(args.config, args.overrides)
+    grpo_config.check_engine_environment(cfg)  # before Run.start writes output_dir
     with (
         Run.start(cfg, args.config or str(grpo_config.DEMO_GRPO_CONFIG), "grpo_llm") as run,
         EngineSampler.started(run, cfg) as engine,  # None unless grpo.generation names an engine

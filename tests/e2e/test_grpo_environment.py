@@ -1,14 +1,16 @@
-"""recipes/grpo_llm.py with a tool environment (the demo's calculator) on the embedded model: the multi-turn
-rollout runs in the recipe, logs its turn and tool counts, and two processes give one process's per-step
-loss (each conversation's turns are seeded by the completion and the turn alone).
+"""recipes/grpo_llm.py with a tool environment (the demo's calculator) on HF generate: the multi-turn rollout
+runs in the recipe, logs its turn and tool counts, and two processes give one process's per-step loss and
+gradient (each conversation's turns are seeded by the completion and the turn alone).
 
-The bare embedded model does not write tool calls, so these conversations end after one turn: the tool turns
-themselves, their masks and errors are tested turn by turn in tests/unit/test_grpo_environment.py.
+The model is the scripted agent (tests/scripted_agent.py): it answers "7" or opens tool calls and closes
+them with "</tool_call>" (no end token), which the environment answers with an error turn (the call's body
+is not JSON) before the model's next turn. Turn by turn: tests/unit/test_grpo_turns.py.
 """
 
 from pathlib import Path
 
 import pytest
+import scripted_agent
 from helpers import REPO, run_script, train_lines
 
 RECIPE = REPO / "recipes" / "grpo_llm.py"
@@ -16,9 +18,10 @@ CALCULATOR = f"{REPO / 'toolkit' / 'assets' / 'demo' / 'calculator.py'}:calculat
 STEPS = 3
 
 
-def run_agent(out: Path, processes: int = 0, config: str = ""):
+def run_agent(out: Path, model: Path, processes: int = 0, config: str = ""):
     args = [
         f"output_dir={out}",
+        f"model.path={model}",
         "model.adapter=null",
         "model.method=lora",
         "train.learning_rate=2e-3",
@@ -35,11 +38,11 @@ def run_agent(out: Path, processes: int = 0, config: str = ""):
         "eval.exact_match_samples=0",
         "eval.max_batches=0",
         "grpo.num_generations=4",
-        "grpo.max_new_tokens=10",
+        "grpo.max_new_tokens=128",
         "grpo.rewards=[length,format]",
-        "grpo.format_pattern=.*1.*",
+        "grpo.format_pattern=.*7.*",
         f"grpo.environment.tools=[{CALCULATOR}]",
-        "grpo.max_turns=2",
+        "grpo.max_turns=3",
     ]
     return run_script(RECIPE, args, out, processes, config)
 
@@ -47,18 +50,20 @@ def run_agent(out: Path, processes: int = 0, config: str = ""):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("grpo-agent")
-    run_agent(folder / "one")
-    run_agent(folder / "two", processes=2, config="ddp")
+    model = scripted_agent.build(folder / "agent")
+    run_agent(folder / "one", model)
+    run_agent(folder / "two", model, processes=2, config="ddp")
     return train_lines(folder / "one"), train_lines(folder / "two")
 
 
 def test_the_environment_runs_logs_its_counts_and_two_processes_match_one(runs):
     one, two = runs
     assert [r["step"] for r in one] == [r["step"] for r in two] == list(range(1, STEPS + 1))
-    for row in one:
-        assert row["turns"] == 1.0 and row["tool_calls"] == row["tool_errors"] == row["tool_timeouts"] == 0
+    assert any(r["turns"] > 1 for r in one) and all(r["tool_timeouts"] == 0 for r in one)
+    assert all(r["tool_errors"] == r["tool_calls"] for r in one) and any(r["tool_calls"] > 0 for r in one)
     assert any(r["advantage_std"] > 0 for r in one), "the rewards must differ within a group"
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-3), a["step"]
-        for key in ("reward", "completion_len", "turns"):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), a["step"]
+        for key in ("reward", "completion_len", "turns", "tool_calls"):
             assert b[key] == pytest.approx(a[key], rel=1e-6), (a["step"], key)

@@ -154,9 +154,9 @@ def scripted(monkeypatch, tokenizer, turns: list[str]):
     """sampling.sample replaced by a model that writes `turns[k]` (then its end token) as its k-th turn."""
     calls = []
 
-    def sample(policy, contexts, seeds, cfg, pad_id, eos_id, synced):
+    def sample(policy, contexts, seeds, cfg, pad_id, end_ids, synced, stops=None):
         calls.append(1)
-        tokens = tokenizer(turns[len(calls) - 1], add_special_tokens=False)["input_ids"] + [eos_id]
+        tokens = tokenizer(turns[len(calls) - 1], add_special_tokens=False)["input_ids"] + [end_ids[0]]
         return [tokens[: cfg.max_new_tokens] for _ in contexts]
 
     monkeypatch.setattr(sampling, "sample", sample)
@@ -165,9 +165,7 @@ def scripted(monkeypatch, tokenizer, turns: list[str]):
 
 def test_an_error_a_timeout_and_a_lost_session_are_turns_the_model_reads(monkeypatch, url, tokenizer):
     scripted(monkeypatch, tokenizer, ["boom", "sleep", "abc", "abcd"])
-    started = time.monotonic()
     (talk,), served, requests = talk_with(url, None, tokenizer, [11], request_timeout_s=0.5)
-    assert time.monotonic() - started < 3, "a step past its timeout is not waited for"
     said = [tokenizer.decode(ids, skip_special_tokens=True) for trained, ids in spans(talk) if not trained]
     assert len(said) == 3 and "error: the environment refused: the countdown exploded" in said[0]
     assert "error: the environment did not answer within 0.5 s" in said[1]
@@ -232,7 +230,7 @@ def test_a_server_that_does_not_answer_or_lacks_the_fields_is_one_line(url):
         (["grpo.environment.openenv.app=server.py"], "is not module:app or file.py:app"),
         (
             ["grpo.environment.openenv.app=m:app", "grpo.generation=vllm"],
-            "multi-turn rollouts run on HF generate only",
+            "OpenEnv rollouts run on HF generate only",
         ),
     ],
 )

@@ -59,16 +59,27 @@ def _message(exc: urllib.error.HTTPError) -> str:
         return text[:300]
 
 
-def complete(url: str, model: str, prompts: list[list[int]], seeds: list[int], sampling, stop_ids: list[int]):
+def complete(
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    seeds: list[int],
+    sampling,
+    stop_ids: list[int],
+    max_tokens: list[int] | None = None,
+    stop: list[str] | None = None,
+):
     """One completion per (prompt, seed), in their order, sampled per `sampling` (max_new_tokens,
     temperature, top_k, top_p). The requests go at once, so the engine batches them; each one's seed alone
-    decides its draws."""
+    decides its draws. `max_tokens`: each row's own budget (else max_new_tokens); `stop`: strings that end
+    a completion, kept in it (a tool call's close)."""
+    budgets = max_tokens or [sampling.max_new_tokens] * len(prompts)
 
-    def one(prompt: list[int], seed: int) -> Completion:
+    def one(prompt: list[int], seed: int, budget: int) -> Completion:
         payload = {
             "model": model,
             "prompt": prompt,
-            "max_tokens": sampling.max_new_tokens,
+            "max_tokens": budget,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "top_k": sampling.top_k or -1,
@@ -77,11 +88,13 @@ def complete(url: str, model: str, prompts: list[list[int]], seeds: list[int], s
             "return_token_ids": True,
             "stop_token_ids": stop_ids,
         }
+        if stop:
+            payload.update(stop=stop, include_stop_str_in_output=True)
         choice = post(url, "/v1/completions", payload)["choices"][0]
         return Completion(choice["token_ids"], choice["logprobs"]["token_logprobs"])
 
     with ThreadPoolExecutor(max_workers=min(64, max(1, len(prompts)))) as pool:
-        return list(pool.map(one, prompts, seeds))
+        return list(pool.map(one, prompts, seeds, budgets))
 
 
 def load_adapter(url: str, name: str, path: str) -> None:

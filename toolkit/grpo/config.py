@@ -106,8 +106,9 @@ class GrpoConfig:
     rewards: list[str] = field(default_factory=lambda: ["exact_answer"])
     """Reward functions, summed: exact_answer (the completion equals the data's answer) | format (it
     matches grpo.format_pattern) | length (minus its share of max_new_tokens) | module:function or
-    path/to/file.py:function (yours: f(prompts, completions, answers) -> list of floats) | a reward model's
-    folder (recipes/reward_llm.py's final/ or merged/, with the policy's tokenizer)."""
+    path/to/file.py:function (yours: f(prompts, completions, answers) -> list of floats, or
+    f(trajectories) -> list of floats on whole conversations) | a reward model's folder
+    (recipes/reward_llm.py's final/ or merged/, with the policy's tokenizer)."""
     reward_weights: list[float] = field(default_factory=list)
     """One weight per reward function (empty: 1 each)."""
     format_pattern: str = r"\S.*"
@@ -184,6 +185,10 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
         validate_openenv(grpo.environment)
     if grpo.generation == "vllm":
         validate_engine(cfg)
+    if grpo.environment.tools:
+        from toolkit.grpo.environment import Environment  # imports the user's tools: only when named
+
+        Environment.build(grpo)  # a tool not importable or without type hints: one line, nothing written
     if grpo.reference_model:
         check_local_path(grpo.reference_model, "grpo.reference_model")
 
@@ -201,9 +206,10 @@ def validate_engine(cfg: GrpoRecipeConfig) -> None:
             f"grpo.vllm.host: {cfg.grpo.vllm.host} would expose vLLM's development endpoints, which a full "
             "fine-tune's engine opens to reload its weights; keep it on 127.0.0.1"
         )
-    if cfg.grpo.environment.tools or cfg.grpo.environment.openenv.url or cfg.grpo.environment.openenv.app:
+    if cfg.grpo.environment.openenv.url or cfg.grpo.environment.openenv.app:
         raise UserError(
-            "grpo.environment: multi-turn rollouts run on HF generate only so far; set grpo.generation=hf"
+            "grpo.environment.openenv: OpenEnv rollouts run on HF generate only so far; "
+            "set grpo.generation=hf"
         )
     if cfg.lora.use_dora:
         raise UserError(
@@ -221,6 +227,15 @@ def validate_openenv(environment: EnvironmentConfig) -> None:
         raise UserError(f"grpo.environment.openenv.url: {settings.url!r} is not http://host:port")
     if settings.app and not re.fullmatch(r"([\w.]+|.+\.py):[\w.]+", settings.app):
         raise UserError(f"grpo.environment.openenv.app: {settings.app!r} is not module:app or file.py:app")
+
+
+def check_engine_environment(cfg: GrpoRecipeConfig) -> None:
+    """Before the run writes anything: an engine ftkit would start needs its environment (.venv-vllm).
+    Not part of `validate_grpo`, which also checks configs planned for another machine."""
+    if cfg.grpo.generation == "vllm" and not cfg.grpo.vllm.url:
+        from toolkit.engine import server
+
+        server.engine_python(server.ENGINE_VENV)
 
 
 def prompts_per_round(cfg: GrpoRecipeConfig) -> int:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate.utils import broadcast_object_list
 from tqdm import tqdm
 
 from toolkit.checkpoint.export import full_state_dict, saver
@@ -91,6 +92,32 @@ class EngineSampler:
         if error:
             raise UserError(error)
         return (*(self._shared(t) for t in (tokens, lengths, logps)), sync_seconds)
+
+    def on_main(self, work):
+        """Collective: `work(self)` on the main process, which holds the engine, and its result shared with
+        every process (pickled between the run's own processes); an engine's error is one line on all."""
+        result, error = None, ""
+        if self.engine is not None:
+            try:
+                self.engine.check_alive()
+                result = work(self)
+            except UserError as exc:
+                error = self._mid_run(exc)
+        error = agreed_error(self.accelerator, error)
+        if error:
+            raise UserError(error)
+        if self.accelerator.num_processes > 1:
+            result = broadcast_object_list([result], from_process=0)[0]
+        return result
+
+    def complete(self, prompts, seeds, max_tokens: list[int], stop_ids: list[int], stop: list[str]):
+        """Main process: one `client.Completion` per prompt from the weights served now, each row with its
+        own seed and token budget, ended by `stop_ids` or the first of the `stop` strings (kept)."""
+        name = self.adapter[0] if self.adapter else "base"
+        grpo = self.cfg.grpo
+        return client.complete(
+            self.engine.url, name, prompts, seeds, grpo, stop_ids, max_tokens=max_tokens, stop=stop
+        )
 
     def sync(self, model, round_index: int) -> float:
         """Collective: the trained weights as they are now, gathered on the main process and sent: a LoRA
@@ -203,9 +230,14 @@ def _engine_dtype(cfg) -> str:
     return cfg.model.dtype if cfg.model.dtype in ("float32", "bfloat16", "float16") else "auto"
 
 
-def logprob_gap(engine: torch.Tensor, trainer: torch.Tensor, lengths: torch.Tensor) -> tuple[float, float]:
-    """(mean, max) over every sampled token of |engine log-prob - trainer log-prob|."""
+def logprob_gap(
+    engine: torch.Tensor, trainer: torch.Tensor, lengths: torch.Tensor, sampled: torch.Tensor | None = None
+) -> tuple[float, float]:
+    """(mean, max) over every sampled token of |engine log-prob - trainer log-prob|; `sampled`: 1 on the
+    tokens the engine sampled (a conversation's environment tokens have no engine log-prob)."""
     mask = torch.arange(engine.size(1))[None, :] < lengths[:, None]
+    if sampled is not None:
+        mask = mask & sampled[:, : engine.size(1)].bool()
     gaps = (engine - trainer[:, : engine.size(1)].to(engine.dtype)).abs()[mask]
     if gaps.numel() == 0:
         return 0.0, 0.0

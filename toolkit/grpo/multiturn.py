@@ -1,11 +1,14 @@
 """Multi-turn rollouts: each completion is a conversation with a tool environment. The model's turn ends at
-its end-of-turn token (or when the conversation's token budget runs out); the tool calls it wrote are run and
-their answers appended in the chat template's own form, then the model speaks again, up to grpo.max_turns.
+its end-of-turn token, at the close of a tool call (`</tool_call>` where the chat template writes one, Llama
+3's <|eom_id|>), or when the conversation's token budget runs out; the tool calls it wrote are run and their
+answers appended in the chat template's own form, then the model speaks again, up to grpo.max_turns.
 
 A conversation is one token sequence after the prompt, with a mask: 1 on the tokens the model sampled, 0 on
 what the environment wrote (tool turns, the next turn's header), which the loss never trains. Every turn of a
 conversation is sampled with its own seed, derived from the completion's seed and the turn's number, so a
-conversation is the same whichever process and batch it is sampled in.
+conversation is the same whichever process and batch it is sampled in. With a vLLM engine the main process
+holds the round's conversations and asks the engine for each turn with the same seeds, keeping the engine's
+log-probability of every token the model sampled (none for the environment's).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 
+import torch
+
 from toolkit.errors import UserError
 from toolkit.grpo import sampling
 from toolkit.grpo.environment import Environment, parse_calls
@@ -23,6 +28,9 @@ from toolkit.grpo.environment import Environment, parse_calls
 # does not depend on it.
 OPENING = [{"role": "user", "content": "?"}]
 STAT_NAMES = ("turns", "tool_calls", "tool_errors", "tool_timeouts")
+TOOL_CALL_CLOSE = "</tool_call>"
+LLAMA3_END_OF_MESSAGE = "<|eom_id|>"
+"""Llama 3's end of a turn that awaits a tool's result."""
 
 
 @dataclass
@@ -31,16 +39,46 @@ class Conversation:
     """Everything after the prompt: the model's turns and the environment's."""
     trained: list[int] = field(default_factory=list)
     """Per token: 1 where the model sampled it, 0 where the environment wrote it."""
+    logps: list[float] = field(default_factory=list)
+    """Per token: the engine's log-probability of a token it sampled, 0.0 elsewhere (HF generate: all 0.0)."""
     answer: str = ""
     """The model's last turn as text (what the rewards score)."""
+    messages: list[dict] = field(default_factory=list)
+    """The turns as chat messages: the model's (role assistant) and the tools' answers (role tool)."""
     done: bool = False
     reward: float | None = None
     """The environment's reward for the conversation (OpenEnv: the sum of its steps'; None: none given)."""
     stats: dict = field(default_factory=lambda: dict.fromkeys(STAT_NAMES, 0))
 
-    def add(self, tokens: list[int], trained: int) -> None:
+    def add(self, tokens: list[int], trained: int, logps: list[float] | None = None) -> None:
         self.tokens += tokens
         self.trained += [trained] * len(tokens)
+        self.logps += list(logps) if logps is not None else [0.0] * len(tokens)
+
+
+@dataclass
+class TurnEnds:
+    """What ends a model turn: end tokens, and strings (a tool call's close) that end it without one."""
+
+    ids: list[int]
+    strings: sampling.StopStrings
+
+    @classmethod
+    def of(cls, tokenizer) -> TurnEnds:
+        eos = tokenizer.eos_token_id
+        ids = list(eos) if isinstance(eos, list) else [eos]
+        eom = tokenizer.convert_tokens_to_ids(LLAMA3_END_OF_MESSAGE)
+        if isinstance(eom, int) and eom != tokenizer.unk_token_id and eom not in ids:
+            ids.append(eom)
+        closes = [TOOL_CALL_CLOSE] if TOOL_CALL_CLOSE in str(tokenizer.chat_template or "") else []
+        decode = lambda tokens: tokenizer.decode(tokens, skip_special_tokens=False)  # noqa: E731
+        return cls(ids, sampling.StopStrings(closes, decode))
+
+    def closed(self, tokens: list[int]) -> str | None:
+        """How a sampled turn ended: "token", "string" (a tool call's close), or None (out of budget)."""
+        if tokens and tokens[-1] in self.ids:
+            return "token"
+        return "string" if self.strings and tokens and self.strings.found(tokens) else None
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -57,34 +95,94 @@ def conversations(
     """Collective: this process's conversations, one per prompt, sampled with HF generate."""
     grpo = cfg.grpo
     talks = [Conversation() for _ in prompts]
-    end_ids = _end_ids(tokenizer)
+    ends = TurnEnds.of(tokenizer)
     with (
         sampling.generating(run.accelerator, model, grpo.gather_for_generation) as (policy, synced),
-        _episodes(environment, prompts, seeds, grpo, tokenizer, end_ids) as answer,
+        _episodes(environment, prompts, seeds, grpo, tokenizer, ends) as answer,
     ):
         for turn in range(grpo.max_turns):
             active = [i for i, talk in enumerate(talks) if not talk.done]
             if not active and not synced:
                 break
-            sampled = _sample_turn(policy, prompts, seeds, talks, active, turn, grpo, tokenizer, synced)
+            sampled = _sample_turn(policy, prompts, seeds, talks, active, turn, grpo, tokenizer, synced, ends)
             for i, tokens in zip(active, sampled, strict=True):
                 answer(i, talks[i], tokens, turn)
     return talks
 
 
-def _episodes(environment, prompts, seeds, grpo, tokenizer, end_ids):
+def _episodes(environment, prompts, seeds, grpo, tokenizer, ends):
     """A context giving answer(index, talk, tokens, turn): an OpenEnv environment's sessions, opened for
     these conversations and closed after them; the tools need none."""
     if isinstance(environment, Environment):
 
         def answer(index, talk, tokens, turn):
-            _answer(talk, tokens, turn, grpo, tokenizer, environment, end_ids)
+            _answer(talk, tokens, turn, grpo, tokenizer, environment, ends)
 
         return contextlib.nullcontext(answer)
-    return environment.episodes(prompts, seeds, grpo, tokenizer, end_ids)
+    return environment.episodes(prompts, seeds, grpo, tokenizer, ends)
 
 
-def _sample_turn(policy, prompts, seeds, talks, active, turn, grpo, tokenizer, synced) -> list[list[int]]:
+def engine_conversations(engine, model, prompts, seeds, cfg, tokenizer, environment, round_index: int):
+    """Collective: the whole round's conversations (one per prompt) sampled turn by turn on the vLLM
+    engine (`engine`: grpo/engine.py's EngineSampler) with the weights synced first, the same on every
+    process; and the seconds the sync took."""
+    sync_seconds = engine.sync(model, round_index)
+    talks = engine.on_main(
+        lambda sampler: _engine_turns(sampler, prompts, seeds, cfg.grpo, tokenizer, environment)
+    )
+    return talks, sync_seconds
+
+
+def _engine_turns(sampler, prompts, seeds, grpo, tokenizer, environment) -> list[Conversation]:
+    """Main process: every conversation's turns from the engine, each turn's requests sent at once."""
+    talks = [Conversation() for _ in prompts]
+    ends = TurnEnds.of(tokenizer)
+    for turn in range(grpo.max_turns):
+        active = [i for i, talk in enumerate(talks) if not talk.done]
+        if not active:
+            break
+        done = sampler.complete(
+            [prompts[i] + talks[i].tokens for i in active],
+            [turn_seed(seeds[i], turn) for i in active],
+            [grpo.max_new_tokens - len(talks[i].tokens) for i in active],
+            ends.ids,
+            ends.strings.strings,
+        )
+        for i, completion in zip(active, done, strict=True):
+            _answer(talks[i], completion.tokens, turn, grpo, tokenizer, environment, ends, completion.logps)
+    return talks
+
+
+def logp_table(talks: list[Conversation], width: int) -> torch.Tensor:
+    """The conversations' per-token engine log-probs, [N, width] float64, 0 past each one's length."""
+    table = torch.zeros(len(talks), width, dtype=torch.float64)
+    for i, talk in enumerate(talks):
+        table[i, : len(talk.logps)] = torch.tensor(talk.logps, dtype=torch.float64)
+    return table
+
+
+def trajectories(prompts: list[str], answers: list[str], texts: list[str], talks) -> list[dict]:
+    """What a trajectory reward reads, one dict per completion: "prompt" (its text), "messages" (the
+    model's turns and the tools' answers as chat messages), "answer" (the data's reference answer), and
+    the counts turns, tool_calls, tool_errors, tool_timeouts. Single-turn (`talks` None): one message."""
+    if talks is None:
+        talks = [
+            Conversation(answer=t, messages=[{"role": "assistant", "content": t.strip()}], stats=_one_turn())
+            for t in texts
+        ]
+    return [
+        {"prompt": prompt, "messages": talk.messages, "answer": answer, **talk.stats}
+        for prompt, answer, talk in zip(prompts, answers, talks, strict=True)
+    ]
+
+
+def _one_turn() -> dict:
+    return {**dict.fromkeys(STAT_NAMES, 0), "turns": 1}
+
+
+def _sample_turn(
+    policy, prompts, seeds, talks, active, turn, grpo, tokenizer, synced, ends
+) -> list[list[int]]:
     """The active conversations' next model turns, each within its remaining budget. Sharded models
     generate in lockstep: a process with none left samples a stand-in row and drops it."""
     rows = active or [0]
@@ -103,21 +201,24 @@ def _sample_turn(policy, prompts, seeds, talks, active, turn, grpo, tokenizer, s
             turn_seeds[part],
             limit,
             tokenizer.pad_token_id,
-            tokenizer.eos_token_id,
+            ends.ids,
             synced,
+            ends.strings,
         )
     return [tokens[: max(budget, 0)] for tokens, budget in zip(sampled, budgets)] if active else []
 
 
-def _answer(talk: Conversation, tokens, turn, grpo, tokenizer, environment, end_ids) -> None:
+def _answer(talk: Conversation, tokens, turn, grpo, tokenizer, environment, ends, logps=None) -> None:
     """The model's turn added to `talk`; its tool calls run and their answers added (masked), unless the
-    conversation ends here: no call, no end token (the budget ran out), or no turn left."""
-    talk.add(tokens, 1)
+    conversation ends here: no call, no end (the budget ran out), or no turn left."""
+    talk.add(tokens, 1, logps)
     talk.stats["turns"] += 1
     text = tokenizer.decode(tokens, skip_special_tokens=True)
     calls = parse_calls(text)
     talk.answer = text.strip()
-    ended = bool(tokens) and tokens[-1] in end_ids
+    talk.messages.append({"role": "assistant", "content": text.strip()})
+    closed = ends.closed(tokens)
+    ended = closed is not None
     if not calls or not ended or turn + 1 == grpo.max_turns:
         talk.stats["tool_calls"] += len(calls) if ended else 0
         talk.done = True
@@ -126,15 +227,20 @@ def _answer(talk: Conversation, tokens, turn, grpo, tokenizer, environment, end_
     talk.stats["tool_calls"] += len(calls)
     talk.stats["tool_errors"] += sum(r.kind == "error" for r in results)
     talk.stats["tool_timeouts"] += sum(r.kind == "timeout" for r in results)
-    said = environment_turns(tokenizer, text, calls, results, environment.schemas)
+    talk.messages += [
+        {"role": "tool", "name": call.name or "tool", "content": result.content}
+        for call, result in zip(calls, results, strict=True)
+    ]
+    said = environment_turns(tokenizer, text, calls, results, environment.schemas, closed == "string")
     room = grpo.max_new_tokens - len(talk.tokens)
     talk.add(said[:room], 0)
     talk.done = len(said) >= room  # no room left for another model turn
 
 
-def environment_turns(tokenizer, text: str, calls, results, schemas) -> list[int]:
+def environment_turns(tokenizer, text: str, calls, results, schemas, at_close: bool = False) -> list[int]:
     """Token ids of what the chat template writes after the model's turn: the tool turns holding `results`
-    and the header of the model's next turn."""
+    and the header of the model's next turn; `at_close`: the turn ended at its tool call's close, so what
+    the template writes after that close (its end of turn) comes first."""
     readable = [c for c in calls if not c.problem]
     # The text before the calls (a Llama 3 style turn is the call alone).
     before = text.split("<tool_call>")[0].strip() if "<tool_call>" in text else ""
@@ -147,12 +253,15 @@ def environment_turns(tokenizer, text: str, calls, results, schemas) -> list[int
         {"role": "tool", "name": call.name or "tool", "content": result.content}
         for call, result in zip(calls, results, strict=True)
     ]
-    return appended(tokenizer, assistant, tools, schemas)
+    return appended(tokenizer, assistant, tools, schemas, at_close)
 
 
-def appended(tokenizer, assistant: dict, following: list[dict], schemas=None) -> list[int]:
+def appended(
+    tokenizer, assistant: dict, following: list[dict], schemas=None, at_close: bool = False
+) -> list[int]:
     """Token ids of what the chat template writes after the model's turn `assistant`: the `following`
-    turns and the header of the model's next turn."""
+    turns and the header of the model's next turn; `at_close`: the turn ended at its tool call's close, so
+    what the template writes after that close (its end of turn) comes first."""
     through = _render(tokenizer, [*OPENING, assistant], schemas, False).rstrip()
     full = _render(tokenizer, [*OPENING, assistant, *following], schemas, True)
     if not full.startswith(through):
@@ -160,15 +269,12 @@ def appended(tokenizer, assistant: dict, following: list[dict], schemas=None) ->
             "grpo.environment: the chat template renders an assistant turn differently once the "
             "environment's turns follow (not prefix-stable), so they cannot be appended to the model's"
         )
-    return tokenizer(full[len(through) :], add_special_tokens=False)["input_ids"]
+    close = through.rfind(TOOL_CALL_CLOSE)
+    tail = through[close + len(TOOL_CALL_CLOSE) :] if at_close and close >= 0 else ""
+    return tokenizer(tail + full[len(through) :], add_special_tokens=False)["input_ids"]
 
 
 def _render(tokenizer, messages, schemas, generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(
         messages, tools=schemas, tokenize=False, add_generation_prompt=generation_prompt
     )
-
-
-def _end_ids(tokenizer) -> set[int]:
-    eos = tokenizer.eos_token_id
-    return set(eos if isinstance(eos, list) else [eos])

@@ -154,7 +154,7 @@ class OpenEnv:
                 )
 
     @contextlib.contextmanager
-    def episodes(self, prompts, seeds, grpo, tokenizer, end_ids):
+    def episodes(self, prompts, seeds, grpo, tokenizer, ends):
         """answer(index, talk, tokens, turn) for these conversations, each reset with its seed; the
         sessions are closed however the conversations end."""
         sessions = [Session(self.url, self.settings.request_timeout_s) for _ in prompts]
@@ -163,7 +163,7 @@ class OpenEnv:
                 session.reset(seed, tokenizer.decode(prompt, skip_special_tokens=True))
 
             def answer(index, talk, tokens, turn):
-                self._answer(sessions[index], talk, tokens, turn, grpo, tokenizer, end_ids)
+                self._answer(sessions[index], talk, tokens, turn, grpo, tokenizer, ends)
 
             yield answer
         finally:
@@ -171,7 +171,7 @@ class OpenEnv:
                 session.close()
             self.requests += sum(session.requests for session in sessions)
 
-    def _answer(self, session, talk, tokens, turn, grpo, tokenizer, end_ids) -> None:
+    def _answer(self, session, talk, tokens, turn, grpo, tokenizer, ends) -> None:
         """The model's turn added to `talk` and sent as a step; the observation (or the error) added as the
         next user turn (masked) unless the conversation ends: done, no end token (the budget ran out), or no
         turn left."""
@@ -181,17 +181,19 @@ class OpenEnv:
         talk.stats["turns"] += 1
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         talk.answer = text.strip()
+        talk.messages.append({"role": "assistant", "content": talk.answer})
         reply = session.step({self.settings.action_field: text}) or Reply(session.lost, kind="error")
         talk.stats["tool_calls"] += 1
         talk.stats["tool_errors"] += reply.kind == "error"
         talk.stats["tool_timeouts"] += reply.kind == "timeout"
         if reply.reward is not None:
             talk.reward = (talk.reward or 0.0) + reply.reward
-        ended = bool(tokens) and tokens[-1] in end_ids
+        ended = ends.closed(tokens) is not None
         if reply.done or not ended or turn + 1 == grpo.max_turns:
             talk.done = True
             return
         turn_text = reply.text or self.observation_text(reply.observation)
+        talk.messages.append(user(turn_text))
         said = appended(tokenizer, {"role": "assistant", "content": talk.answer}, [user(turn_text)])
         room = grpo.max_new_tokens - len(talk.tokens)
         talk.add(said[:room], 0)

@@ -2,7 +2,10 @@
 weighted and summed.
 
 A user's function takes (prompts, completions, answers), three lists of strings of one length, and returns
-one float per completion; the built-ins also get each completion's token count. A user's function
+one float per completion; the built-ins also get each completion's token count. A user's function whose one
+parameter is named `trajectories` scores whole conversations instead: `f(trajectories) -> list[float]`, each
+trajectory a dict (grpo/multiturn.py's `trajectories`: the prompt, the turns as chat messages, the reference
+answer, the counts of turns and tool calls). A user's function
 (`module:function` or `path/to/file.py:function`) is imported only because the user's own config or command
 line names it: that is the user running their own code. A reward model (a folder `recipes/reward_llm.py`
 exported) scores each completion's tokens after its prompt's, on every process.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import re
 import sys
@@ -104,7 +108,10 @@ class Rewards:
                 if short in functions:
                     raise UserError(f"grpo.rewards: two reward functions are called {short}")
                 user = load_user_function(name)
-                functions[short] = lambda p, c, a, lengths, user=user: user(p, c, a)
+                if takes_trajectories(user):
+                    functions[short] = TrajectoryReward(user)
+                else:
+                    functions[short] = lambda p, c, a, lengths, user=user: user(p, c, a)
         return cls(functions, cfg.reward_weights or [1.0] * len(functions))
 
     def check_tokenizer(self, tokenizer) -> None:
@@ -114,15 +121,23 @@ class Rewards:
                 function.check_tokenizer(tokenizer)
 
     def score(
-        self, prompts: list[str], completions: list[str], answers: list[str], lengths: list[int], rows=None
+        self,
+        prompts: list[str],
+        completions: list[str],
+        answers: list[str],
+        lengths: list[int],
+        rows=None,
+        trajectories=None,
     ):
         """{name: values} for every function, and "total": their weighted sum; `lengths`: each
         completion's tokens; `rows`: each prompt's token ids followed by its completion's (what a reward
-        model scores)."""
+        model scores); `trajectories`: each whole conversation (what a trajectory reward scores)."""
         scores = {}
         for name, function in self.functions.items():
             if isinstance(function, ModelReward):
                 values = function.score(rows)
+            elif isinstance(function, TrajectoryReward):
+                values = [float(v) for v in function.function(trajectories)]
             else:
                 values = [float(v) for v in function(prompts, completions, answers, lengths)]
             if len(values) != len(completions) or not all(math.isfinite(v) for v in values):
@@ -136,6 +151,22 @@ class Rewards:
             for i in range(len(completions))
         ]
         return scores
+
+
+class TrajectoryReward:
+    """A user's reward on whole conversations: `function(trajectories) -> list[float]`."""
+
+    def __init__(self, function):
+        self.function = function
+
+
+def takes_trajectories(function) -> bool:
+    """Whether a user's reward declares it scores conversations: its one parameter is `trajectories`."""
+    try:
+        parameters = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: the three-list form
+        return False
+    return parameters == ["trajectories"]
 
 
 def load_user_function(spec: str, key: str = "grpo.rewards"):

@@ -155,7 +155,14 @@ def generate(
     seeds = [sampling.completion_seed(cfg.seed, round_index, s, picked[s], g) for s, g in slots]
     ids = [prompts.ids[picked[s]] for s, _ in slots]
     talks = None
-    if environment is not None:
+    if environment is not None and engine is not None:  # the main process holds the round's conversations
+        talks, sync_seconds = multiturn.engine_conversations(
+            engine, model, ids, seeds, cfg, tokenizer, environment, round_index
+        )
+        engine_logps = multiturn.logp_table(talks, grpo.max_new_tokens)
+        talks = talks[begin:end]
+        completions = [talk.tokens for talk in talks]
+    elif environment is not None:
         talks = multiturn.conversations(
             run, model, ids[begin:end], seeds[begin:end], cfg, tokenizer, environment
         )
@@ -176,6 +183,12 @@ def generate(
         [prompts.answers[picked[s]] for s, _ in mine],
         [len(tokens) for tokens in completions],
         [prompts.ids[picked[s]] + tokens for (s, _), tokens in zip(mine, completions, strict=True)],
+        multiturn.trajectories(
+            [prompts.texts[picked[s]] for s, _ in mine],
+            [prompts.answers[picked[s]] for s, _ in mine],
+            texts,
+            talks,
+        ),
     )
     if talks is not None and openenv.configured(grpo):  # the environment's own rewards, beside grpo.rewards
         scores = openenv.add_reward(scores, talks, grpo.environment.openenv.reward_weight)
@@ -209,7 +222,7 @@ def generate(
         own = rollout.old_logps
         if own is None:
             own = scored(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, None)
-        rollout.engine_gap = logprob_gap(engine_logps, own, rollout.lengths)
+        rollout.engine_gap = logprob_gap(engine_logps, own, rollout.lengths, rollout.mask)
     rollout.generation_seconds = time.perf_counter() - started
     return rollout
 

@@ -14,7 +14,13 @@ import hashlib
 
 import torch
 from accelerate.utils import DistributedType
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from toolkit.distributed import root_params_gathered, unwrap
@@ -72,9 +78,13 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample(model, prompts: list[list[int]], seeds: list[int], cfg, pad_id: int, eos_id, synced: bool):
+def sample(
+    model, prompts: list[list[int]], seeds: list[int], cfg, pad_id: int, eos_id, synced: bool, stops=None
+):
     """Completion token ids, one list per prompt (ending at the end token when one was sampled), sampled
-    per `cfg` (the grpo section) with each row's seed. Collective when `synced` (sharded weights)."""
+    per `cfg` (the grpo section) with each row's seed. Collective when `synced` (sharded weights).
+    `stops`: a `StopStrings` that also ends a row at the first of its strings (the row's tokens through
+    the one that completes it)."""
     device = next(model.parameters()).device
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -83,6 +93,7 @@ def sample(model, prompts: list[list[int]], seeds: list[int], cfg, pad_id: int, 
         ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
     processor = SeededSampling(seeds, cfg.temperature, cfg.top_k, cfg.top_p, width)
+    criteria = [stops.criterion(width)] if stops else []
     generation = GenerationConfig(
         max_new_tokens=cfg.max_new_tokens, do_sample=False, pad_token_id=pad_id, eos_token_id=eos_id
     )
@@ -92,9 +103,46 @@ def sample(model, prompts: list[list[int]], seeds: list[int], cfg, pad_id: int, 
             attention_mask=mask.to(device),
             generation_config=generation,
             logits_processor=LogitsProcessorList([processor]),
+            stopping_criteria=StoppingCriteriaList(criteria),
             synced_gpus=synced,
         )
-    return [_until_end(row.tolist(), eos_id) for row in out[:, width:].cpu()]
+    rows = [_until_end(row.tolist(), eos_id) for row in out[:, width:].cpu()]
+    return [stops.cut(row) for row in rows] if stops else rows
+
+
+class StopStrings:
+    """Strings that end a completion where its text first holds one (a tool call's close): the same cut
+    whatever else is in the batch, since a row is judged on its own tokens."""
+
+    def __init__(self, strings: list[str], decode):
+        self.strings, self.decode = strings, decode
+
+    def __bool__(self) -> bool:
+        return bool(self.strings)
+
+    def found(self, tokens: list[int]) -> bool:
+        text = self.decode(tokens)
+        return any(s in text for s in self.strings)
+
+    def cut(self, tokens: list[int]) -> list[int]:
+        """`tokens` through the one that completes the first stop string (all of them when none does)."""
+        if not self.found(tokens):
+            return tokens
+        return next(tokens[: i + 1] for i in range(len(tokens)) if self.found(tokens[: i + 1]))
+
+    def criterion(self, prompt_width: int) -> StoppingCriteria:
+        return _StopAt(self, prompt_width)
+
+
+class _StopAt(StoppingCriteria):
+    """generate's per-row stop: a row's new tokens (after `prompt_width`) hold one of `stops`' strings."""
+
+    def __init__(self, stops: StopStrings, prompt_width: int):
+        self.stops, self.prompt_width = stops, prompt_width
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        rows = input_ids[:, self.prompt_width :].tolist()
+        return torch.tensor([self.stops.found(row) for row in rows], device=input_ids.device)
 
 
 def _until_end(tokens: list[int], eos_id) -> list[int]:

@@ -1,0 +1,129 @@
+"""recipes/grpo_llm.py with a tool environment sampled on the vLLM engine (grpo.generation=vllm): the scripted
+agent (tests/scripted_agent.py, tiny-llama-q64 rebuilt as a token walk) opens and closes tool calls, the
+engine stops its turn at "</tool_call>" (kept), the environment answers (an error turn: the call is not JSON)
+and the engine samples the next turn. One engine serves both runs (grpo.vllm.url): one process and ZeRO-3 on
+two give the same conversations, so the same per-step loss; the saved round shows the masks, and the
+engine's log-probs sit on the model's tokens only. A trajectory reward counts each conversation's calls.
+
+These need .venv-vllm (`make install-vllm`) and skip, saying so, where it is missing.
+"""
+
+import pytest
+import scripted_agent
+import torch
+from helpers import REPO, run_script, train_lines
+from transformers import AutoTokenizer
+
+from toolkit.checkpoint import read_recipe_state
+from toolkit.engine.server import ENGINE_VENV, Engine, ServeSpec
+
+pytestmark = pytest.mark.skipif(
+    not (ENGINE_VENV / ".installed").is_file(),
+    reason=f"no engine environment at {ENGINE_VENV}: `make install-vllm` builds it, `make test-vllm` runs it",
+)
+
+RECIPE = REPO / "recipes" / "grpo_llm.py"
+CALCULATOR = f"{REPO / 'toolkit' / 'assets' / 'demo' / 'calculator.py'}:calculator"
+STEPS, BUDGET, LORA_RANK = 2, 128, 8
+REWARDS = """
+def calls(trajectories):
+    return [float(t["tool_calls"]) for t in trajectories]
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(model folder, one process's run folder, ZeRO-3 x2's), both sampled by one engine."""
+    root = tmp_path_factory.mktemp("grpo-agent-engine")
+    model = scripted_agent.build(root / "agent")
+    (root / "rewards.py").write_text(REWARDS)
+    served = Engine.start(
+        ServeSpec(str(model), "float32", 64 + BUDGET, lora_rank=LORA_RANK), root / "vllm.log"
+    )
+    try:
+        served.wait_ready(600)
+        args = lambda out: [  # noqa: E731
+            f"output_dir={out}",
+            f"model.path={model}",
+            "model.adapter=null",
+            "model.method=lora",
+            f"lora.r={LORA_RANK}",
+            f"lora.alpha={2 * LORA_RANK}",
+            "train.learning_rate=5e-3",
+            f"train.max_steps={STEPS}",
+            "train.log_every_steps=1",
+            "train.warmup_steps=0",
+            "train.lr_scheduler=constant",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=4",
+            "train.save_every_steps=1",
+            "data.max_length=64",
+            "data.eval_fraction=0.02",
+            "data.eval=null",
+            "eval.exact_match_samples=0",
+            "eval.max_batches=0",
+            "grpo.num_generations=4",
+            f"grpo.max_new_tokens={BUDGET}",
+            "grpo.max_turns=3",
+            "grpo.beta=0.05",
+            f"grpo.rewards=[format,{root / 'rewards.py'}:calls]",
+            "grpo.format_pattern=.*7.*",
+            f"grpo.environment.tools=[{CALCULATOR}]",
+            "grpo.generation=vllm",
+            f"grpo.vllm.url={served.url}",
+        ]
+        run_script(RECIPE, args(root / "one"), root / "one")
+        run_script(RECIPE, args(root / "zero3"), root / "zero3", 2, "zero3")
+    finally:
+        served.stop()
+    return model, root / "one", root / "zero3"
+
+
+def test_conversations_on_the_engine_match_across_layouts(runs):
+    _, one, zero3 = runs
+    expected, got = train_lines(one), train_lines(zero3)
+    assert [r["step"] for r in expected] == [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert any(r["turns"] > 1 for r in expected) and any(r["tool_errors"] > 0 for r in expected)
+    assert any(r["reward_calls"] > 0 for r in expected) and all(r["advantage_std"] > 0 for r in expected)
+    for a, b in zip(expected, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-3), a["step"]
+        # The loss of one update per round is about 0 (ratio 1, advantages centred): the gradient tells.
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4) and a["grad_norm"] > 0, a["step"]
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=1e-6), a["step"]
+        for key in ("reward", "reward_calls", "completion_len", "turns", "tool_calls", "tool_errors"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6), (a["step"], key)
+        # Over the model's tokens only: the environment's have no engine log-prob.
+        assert a["engine_logprob_gap_max"] < 1e-4 and b["engine_logprob_gap_max"] < 1e-4, a
+
+
+def test_the_engine_stops_at_the_close_and_only_the_models_tokens_carry_its_log_probs(runs):
+    model, one, zero3 = runs
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rounds = [read_recipe_state(run / "checkpoints" / "step-1") for run in (one, zero3)]
+    for key in ("completions", "lengths", "mask", "engine_logps"):
+        assert torch.equal(rounds[0][key], rounds[1][key]), key
+    state, closes = rounds[0], 0
+    rows = zip(state["completions"], state["lengths"], state["mask"], state["engine_logps"], strict=True)
+    for tokens, length, mask, logps in rows:
+        tokens, mask, logps = tokens[:length].tolist(), mask[:length], logps[:length]
+        assert not logps[mask == 0].any() and logps[mask == 1].sum() < 0  # a coin toss: log 1/2 each
+        parts = segments(tokens, mask.tolist())
+        for trained, part in parts[:-1]:
+            text = tokenizer.decode(part, skip_special_tokens=False)
+            if trained:  # a turn the environment answered ended at its call's close, kept, and no further
+                assert text.endswith("</tool_call>") and text.count("</tool_call>") == 1, text
+                closes += 1
+            else:
+                assert text.startswith("<|im_end|>\n<|im_start|>tool\n<tool_response>\nerror: "), text
+    assert closes > 0
+
+
+def segments(tokens: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:
+    """(trained, tokens) runs: the model's turns and the environment's between them."""
+    runs = []
+    for token, trained in zip(tokens, mask, strict=True):
+        if runs and runs[-1][0] == trained:
+            runs[-1][1].append(token)
+        else:
+            runs.append((trained, [token]))
+    return runs
