@@ -104,6 +104,12 @@ class GrpoConfig:
     reference_model: str | None = None
     """Frozen reference for the KL term (path or hub id); unset: the policy with its adapter off (LoRA),
     required for a full fine-tune with grpo.beta > 0."""
+    teacher: str | None = None
+    """On-policy distillation: a model folder (or hub id), or an adapter folder whose adapter_config names
+    its base, that scores every token the policy samples; its log-prob minus the policy's is the token's
+    advantage, beside the rewards' (docs/grpo.md). Its tokenizer must be model.path's."""
+    teacher_weight: PositiveFloat = 1.0
+    """Weight of the teacher's per-token advantage against the rewards' group-normalised one."""
 
 
 @dataclass
@@ -136,8 +142,8 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
         raise UserError(
             f"grpo.reward_weights: {len(grpo.reward_weights)} weights for {len(grpo.rewards)} grpo.rewards"
         )
-    if not grpo.rewards:
-        raise UserError("grpo.rewards: name at least one reward function")
+    if not grpo.rewards and not grpo.teacher:
+        raise UserError("grpo.rewards: name at least one reward function, or a grpo.teacher to distill from")
     for name in grpo.rewards:
         if Path(name).expanduser().is_dir() and not scalar.saved_scalar(name):
             raise UserError(
@@ -160,6 +166,8 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
         validate_engine(cfg)
     if grpo.reference_model:
         check_local_path(grpo.reference_model, "grpo.reference_model")
+    if grpo.teacher:
+        validate_teacher(cfg)
 
 
 def validate_engine(cfg: GrpoRecipeConfig) -> None:
@@ -182,6 +190,20 @@ def validate_engine(cfg: GrpoRecipeConfig) -> None:
     if cfg.lora.use_dora:
         raise UserError(
             "grpo.generation=vllm: lora.use_dora adapters are not loaded by the engine; turn it off"
+        )
+
+
+def validate_teacher(cfg: GrpoRecipeConfig) -> None:
+    """What distillation does not do yet, refused in one line before anything loads."""
+    check_local_path(cfg.grpo.teacher, "grpo.teacher")
+    if cfg.grpo.generation == "vllm":
+        raise UserError(
+            "grpo.teacher: the teacher scores on the trainer's processes, after HF generate only so far; "
+            "set grpo.generation=hf"
+        )
+    if cfg.grpo.environment.tools:
+        raise UserError(
+            "grpo.teacher: distillation scores single-turn completions only so far; drop grpo.environment"
         )
 
 
