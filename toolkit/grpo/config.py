@@ -194,8 +194,8 @@ def validate_engine(cfg: GrpoRecipeConfig) -> None:
 
 
 def validate_teacher(cfg: GrpoRecipeConfig) -> None:
-    """What distillation does not do yet, refused in one line before anything loads."""
-    check_local_path(cfg.grpo.teacher, "grpo.teacher")
+    """What distillation does not do yet, refused in one line before anything loads (the teacher's folder
+    and tokenizer are checked by grpo/teacher.py before the run starts)."""
     if cfg.grpo.generation == "vllm":
         raise UserError(
             "grpo.teacher: the teacher scores on the trainer's processes, after HF generate only so far; "
