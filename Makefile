@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 # With a GPU, the `gpu` extra too (Liger's Triton kernels, which need the CUDA torch chosen above).
 GPU_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ",gpu")
 
-.PHONY: install install-vllm install-gpu-kernels test-vllm lock demo demo-dpo demo-rm demo-grpo demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean
+.PHONY: install install-vllm install-gpu-kernels test-vllm lock demo demo-dpo demo-rm demo-grpo demo-distill demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -93,6 +93,18 @@ demo-grpo: install
 # CUDA major release; pip's output in .venv/kernel-builds/.
 install-gpu-kernels: install
 	$(PY) -m toolkit.model.kernel_build $(VENV)/kernel-builds $(LOCK)
+
+# On-policy distillation: the GRPO demo's start (an early SFT stop) distilled from the finished SFT demo,
+# each trained first when missing (docs/grpo.md#on-policy-distillation-grpoteacher).
+demo-distill: install
+	test -f runs/demo/final/adapter_config.json || $(VENV)/bin/accelerate launch \
+		--config_file accelerate_configs/single.yaml recipes/finetune_llm.py --config recipes/configs/demo.yaml \
+		train.overwrite=true
+	test -f runs/demo-grpo-start/final/adapter_config.json || $(VENV)/bin/accelerate launch \
+		--config_file accelerate_configs/single.yaml recipes/finetune_llm.py --config recipes/configs/demo.yaml \
+		train.overwrite=true train.max_steps=235 output_dir=runs/demo-grpo-start eval.exact_match_samples=0
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/grpo_llm.py \
+		--config recipes/configs/demo-grpo-distill.yaml train.overwrite=true $(ARGS)
 
 # pytest exits 5 when it collects no tests: said in one line, not a failed stage.
 pytest = $(PY) -m pytest $(1) || { code=$$?; [ $$code -eq 5 ] && echo "no tests collected in $(1)" || exit $$code; }

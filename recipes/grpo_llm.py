@@ -20,6 +20,7 @@ from toolkit.grpo import environment as environments
 from toolkit.grpo import loss as grpo_loss
 from toolkit.grpo import prompts as prompt_sets
 from toolkit.grpo import rollout as rollouts
+from toolkit.grpo import teacher as teachers
 from toolkit.grpo.engine import EngineSampler
 from toolkit.grpo.rewards import Rewards
 from toolkit.run import Run
@@ -30,6 +31,7 @@ def main(argv: list[str]) -> int:
     args = recipe_args(argv, __doc__, "recipes/configs/demo-grpo.yaml", "grpo.num_generations=8")
     cfg = grpo_config.load_grpo_config(args.config, args.overrides)
     grpo_config.check_engine_environment(cfg)  # before Run.start writes output_dir
+    teachers.check_tokenizers(cfg)  # a teacher reading other token ids is refused before the run writes
     with (
         Run.start(cfg, args.config or str(grpo_config.DEMO_GRPO_CONFIG), "grpo_llm") as run,
         EngineSampler.started(run, cfg) as engine,  # None unless grpo.generation names an engine
@@ -54,6 +56,7 @@ def train(run: Run, cfg, engine, environment) -> int:
     optimizer, scheduler = run.optimizer(model)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     reference = grpo_loss.Reference.build(accelerator, model, cfg, run.features)  # None when grpo.beta is 0
+    teacher = teachers.Teacher.build(accelerator, cfg, run.features)  # None without grpo.teacher
     evaluator = evaluate.Evaluator(accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, run.log)
     start_step = run.begin(model, evaluator)  # a checkpoint's state, or the starting point measured
 
@@ -72,6 +75,7 @@ def train(run: Run, cfg, engine, environment) -> int:
             rollout = rollouts.generate(
                 run, model, prompts, rewards, cfg, tokenizer, round_index, reference, engine, environment
             )
+            teachers.score(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, teacher)
         rows = rollout.step_rows(step, cfg)
         completion_tokens, step_tokens = rollouts.step_counts(rollout, rows, prompts)
         normaliser = grpo_loss.normaliser(cfg.grpo, len(rows), completion_tokens)

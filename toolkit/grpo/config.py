@@ -129,6 +129,12 @@ class GrpoConfig:
     reference_model: str | None = None
     """Frozen reference for the KL term (path or hub id); unset: the policy with its adapter off (LoRA),
     required for a full fine-tune with grpo.beta > 0."""
+    teacher: str | None = None
+    """On-policy distillation: a model folder (or hub id), or an adapter folder whose adapter_config names
+    its base, that scores every token the policy samples; its log-prob minus the policy's is the token's
+    advantage, beside the rewards' (docs/grpo.md). Its tokenizer must be model.path's."""
+    teacher_weight: PositiveFloat = 1.0
+    """Weight of the teacher's per-token advantage against the rewards' group-normalised one."""
 
 
 @dataclass
@@ -161,8 +167,8 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
         raise UserError(
             f"grpo.reward_weights: {len(grpo.reward_weights)} weights for {len(grpo.rewards)} grpo.rewards"
         )
-    if not grpo.rewards:
-        raise UserError("grpo.rewards: name at least one reward function")
+    if not grpo.rewards and not grpo.teacher:
+        raise UserError("grpo.rewards: name at least one reward function, or a grpo.teacher to distill from")
     for name in grpo.rewards:
         if Path(name).expanduser().is_dir() and not scalar.saved_scalar(name):
             raise UserError(
@@ -185,6 +191,8 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
         validate_openenv(grpo.environment)
     if grpo.generation == "vllm":
         validate_engine(cfg)
+    if grpo.teacher:
+        validate_teacher(cfg)
     if grpo.environment.tools:
         from toolkit.grpo.environment import Environment  # imports the user's tools: only when named
 
@@ -236,6 +244,20 @@ def check_engine_environment(cfg: GrpoRecipeConfig) -> None:
         from toolkit.engine import server
 
         server.engine_python(server.ENGINE_VENV)
+
+
+def validate_teacher(cfg: GrpoRecipeConfig) -> None:
+    """What distillation does not do yet, refused in one line before anything loads (the teacher's folder
+    and tokenizer are checked by grpo/teacher.py before the run starts)."""
+    if cfg.grpo.generation == "vllm":
+        raise UserError(
+            "grpo.teacher: the teacher scores on the trainer's processes, after HF generate only so far; "
+            "set grpo.generation=hf"
+        )
+    if cfg.grpo.environment.tools or cfg.grpo.environment.openenv.url or cfg.grpo.environment.openenv.app:
+        raise UserError(
+            "grpo.teacher: distillation scores single-turn completions only so far; drop grpo.environment"
+        )
 
 
 def prompts_per_round(cfg: GrpoRecipeConfig) -> int:

@@ -7,6 +7,8 @@ grpo divides each completion's sum by its length and the total by the step's com
 by completions x max_new_tokens; dapo by the step's completion tokens. The recipe scales each micro-batch's
 sum by those global counts, so the split into micro-batches and processes leaves the gradient as is.
 Completions a vLLM engine sampled weight each token's policy term by min(trainer / engine probability, cap).
+With grpo.teacher each token's advantage also holds teacher_weight x (teacher - policy log-prob), the
+per-token reverse-KL signal of on-policy distillation (grpo/teacher.py).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def micro_terms(cfg, logps: torch.Tensor, batch: dict) -> dict[str, torch.Tensor
         batch["old_logps"][:, :columns].to(logps.dtype) if batch["old_logps"] is not None else logps.detach()
     )
     advantages = batch["advantages"].to(logps.dtype)[:, None]
+    if batch.get("teacher_gap") is not None:  # distillation: each token's own advantage (grpo/teacher.py)
+        advantages = advantages + cfg.teacher_weight * batch["teacher_gap"][:, :columns].to(logps.dtype)
     ratio = torch.exp(logps - old)
     low, high = 1 - cfg.epsilon, 1 + (cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon)
     per_token = -torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.errors import UserError
+from toolkit.grpo.template_turns import appended
 
 KEY = "grpo.environment.openenv"
 
@@ -175,8 +176,6 @@ class OpenEnv:
         """The model's turn added to `talk` and sent as a step; the observation (or the error) added as the
         next user turn (masked) unless the conversation ends: done, no end token (the budget ran out), or no
         turn left."""
-        from toolkit.grpo.multiturn import appended
-
         talk.add(tokens, 1)
         talk.stats["turns"] += 1
         text = tokenizer.decode(tokens, skip_special_tokens=True)

@@ -56,6 +56,9 @@ class Rollout:
     when every completion token is the model's."""
     turn_stats: dict[str, torch.Tensor] | None = None
     """Multi-turn: each conversation's turns, tool calls, tool errors and timeouts, [N] each."""
+    teacher_gap: torch.Tensor | None = None
+    """Distillation: the teacher's log-prob minus the policy's of every sampled token, [N, max_new_tokens]
+    (grpo/teacher.py); None without grpo.teacher."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors only (safetensors in a checkpoint): what resuming mid-round needs."""
@@ -69,7 +72,7 @@ class Rollout:
         }
         state.update({f"rewards.{name}": values for name, values in self.rewards.items()})
         state.update({f"turns.{name}": values for name, values in (self.turn_stats or {}).items()})
-        for name in ("old_logps", "ref_logps", "engine_logps", "mask"):
+        for name in ("old_logps", "ref_logps", "engine_logps", "mask", "teacher_gap"):
             if getattr(self, name) is not None:
                 state[name] = getattr(self, name)
         return {key: value.contiguous() for key, value in state.items()}
@@ -91,6 +94,7 @@ class Rollout:
             engine_logps=state.get("engine_logps"),
             mask=state.get("mask"),
             turn_stats=turns or None,
+            teacher_gap=state.get("teacher_gap"),
         )
 
     def step_rows(self, step: int, cfg) -> torch.Tensor:
@@ -121,7 +125,7 @@ class Rollout:
             batch["starts"] = torch.tensor(starts, device=device)
             batch["lengths"] = self.lengths[chunk].to(device)
             batch["advantages"] = self.advantages[chunk].to(device)
-            for name in ("old_logps", "ref_logps", "engine_logps", "mask"):
+            for name in ("old_logps", "ref_logps", "engine_logps", "mask", "teacher_gap"):
                 values = getattr(self, name)
                 batch[name] = values[chunk].to(device) if values is not None else None
             batches.append(batch)
@@ -355,6 +359,8 @@ class StepStats:
             "generation_s": generated,
             "generation_share": self.generation_seconds / max(time.perf_counter() - self.started, 1e-9),
         }
+        if rollout.teacher_gap is not None:  # the teacher's gap is 0 off the trained tokens
+            values["teacher_kl"] = -float(rollout.teacher_gap[rows].sum()) / max(tokens, 1)
         for name, counts in (rollout.turn_stats or {}).items():
             values[name] = float(counts[rows].mean())
         if rollout.engine_gap is not None:

@@ -130,11 +130,13 @@ def load(path: Path, fingerprint: dict) -> dict[str, Precomputed] | None:
     return {name: Precomputed(tensors[f"{name}.chosen"], tensors[f"{name}.rejected"]) for name in names}
 
 
-def load_separate(accelerator, cfg, features, path: str, key: str = "dpo.reference_model"):
-    """The reference model at `path` (config key `key`) loaded frozen in the policy's dtype and prepared
-    (sharded) like the policy: DDP/FSDP through accelerate, DeepSpeed as an inference engine of its own."""
+def load_separate(accelerator, cfg, features, path: str, key: str = "dpo.reference_model", adapter=None):
+    """The reference model at `path` (config key `key`), with `adapter` folded in when given, loaded frozen
+    in the policy's dtype and prepared (sharded) like the policy: DDP/FSDP through accelerate, DeepSpeed as
+    an inference engine of its own."""
     spec = ModelConfig(
         path=path,
+        adapter=adapter,
         method="full",
         dtype=cfg.model.dtype,
         attn_implementation=cfg.model.attn_implementation,
