@@ -175,6 +175,8 @@ def generate(
             model, round_index, functools.partial(engine_request, prompts, cfg), _end_ids(tokenizer)
         )
         completions = [sampled.tokens[i, : sampled.lengths[i]].tolist() for i in range(begin, end)]
+        # The round's training starts once its completions are back: rewards, log-probs, its steps.
+        times = torch.cat([sampled.times, torch.tensor([time.time()], dtype=torch.float64)])
     texts = (
         [t.answer for t in talks] if talks else tokenizer.batch_decode(completions, skip_special_tokens=True)
     )
@@ -219,7 +221,7 @@ def generate(
         if own is None:
             own = scored(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, None)
         rollout.engine_gap = logprob_gap(sampled.logps, own, rollout.lengths)
-        rollout.times = torch.cat([sampled.times, torch.tensor([time.time()], dtype=torch.float64)])
+        rollout.times = times
     rollout.generation_seconds = time.perf_counter() - started
     return rollout
 
