@@ -11,6 +11,7 @@ checkpoint the engine reloads in place each round.
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
 import shutil
 import time
@@ -128,18 +129,8 @@ class EngineSampler:
         sync_seconds = self.sync(model, round_index)
         if sampled is None:  # the first round, or the first after a resume that kept none ahead
             prompts, seeds = requests(round_index)
-            name, version = self._served()
-            sampled = self._shared_round(
-                round_index,
-                len(prompts),
-                self._requested,
-                round_index,
-                prompts,
-                seeds,
-                stop_ids,
-                name,
-                version,
-            )
+            asked = functools.partial(self._requested, round_index, prompts, seeds, stop_ids, *self._served())
+            sampled = self._shared_round(round_index, len(prompts), asked)
         if self.cfg.grpo.async_rounds:
             self._send_ahead(round_index + 1, *requests(round_index + 1), stop_ids)
         return sampled, sync_seconds
@@ -162,13 +153,13 @@ class EngineSampler:
         sampled.times = torch.tensor([started, time.time()], dtype=torch.float64)
         return sampled
 
-    def _shared_round(self, round_index: int, count: int, call, *args) -> Sampled:
-        """Collective: what `call(*args)` returns on the main process, on every process; its UserError
-        raised on every process."""
+    def _shared_round(self, round_index: int, count: int, call) -> Sampled:
+        """Collective: what `call()` returns on the main process, on every process; its UserError raised on
+        every process."""
         sampled, error = None, ""
         if self.engine is not None:
             try:
-                sampled = call(*args)
+                sampled = call()
             except UserError as exc:
                 error = self._mid_run(exc)
         error = agreed_error(self.accelerator, error)
