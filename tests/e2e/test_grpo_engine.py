@@ -197,7 +197,7 @@ def ahead(engine, tmp_path_factory):
 
 
 def rounds_of(lines: list[dict]) -> list[dict]:
-    """Per round: its generation's start and end, its training's start and end (unix times) and staleness."""
+    """Per round, its first step's line with `ended`: when its last step ended (its first's: `time`)."""
     rounds = {}
     for r in lines:
         times = rounds.setdefault((r["generation_started_at"], r["generation_ended_at"]), dict(r, ended=0.0))
@@ -215,9 +215,10 @@ def test_async_rounds_generate_the_next_round_while_this_one_trains(ahead):
     rounds = rounds_of(lines)
     assert len(rounds) == AHEAD_STEPS // 2
     for before, after in zip(rounds, rounds[1:]):
-        # Round k+1's requests went out before round k trained, and were still out when it began.
-        assert after["generation_started_at"] <= before["training_started_at"] < after["generation_ended_at"]
-        assert after["generation_started_at"] < before["ended"]
+        # Round k+1's requests were out while round k trained: sent before its first step ended (`time`),
+        # back after its training began.
+        assert after["generation_started_at"] < before["time"] <= before["ended"]
+        assert after["generation_ended_at"] > before["training_started_at"]
     # The engine's weights are a round old: its log-probs differ from the trainer's by far more than the
     # numerical gap of a synced round (round 0), which the importance weights correct.
     assert lines[0]["engine_logprob_gap_max"] < GAP_MAX
