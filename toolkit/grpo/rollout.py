@@ -77,7 +77,7 @@ class Rollout:
         for name in ("old_logps", "ref_logps", "engine_logps", "mask", "times"):
             if getattr(self, name) is not None:
                 state[name] = getattr(self, name)
-        if self.engine_gap is not None:
+        if self.engine_gap is not None:  # (gap mean, gap max, staleness): the resumed steps log them too
             state["engine_gap"] = torch.tensor([*self.engine_gap, self.staleness], dtype=torch.float64)
         return {key: value.contiguous() for key, value in state.items()}
 
