@@ -28,6 +28,7 @@ from toolkit.distributed import agreed_error, unwrap
 from toolkit.engine import client
 from toolkit.engine.server import BASE_NAME, Engine, ServeSpec
 from toolkit.errors import UserError
+from toolkit.grpo.config import steps_per_round
 
 AHEAD = "ahead."
 """The prefix of the round sent ahead in a checkpoint's recipe state."""
@@ -131,8 +132,11 @@ class EngineSampler:
             prompts, seeds = requests(round_index)
             asked = functools.partial(self._requested, round_index, prompts, seeds, stop_ids, *self._served())
             sampled = self._shared_round(round_index, len(prompts), asked)
-        if self.cfg.grpo.async_rounds:
-            self._send_ahead(round_index + 1, *requests(round_index + 1), stop_ids)
+        if (
+            self.cfg.grpo.async_rounds
+            and (round_index + 1) * steps_per_round(self.cfg) < self.cfg.train.max_steps
+        ):
+            self._send_ahead(round_index + 1, *requests(round_index + 1), stop_ids)  # a round that will train
         return sampled, sync_seconds
 
     def _served(self) -> tuple[str, int]:
