@@ -60,9 +60,10 @@ def train(run: Run, cfg, engine, environment) -> int:
     evaluator = evaluate.Evaluator(accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, run.log)
     start_step = run.begin(model, evaluator)  # a checkpoint's state, or the starting point measured
 
-    # A checkpoint keeps the round in progress, so a resumed run trains on the very same completions.
-    rollout = rollouts.resumed(run.resume.recipe_state(), start_step, cfg)
-    run.recipe_state = lambda: rollout.state_dict() if rollout is not None else None
+    # A checkpoint keeps the round in progress (and one sent ahead), so a resumed run trains on the very
+    # same completions.
+    rollout = rollouts.resumed(run.resume.recipe_state(), start_step, cfg, engine)
+    run.recipe_state = lambda: rollouts.recipe_state(rollout, engine)
     stats = rollouts.StepStats(cfg)
     rank, world = distributed.data_shard(accelerator)  # tensor-parallel ranks share their completions
 

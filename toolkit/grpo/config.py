@@ -124,6 +124,9 @@ class GrpoConfig:
     engine_is_cap: NonNegativeFloat = 2.0
     """grpo.generation=vllm: each token's policy term weighted by the trainer's probability of it over the
     engine's, truncated at this (truncated importance sampling against their mismatch; 0: off)."""
+    async_rounds: Annotated[int, Range(low=0, high=1)] = 0
+    """grpo.generation=vllm: 1 samples round k+1 on the engine while round k trains, with the weights
+    synced before round k (one round stale, corrected by grpo.engine_is_cap); 0: each round waits."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """The engine of grpo.generation=vllm: started by ftkit, or yours at grpo.vllm.url."""
     reference_model: str | None = None
@@ -189,6 +192,15 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
         raise UserError(f"grpo.max_turns: {grpo.max_turns} must be at least 1")
     if grpo.environment.openenv.url or grpo.environment.openenv.app:
         validate_openenv(grpo.environment)
+    if grpo.async_rounds and grpo.generation != "vllm":
+        raise UserError(
+            "grpo.async_rounds: 1 needs grpo.generation=vllm (HF generate runs on the training processes: "
+            "there is nothing to overlap with)"
+        )
+    if grpo.async_rounds and grpo.environment.tools:
+        raise UserError(
+            "grpo.async_rounds: multi-turn rollouts (grpo.environment) are sampled round by round"
+        )
     if grpo.generation == "vllm":
         validate_engine(cfg)
     if grpo.teacher:

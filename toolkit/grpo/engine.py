@@ -11,9 +11,12 @@ checkpoint the engine reloads in place each round.
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,8 +27,53 @@ from toolkit.checkpoint.export import full_state_dict, saver
 from toolkit.checkpoint.rundir import ENGINE_DIR
 from toolkit.distributed import agreed_error, unwrap
 from toolkit.engine import client
-from toolkit.engine.server import Engine, ServeSpec
+from toolkit.engine.server import BASE_NAME, Engine, ServeSpec
 from toolkit.errors import UserError
+from toolkit.grpo.config import steps_per_round
+
+AHEAD = "ahead."
+"""The prefix of the round sent ahead in a checkpoint's recipe state."""
+
+
+@dataclass
+class Sampled:
+    """One round's completions from the engine."""
+
+    round_index: int
+    tokens: torch.Tensor
+    """[N, max_new_tokens], padded with 0 after each one's length."""
+    lengths: torch.Tensor
+    """[N]"""
+    logps: torch.Tensor
+    """The engine's log-prob of each sampled token, [N, max_new_tokens] float64."""
+    version: int
+    """Rounds trained into the weights that sampled it."""
+    times: torch.Tensor
+    """Unix times its requests went out and its last answer came back, [2] float64."""
+
+    @classmethod
+    def empty(cls, round_index: int, count: int, width: int, version: int) -> Sampled:
+        zeros = torch.zeros(count, width, dtype=torch.long)
+        return cls(
+            round_index,
+            zeros,
+            torch.zeros(count, dtype=torch.long),
+            zeros.double(),
+            version,
+            torch.zeros(2).double(),
+        )
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        about = torch.tensor([self.round_index, self.version], dtype=torch.long)
+        tensors = {"about": about, "tokens": self.tokens, "lengths": self.lengths, "logps": self.logps}
+        tensors["times"] = self.times.double()
+        return {AHEAD + name: value.contiguous() for name, value in tensors.items()}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor]) -> Sampled:
+        round_index, version = state[AHEAD + "about"].tolist()
+        fields = (state[AHEAD + name] for name in ("tokens", "lengths", "logps"))
+        return cls(round_index, *fields, version, state[AHEAD + "times"])
 
 
 class EngineSampler:
@@ -40,6 +88,15 @@ class EngineSampler:
         self.weights = None
         """The folder of the full weights the engine serves now (full fine-tuning)."""
         self.ready = False
+        self.version = 0
+        """Rounds trained into the weights synced last."""
+        self.ahead: tuple[int, int] | None = None
+        """(round, completions) sent ahead and not yet taken (every process)."""
+        self.future = None
+        """The main process's thread's answer to the round sent ahead."""
+        self.landed: Sampled | None = None
+        """The round sent ahead, back and shared, or kept by the checkpoint resumed."""
+        self.pool = None
 
     @classmethod
     @contextlib.contextmanager
@@ -62,36 +119,109 @@ class EngineSampler:
         try:
             yield sampler
         finally:
-            if engine is not None:
-                engine.stop()
+            sampler.close()
 
-    def sample(
-        self, model, prompts: list[list[int]], seeds: list[int], stop_ids: list[int], round_index: int
-    ):
-        """Collective: (completions [N, max_new_tokens] padded with 0, lengths [N], the engine's log-probs
-        [N, max_new_tokens] float64, seconds the weight sync took), the same on every process."""
+    def sample(self, model, round_index: int, requests, stop_ids: list[int]) -> tuple[Sampled, float]:
+        """Collective: round `round_index`'s completions, the same on every process, and the seconds the
+        weight sync took. `requests(r)`: round r's (prompt ids, seeds) in their fixed order. With
+        grpo.async_rounds the round was sent ahead while the one before trained, and the next one is sent
+        now with the weights synced here: the sync waits for the round in flight, so it never changes the
+        weights mid-round, and every round but the first is sampled one round stale, on every layout."""
+        sampled = self._landed(round_index)
         sync_seconds = self.sync(model, round_index)
-        width = self.cfg.grpo.max_new_tokens
-        tokens = torch.zeros(len(prompts), width, dtype=torch.long)
-        logps = torch.zeros(len(prompts), width, dtype=torch.float64)
-        lengths = torch.zeros(len(prompts), dtype=torch.long)
-        error = ""
+        if sampled is None:  # the first round, or the first after a resume that kept none ahead
+            prompts, seeds = requests(round_index)
+            asked = functools.partial(self._requested, round_index, prompts, seeds, stop_ids, *self._served())
+            sampled = self._shared_round(round_index, len(prompts), asked)
+        if (
+            self.cfg.grpo.async_rounds
+            and (round_index + 1) * steps_per_round(self.cfg) < self.cfg.train.max_steps
+        ):
+            self._send_ahead(round_index + 1, *requests(round_index + 1), stop_ids)  # a round that will train
+        return sampled, sync_seconds
+
+    def _served(self) -> tuple[str, int]:
+        """(the name the engine serves the synced weights under, rounds trained into them)."""
+        return (self.adapter[0] if self.adapter else BASE_NAME), self.version
+
+    def _requested(self, round_index, prompts, seeds, stop_ids, name: str, version: int) -> Sampled:
+        """Main process (the calling thread or the one sending ahead: HTTP calls only, no collective): the
+        round's completions from the engine."""
+        started = time.time()
+        self.engine.check_alive()
+        done = client.complete(self.engine.url, name, prompts, seeds, self.cfg.grpo, stop_ids)
+        sampled = Sampled.empty(round_index, len(prompts), self.cfg.grpo.max_new_tokens, version)
+        for i, completion in enumerate(done):
+            sampled.lengths[i] = len(completion.tokens)
+            sampled.tokens[i, : sampled.lengths[i]] = torch.tensor(completion.tokens)
+            sampled.logps[i, : sampled.lengths[i]] = torch.tensor(completion.logps, dtype=torch.float64)
+        sampled.times = torch.tensor([started, time.time()], dtype=torch.float64)
+        return sampled
+
+    def _shared_round(self, round_index: int, count: int, call) -> Sampled:
+        """Collective: what `call()` returns on the main process, on every process; its UserError raised on
+        every process."""
+        sampled, error = None, ""
         if self.engine is not None:
             try:
-                self.engine.check_alive()
-                name = self.adapter[0] if self.adapter else "base"
-                done = client.complete(self.engine.url, name, prompts, seeds, self.cfg.grpo, stop_ids)
+                sampled = call()
             except UserError as exc:
                 error = self._mid_run(exc)
-            else:
-                for i, completion in enumerate(done):
-                    lengths[i] = len(completion.tokens)
-                    tokens[i, : lengths[i]] = torch.tensor(completion.tokens)
-                    logps[i, : lengths[i]] = torch.tensor(completion.logps, dtype=torch.float64)
         error = agreed_error(self.accelerator, error)
         if error:
             raise UserError(error)
-        return (*(self._shared(t) for t in (tokens, lengths, logps)), sync_seconds)
+        if sampled is None:
+            sampled = Sampled.empty(round_index, count, self.cfg.grpo.max_new_tokens, 0)
+        about = self._shared(torch.tensor([sampled.version, *sampled.times.tolist()], dtype=torch.float64))
+        sampled.tokens, sampled.lengths, sampled.logps = (
+            self._shared(t) for t in (sampled.tokens, sampled.lengths, sampled.logps)
+        )
+        sampled.version, sampled.times = int(about[0]), about[1:]
+        return sampled
+
+    def _send_ahead(self, round_index: int, prompts, seeds, stop_ids) -> None:
+        """Round `round_index` sent to the engine from a thread of the main process while this one trains."""
+        self.ahead = (round_index, len(prompts))
+        if self.engine is None:
+            return
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-round")
+        self.future = self.pool.submit(
+            self._requested, round_index, prompts, seeds, stop_ids, *self._served()
+        )
+
+    def _wait_ahead(self) -> None:
+        """Collective: the round sent ahead, once back, shared as `landed`."""
+        if self.ahead is None:
+            return
+        (round_index, count), future = self.ahead, self.future
+        self.ahead = self.future = None
+        waited = future.result if future is not None else None
+        self.landed = self._shared_round(round_index, count, waited)
+
+    def _landed(self, round_index: int) -> Sampled | None:
+        """Collective: round `round_index` when it was sent ahead (or kept by the checkpoint resumed)."""
+        self._wait_ahead()
+        landed, self.landed = self.landed, None
+        return landed if landed is not None and landed.round_index == round_index else None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the round sent ahead, waited for, for a checkpoint: resumed, the run trains on the
+        very completions it would have (its weights of a round ago are not kept)."""
+        self._wait_ahead()
+        return self.landed.state_dict() if self.landed is not None else {}
+
+    def restore(self, state: dict[str, torch.Tensor]) -> None:
+        """The round a checkpoint kept ahead, if it kept one."""
+        if AHEAD + "tokens" in state:
+            self.landed = Sampled.from_state_dict(state)
+
+    def close(self) -> None:
+        """The thread sending ahead finished: an engine ftkit started is stopped first, failing its calls."""
+        if self.engine is not None:
+            self.engine.stop()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
     def on_main(self, work):
         """Collective: `work(self)` on the main process, which holds the engine, and its result shared with
@@ -133,6 +263,7 @@ class EngineSampler:
         error = agreed_error(self.accelerator, error)
         if error:
             raise UserError(error)
+        self.version = round_index
         return time.perf_counter() - started
 
     def _guarded(self, call, *args) -> str:

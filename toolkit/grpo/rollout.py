@@ -6,6 +6,7 @@ optimizer step trains on, and how they split into processes, never changes what 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -59,6 +60,10 @@ class Rollout:
     teacher_gap: torch.Tensor | None = None
     """Distillation: the teacher's log-prob minus the policy's of every sampled token, [N, max_new_tokens]
     (grpo/teacher.py); None without grpo.teacher."""
+    staleness: int = 0
+    """Engine rounds: rounds trained between the weights that sampled it and those it trains from."""
+    times: torch.Tensor | None = None
+    """Engine rounds: unix times its generation started and ended and its training started, [3]."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors only (safetensors in a checkpoint): what resuming mid-round needs."""
@@ -72,15 +77,18 @@ class Rollout:
         }
         state.update({f"rewards.{name}": values for name, values in self.rewards.items()})
         state.update({f"turns.{name}": values for name, values in (self.turn_stats or {}).items()})
-        for name in ("old_logps", "ref_logps", "engine_logps", "mask", "teacher_gap"):
+        for name in ("old_logps", "ref_logps", "engine_logps", "mask", "teacher_gap", "times"):
             if getattr(self, name) is not None:
                 state[name] = getattr(self, name)
+        if self.engine_gap is not None:  # (gap mean, gap max, staleness): the resumed steps log them too
+            state["engine_gap"] = torch.tensor([*self.engine_gap, self.staleness], dtype=torch.float64)
         return {key: value.contiguous() for key, value in state.items()}
 
     @classmethod
     def from_state_dict(cls, state: dict[str, torch.Tensor]) -> Rollout:
         rewards = {key[8:]: value for key, value in state.items() if key.startswith("rewards.")}
         turns = {key[6:]: value for key, value in state.items() if key.startswith("turns.")}
+        gap = state["engine_gap"].tolist() if "engine_gap" in state else None
         return cls(
             int(state["round_index"]),
             state["prompt"],
@@ -95,6 +103,9 @@ class Rollout:
             mask=state.get("mask"),
             turn_stats=turns or None,
             teacher_gap=state.get("teacher_gap"),
+            engine_gap=tuple(gap[:2]) if gap else None,
+            staleness=int(gap[2]) if gap else 0,
+            times=state.get("times"),
         )
 
     def step_rows(self, step: int, cfg) -> torch.Tensor:
@@ -152,13 +163,10 @@ def generate(
     started = time.perf_counter()
     accelerator, grpo = run.accelerator, cfg.grpo
     rank, world = data_shard(accelerator)
-    picked = prompt_sets.round_prompts(len(prompts), prompts_per_round(cfg), round_index, cfg.seed)
-    slots = [(slot, sample) for slot in range(len(picked)) for sample in range(grpo.num_generations)]
+    picked, slots, seeds, ids = round_request(prompts, cfg, round_index)
     begin, end = len(slots) * rank // world, len(slots) * (rank + 1) // world
     mine = slots[begin:end]
-    seeds = [sampling.completion_seed(cfg.seed, round_index, s, picked[s], g) for s, g in slots]
-    ids = [prompts.ids[picked[s]] for s, _ in slots]
-    talks = None
+    talks = sampled = engine_logps = None
     if environment is not None and engine is not None:  # the main process holds the round's conversations
         talks, sync_seconds = multiturn.engine_conversations(
             engine, model, ids, seeds, cfg, tokenizer, environment, round_index
@@ -174,10 +182,13 @@ def generate(
     elif engine is None:
         completions = _generated(run, model, ids[begin:end], seeds[begin:end], cfg, tokenizer)
     else:  # the main process asks for the whole round, every process gets it all and keeps its share
-        tokens, counts, engine_logps, sync_seconds = engine.sample(
-            model, ids, seeds, _end_ids(tokenizer), round_index
+        sampled, sync_seconds = engine.sample(
+            model, round_index, functools.partial(engine_request, prompts, cfg), _end_ids(tokenizer)
         )
-        completions = [tokens[i, : counts[i]].tolist() for i in range(begin, end)]
+        completions = [sampled.tokens[i, : sampled.lengths[i]].tolist() for i in range(begin, end)]
+        engine_logps = sampled.logps
+        # The round's training starts once its completions are back: rewards, log-probs, its steps.
+        times = torch.cat([sampled.times, torch.tensor([time.time()], dtype=torch.float64)])
     texts = (
         [t.answer for t in talks] if talks else tokenizer.batch_decode(completions, skip_special_tokens=True)
     )
@@ -221,14 +232,34 @@ def generate(
         rollout.old_logps = scored(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, None)
     if grpo.beta > 0:
         rollout.ref_logps = scored(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, reference)
-    if engine is not None:
+    if engine_logps is not None:
         rollout.engine_logps, rollout.sync_seconds = engine_logps, sync_seconds
+        rollout.staleness = round_index - sampled.version if sampled is not None else 0
+        # The trainer's log-probs of the sampled tokens as the round starts training: their gap to the
+        # engine's (its weights one round older with grpo.async_rounds) is what the loss's TIS corrects.
         own = rollout.old_logps
         if own is None:
             own = scored(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, None)
         rollout.engine_gap = logprob_gap(engine_logps, own, rollout.lengths, rollout.mask)
+        rollout.times = times if sampled is not None else None
     rollout.generation_seconds = time.perf_counter() - started
     return rollout
+
+
+def engine_request(prompts, cfg, round_index: int) -> tuple[list[list[int]], list[int]]:
+    """Round `round_index`'s (prompt ids, seeds) as the engine is asked for them."""
+    _, _, seeds, ids = round_request(prompts, cfg, round_index)
+    return ids, seeds
+
+
+def round_request(prompts, cfg, round_index: int):
+    """Round `round_index`'s (prompt indices, (prompt slot, sample) pairs, seeds, prompt ids), the slots in
+    the one fixed order every layout samples them in."""
+    grpo = cfg.grpo
+    picked = prompt_sets.round_prompts(len(prompts), prompts_per_round(cfg), round_index, cfg.seed)
+    slots = [(slot, sample) for slot in range(len(picked)) for sample in range(grpo.num_generations)]
+    seeds = [sampling.completion_seed(cfg.seed, round_index, s, picked[s], g) for s, g in slots]
+    return picked, slots, seeds, [prompts.ids[picked[s]] for s, _ in slots]
 
 
 def _generated(run, model, ids: list[list[int]], seeds: list[int], cfg, tokenizer) -> list[list[int]]:
@@ -311,12 +342,24 @@ def scored(run, model, rollout: Rollout, prompts, cfg, pad_id: int, reference) -
     return torch.empty_like(gathered).index_copy_(0, order, gathered)
 
 
-def resumed(state: dict, start_step: int, cfg) -> Rollout | None:
-    """The round a checkpoint was saved in, when its next step still belongs to it; else None."""
-    if not state:
+def resumed(state: dict, start_step: int, cfg, engine=None) -> Rollout | None:
+    """The round a checkpoint was saved in, when its next step still belongs to it; else None. `engine`
+    (grpo/engine.py's EngineSampler) takes back the round it had sent ahead, if the checkpoint kept it."""
+    if engine is not None:
+        engine.restore(state)
+    if "round_index" not in state:
         return None
     rollout = Rollout.from_state_dict(state)
     return rollout if rollout.round_index == round_of(start_step + 1, cfg) else None
+
+
+def recipe_state(rollout: Rollout | None, engine=None) -> dict[str, torch.Tensor] | None:
+    """Collective: what a checkpoint keeps to resume exactly: the round in progress and, with
+    grpo.async_rounds, the round the engine sampled ahead (waited for)."""
+    state = rollout.state_dict() if rollout is not None else {}
+    if engine is not None:
+        state.update(engine.state_dict())
+    return state or None
 
 
 def step_counts(rollout: Rollout, rows: torch.Tensor, prompts) -> tuple[int, int]:
@@ -366,4 +409,8 @@ class StepStats:
         if rollout.engine_gap is not None:
             values["engine_logprob_gap_mean"], values["engine_logprob_gap_max"] = rollout.engine_gap
             values["sync_s"] = rollout.sync_seconds if fresh else 0.0
+            values["staleness"] = rollout.staleness
+        if rollout.times is not None:  # unix times: the round's overlap with the one before is read from them
+            names = ("generation_started_at", "generation_ended_at", "training_started_at")
+            values.update(zip(names, rollout.times.tolist(), strict=True))
         return values

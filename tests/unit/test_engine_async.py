@@ -1,0 +1,141 @@
+"""grpo.async_rounds without an engine: its config refusals, and the sampler's bookkeeping against a fake
+engine whose completions take a while: round k+1 sent ahead with the weights synced before round k, the
+sync waiting for the round in flight, the staleness, and the round in flight kept by a checkpoint."""
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from toolkit.engine import client
+from toolkit.errors import UserError
+from toolkit.grpo import engine as engine_module
+from toolkit.grpo.config import load_grpo_config
+from toolkit.grpo.engine import EngineSampler, Sampled
+from toolkit.grpo.rollout import Rollout
+
+ENGINE = ["model.adapter=null", "grpo.generation=vllm"]
+
+
+def test_async_rounds_need_the_engine_and_single_turn_rollouts(tmp_path):
+    with pytest.raises(
+        UserError, match=r"grpo.async_rounds: 1 needs grpo.generation=vllm \(HF generate runs"
+    ):
+        load_grpo_config(None, ["grpo.async_rounds=1"])
+    with pytest.raises(UserError, match="grpo.async_rounds"):
+        load_grpo_config(None, [*ENGINE, "grpo.async_rounds=2"])
+    tool = tmp_path / "tools.py"
+    tool.write_text("def add(a: int, b: int) -> int:\n    return a + b\n")
+    with pytest.raises(UserError, match="grpo.async_rounds: multi-turn rollouts"):
+        load_grpo_config(None, [*ENGINE, "grpo.async_rounds=1", f"grpo.environment.tools=[{tool}:add]"])
+    assert load_grpo_config(None, [*ENGINE, "grpo.async_rounds=1"]).grpo.async_rounds == 1
+    assert load_grpo_config(None, ENGINE).grpo.async_rounds == 0
+
+
+class FakeEngine:
+    """What the sampler asks of an engine: its completions come back after a while; every call noted."""
+
+    url = "http://fake"
+    process = None
+
+    def __init__(self):
+        self.calls, self.lock = [], threading.Lock()
+
+    def note(self, *event):
+        with self.lock:
+            self.calls.append((*event, time.monotonic()))
+
+    def check_alive(self):
+        pass
+
+    def stop(self):
+        pass
+
+
+@pytest.fixture
+def sampler(monkeypatch):
+    fake = FakeEngine()
+
+    def complete(url, name, prompts, seeds, sampling, stop_ids):
+        fake.note("sent", name)
+        time.sleep(0.2)
+        fake.note("back", name)
+        return [client.Completion([seed % 7 + 3, 2], [-1.0, -0.5]) for seed in seeds]
+
+    def load(policy, state, round_index):
+        fake.note("sync", f"round-{round_index}")
+        built.adapter = (f"round-{round_index}", None)
+
+    monkeypatch.setattr(client, "complete", complete)
+    monkeypatch.setattr(engine_module, "full_state_dict", lambda accelerator, model: {})
+    monkeypatch.setattr(engine_module, "saver", lambda accelerator, model: None)
+    accelerator = SimpleNamespace(num_processes=1, is_main_process=True)
+    # Three rounds of one step: the last sends none ahead.
+    cfg = load_grpo_config(
+        None, [*ENGINE, "grpo.async_rounds=1", "grpo.max_new_tokens=4", "train.max_steps=3"]
+    )
+    built = EngineSampler(accelerator, cfg, fake)
+    built.ready, built._load = True, load
+    yield built, fake
+    built.close()
+
+
+def requests(round_index):
+    return [[1, 2, 3]] * 4, [100 * round_index + i for i in range(4)]
+
+
+def test_each_round_is_sampled_ahead_with_the_weights_of_the_round_before(sampler):
+    built, fake = sampler
+    first, _ = built.sample(None, 0, requests, [2])
+    assert (first.round_index, first.version) == (0, 0)  # the first round waited for, fresh
+    assert [c[:2] for c in fake.calls[:3]] == [("sync", "round-0"), ("sent", "round-0"), ("back", "round-0")]
+    assert built.ahead == (1, 4)  # round 1 in flight while round 0 trains
+    second, _ = built.sample(None, 1, requests, [2])
+    assert (second.round_index, second.version) == (1, 0)  # sampled with round 0's weights: 1 round stale
+    assert second.lengths.tolist() == [2] * 4 and second.tokens[:, 0].tolist() == [
+        3 + s % 7 for s in range(100, 104)
+    ]
+    third, _ = built.sample(None, 2, requests, [2])
+    assert (third.round_index, third.version) == (2, 1)
+    built.state_dict()  # waits for the round sent ahead
+    # Each sync comes after the round in flight has come back, and the next round goes out with it.
+    assert [c[:2] for c in fake.calls] == [
+        ("sync", "round-0"),
+        ("sent", "round-0"),
+        ("back", "round-0"),
+        ("sent", "round-0"),  # round 1, ahead
+        ("back", "round-0"),
+        ("sync", "round-1"),
+        ("sent", "round-1"),  # round 2, ahead
+        ("back", "round-1"),
+        ("sync", "round-2"),  # the last round: nothing is sent ahead
+    ]
+    assert built.ahead is None
+    assert third.times[0] < third.times[1]
+
+
+def test_a_checkpoint_keeps_the_round_in_flight_and_a_resumed_run_trains_on_it(sampler, monkeypatch):
+    built, fake = sampler
+    built.sample(None, 0, requests, [2])
+    state = built.state_dict()  # waits for round 1
+    assert built.ahead is None and int(state["ahead.about"][0]) == 1
+    resumed = EngineSampler(built.accelerator, built.cfg, fake)
+    resumed.ready, resumed._load = True, built._load
+    resumed.restore({**state, "round_index": torch.tensor(0)})
+    sent = sum(c[0] == "sent" for c in fake.calls)
+    again, _ = resumed.sample(None, 1, requests, [2])
+    assert (again.round_index, again.version) == (1, 0)
+    assert torch.equal(again.tokens, Sampled.from_state_dict(state).tokens)
+    assert sum(c[0] == "sent" for c in fake.calls) == sent + 1  # only round 2, sent ahead
+    resumed.close()
+
+
+def test_a_rollout_keeps_its_staleness_and_times_through_a_checkpoint():
+    two = torch.zeros(2, dtype=torch.long)
+    rollout = Rollout(3, two, two[:, None], two + 1, {"total": two.double()}, two.double(), None, None, two)
+    rollout.engine_gap, rollout.staleness, rollout.times = (0.1, 0.2), 1, torch.tensor([1.0, 2.0, 3.0])
+    back = Rollout.from_state_dict(rollout.state_dict())
+    assert back.staleness == 1 and back.engine_gap == pytest.approx((0.1, 0.2))
+    assert back.times.tolist() == [1.0, 2.0, 3.0]
