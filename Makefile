@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 # With a GPU, the `gpu` extra too (Liger's Triton kernels, which need the CUDA torch chosen above).
 GPU_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ",gpu")
 
-.PHONY: install install-vllm test-vllm lock demo demo-dpo demo-rm demo-grpo demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean
+.PHONY: install install-vllm test-vllm lock demo demo-dpo demo-rm demo-grpo demo-grpo-vllm demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -86,6 +86,20 @@ demo-grpo: install
 		train.overwrite=true train.max_steps=235 output_dir=runs/demo-grpo-start eval.exact_match_samples=0
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/grpo_llm.py \
 		train.overwrite=true $(ARGS)
+
+# The GRPO demo sampling with the vLLM engine (docs/grpo.md; needs `make install-vllm`). vLLM's CPU engine
+# refuses tiny-llama's head size, so it runs on tiny-llama-h32 (the same tokenizer, corpus and pretraining,
+# heads 32 wide: scripts/build_assets.py --engine), from the same early SFT stop on that base. The engine
+# serves the base with the start adapter folded in and hot-loads the trained adapter each round.
+# ARGS="grpo.generation=hf output_dir=runs/demo-grpo-h32-hf": the same GRPO with HF generate, to compare.
+demo-grpo-vllm: install
+	test -f runs/demo-grpo-h32-start/final/adapter_config.json || $(VENV)/bin/accelerate launch \
+		--config_file accelerate_configs/single.yaml recipes/finetune_llm.py --config recipes/configs/demo.yaml \
+		train.overwrite=true train.max_steps=235 output_dir=runs/demo-grpo-h32-start eval.exact_match_samples=0 \
+		model.path=toolkit/assets/tiny-llama-h32
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/grpo_llm.py \
+		train.overwrite=true model.path=toolkit/assets/tiny-llama-h32 model.adapter=runs/demo-grpo-h32-start/final \
+		output_dir=runs/demo-grpo-vllm grpo.generation=vllm $(ARGS)
 
 # pytest exits 5 when it collects no tests: said in one line, not a failed stage.
 pytest = $(PY) -m pytest $(1) || { code=$$?; [ $$code -eq 5 ] && echo "no tests collected in $(1)" || exit $$code; }
