@@ -6,8 +6,8 @@ comes back with the others: the completions do not depend on the number of train
 round the LoRA adapter (gathered to the main process on sharded backends) is written to the run folder and
 hot-loaded under a new name; the base weights never move. A run that starts from a trained adapter
 (model.adapter) has it folded into its base: that folded base is written once to the run folder and is the
-model the engine serves, so the adapter trained on top of it is hot-loaded the same way. A full fine-tune's weights are written as a
-checkpoint the engine reloads in place each round.
+model the engine serves, so the adapter trained on top of it is hot-loaded the same way. A full
+fine-tune's weights are written as a checkpoint the engine reloads in place each round.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from toolkit.engine.server import Engine, ServeSpec
 from toolkit.errors import UserError
 
 FOLDED_BASE = "base"
-"""Under the run's engine/: model.path with model.adapter folded in, the base an engine ftkit starts serves."""
+"""Under the run's engine/: model.path with model.adapter folded in, the base ftkit's engine serves."""
 
 
 class EngineSampler:
