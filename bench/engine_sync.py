@@ -3,10 +3,10 @@ new name, the previous one unloaded: what a LoRA run does) against the merged fu
 folded into the base, written as a checkpoint and reloaded in place: what a full fine-tune does, and what a
 LoRA run would do if it sent merged weights). Both through the recipe's own sync code
 (toolkit/grpo/engine.py), on tiny-llama-q64 and on tiny-llama-h32 (the engine demo's base, head size 32)
-with a rank-16 adapter, float32, one engine per model serving both paths. Each sync is timed until the
-engine has answered one token with the new weights. Writes its table between the engine-sync markers of
-bench/RESULTS.md and the figures to bench/raw_engine_sync.json (also run by `make bench`; skipped, saying
-so, without .venv-vllm).
+with a rank-16 adapter, float32, one engine per model serving both paths. Each sync is timed until its
+call returned (the `sync_s` a run logs) and until the engine answered one token with the new weights.
+Writes its table between the engine-sync markers of bench/RESULTS.md and the figures to
+bench/raw_engine_sync.json (also run by `make bench`; skipped, saying so, without .venv-vllm).
 
     python bench/engine_sync.py [--repeats 5]
 """
@@ -52,23 +52,27 @@ def answered(engine: Engine, name: str) -> None:
     client.post(engine.url, "/v1/completions", {"model": name, "prompt": [0], "max_tokens": 1})
 
 
-def adapter_round(sampler: EngineSampler, model, index: int) -> float:
+def adapter_round(sampler: EngineSampler, model, index: int) -> tuple[float, float]:
+    """(seconds the sync took, seconds until the engine answered with the new adapter)."""
     started = time.perf_counter()
     sampler._load(model, model.state_dict(), index)
+    synced = time.perf_counter()
     answered(sampler.engine, sampler.adapter[0])
-    return time.perf_counter() - started
+    return synced - started, time.perf_counter() - started
 
 
-def merged_round(sampler: EngineSampler, model, index: int) -> float:
-    """The adapter folded into the base weights, those sent whole; the model is left unmerged after."""
+def merged_round(sampler: EngineSampler, model, index: int) -> tuple[float, float]:
+    """The adapter folded into the base weights, those sent whole (the model left unmerged after): (seconds
+    the merge and sync took, seconds until the engine answered with the new weights)."""
     started = time.perf_counter()
     model.merge_adapter()
     base = model.get_base_model()
     state = {k.replace(".base_layer", ""): v for k, v in base.state_dict().items() if "lora_" not in k}
     sampler._reload(base, state, index)
+    synced = time.perf_counter()
     model.unmerge_adapter()
     answered(sampler.engine, BASE_NAME)
-    return time.perf_counter() - started
+    return synced - started, time.perf_counter() - started
 
 
 def measure_model(name: str, repeats: int, work: Path) -> dict:
@@ -78,20 +82,29 @@ def measure_model(name: str, repeats: int, work: Path) -> dict:
     spec = ServeSpec(str(path), "float32", 128, lora_rank=RANK, reloads_weights=True)
     engine = Engine.start(spec, work / f"{name}.log")
     sampler = EngineSampler(None, None, engine, work / name)
-    figures = {"adapter_s": [], "merged_s": []}
+    figures = {"adapter_s": [], "adapter_answered_s": [], "merged_s": [], "merged_answered_s": []}
     try:
         figures["engine_start_s"] = engine.wait_ready(600)
-        for index in range(repeats + 1):
-            seconds = adapter_round(sampler, model, index)
-            figures["adapter_s"] += [seconds] if index else []
-        for index in range(repeats + 1):
-            seconds = merged_round(sampler, model, index)
-            figures["merged_s"] += [seconds] if index else []
+        for path, sync in (("adapter", adapter_round), ("merged", merged_round)):
+            for index in range(repeats + 1):
+                seconds, answered_s = sync(sampler, model, index)
+                if index:
+                    figures[f"{path}_s"].append(seconds)
+                    figures[f"{path}_answered_s"].append(answered_s)
     finally:
         engine.stop()
     figures["adapter_mb"] = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) * 4 / 1e6
     figures["weights_mb"] = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n) * 4 / 1e6
     return figures
+
+
+def spread(values: list[float]) -> str:
+    values = sorted(values)
+    return f"{values[0]:.3f} / {statistics.median(values):.3f} / {values[-1]:.3f}"
+
+
+def ratio(slow: list[float], fast: list[float]) -> float:
+    return statistics.median(slow) / statistics.median(fast)
 
 
 def run_section(repeats: int, machine) -> str:
@@ -100,23 +113,22 @@ def run_section(repeats: int, machine) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         figures = {name: measure_model(name, repeats, Path(tmp)) for name in MODELS}
     rows = [
-        "| model | adapter (MB) | weights (MB) | adapter-only sync, s (min / median / max) | "
-        "merged weights sync, s (min / median / max) | merged / adapter, medians |",
+        "| model | adapter / weights (MB) | timed until | adapter-only, s (min / median / max) | "
+        "merged weights, s (min / median / max) | merged / adapter, medians |",
         "|---|---|---|---|---|---|",
     ]
     for name, runs in figures.items():
-        adapter, merged = sorted(runs["adapter_s"]), sorted(runs["merged_s"])
-        ratio = statistics.median(merged) / statistics.median(adapter)
-        rows.append(
-            f"| {name} | {runs['adapter_mb']:.2f} | {runs['weights_mb']:.1f} | "
-            f"{adapter[0]:.3f} / {statistics.median(adapter):.3f} / {adapter[-1]:.3f} | "
-            f"{merged[0]:.3f} / {statistics.median(merged):.3f} / {merged[-1]:.3f} | {ratio:.2f}x |"
-        )
+        for until, suffix in (("sync returned", "_s"), ("engine answered", "_answered_s")):
+            rows.append(
+                f"| {name} | {runs['adapter_mb']:.2f} / {runs['weights_mb']:.1f} | {until} | "
+                f"{spread(runs['adapter' + suffix])} | {spread(runs['merged' + suffix])} | "
+                f"{ratio(runs['merged' + suffix], runs['adapter' + suffix]):.1f}x |"
+            )
     block = "\n".join(
         [
             f"Machine: {machine()}. {repeats} rounds of each path per model (one warm-up round each, not "
-            f"counted), rank-{RANK} adapter, float32; each sync timed until the engine answered a token "
-            "with the new weights.",
+            f"counted), rank-{RANK} adapter, float32; each sync timed until its call returned, and until "
+            "the engine answered one token with the new weights.",
             "",
             *rows,
         ]
