@@ -80,25 +80,24 @@ demo-rm: install
 
 # GRPO from an SFT run stopped early (trained first when missing: the demo's config cut to 235 steps, which
 # answers with a number but gets a third of the sums right): sampled answers, rewarded when exact.
+DEMO_GRPO_START = $(VENV)/bin/accelerate launch \
+	--config_file accelerate_configs/single.yaml recipes/finetune_llm.py --config recipes/configs/demo.yaml \
+	train.overwrite=true train.max_steps=235 output_dir=runs/demo-grpo-start eval.exact_match_samples=0
 demo-grpo: install
-	test -f runs/demo-grpo-start/final/adapter_config.json || $(VENV)/bin/accelerate launch \
-		--config_file accelerate_configs/single.yaml recipes/finetune_llm.py --config recipes/configs/demo.yaml \
-		train.overwrite=true train.max_steps=235 output_dir=runs/demo-grpo-start eval.exact_match_samples=0
+	test -f runs/demo-grpo-start/final/adapter_config.json || $(DEMO_GRPO_START)
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/grpo_llm.py \
 		train.overwrite=true $(ARGS)
 
 # The GRPO demo sampling with the vLLM engine (docs/grpo.md; needs `make install-vllm`). vLLM's CPU engine
-# refuses tiny-llama's head size, so it runs on tiny-llama-h32 (the same tokenizer, corpus and pretraining,
-# heads 32 wide: scripts/build_assets.py --engine), from the same early SFT stop on that base. The engine
-# serves the base with the start adapter folded in and hot-loads the trained adapter each round.
-# ARGS="grpo.generation=hf output_dir=runs/demo-grpo-h32-hf": the same GRPO with HF generate, to compare.
+# refuses tiny-llama's head size (40), so it runs on tiny-llama-h80: the same model with its heads widened to
+# 80 (scripts/widen_heads.py: the same function), from demo-grpo's own start adapter widened the same way.
+# The engine serves the base with that start folded in and hot-loads the trained adapter each round.
+# ARGS="grpo.generation=hf output_dir=runs/demo-grpo-h80-hf": the same run sampling with HF generate.
 demo-grpo-vllm: install
-	test -f runs/demo-grpo-h32-start/final/adapter_config.json || $(VENV)/bin/accelerate launch \
-		--config_file accelerate_configs/single.yaml recipes/finetune_llm.py --config recipes/configs/demo.yaml \
-		train.overwrite=true train.max_steps=235 output_dir=runs/demo-grpo-h32-start eval.exact_match_samples=0 \
-		model.path=toolkit/assets/tiny-llama-h32
+	test -f runs/demo-grpo-start/final/adapter_config.json || $(DEMO_GRPO_START)
+	$(PY) scripts/widen_heads.py --adapter runs/demo-grpo-start/final runs/demo-grpo-start-h80
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/grpo_llm.py \
-		train.overwrite=true model.path=toolkit/assets/tiny-llama-h32 model.adapter=runs/demo-grpo-h32-start/final \
+		train.overwrite=true model.path=toolkit/assets/tiny-llama-h80 model.adapter=runs/demo-grpo-start-h80 \
 		output_dir=runs/demo-grpo-vllm grpo.generation=vllm $(ARGS)
 
 # pytest exits 5 when it collects no tests: said in one line, not a failed stage.

@@ -2,7 +2,7 @@
 new name, the previous one unloaded: what a LoRA run does) against the merged full weights (the adapter
 folded into the base, written as a checkpoint and reloaded in place: what a full fine-tune does, and what a
 LoRA run would do if it sent merged weights). Both through the recipe's own sync code
-(toolkit/grpo/engine.py), on tiny-llama-q64 and on tiny-llama-h32 (the engine demo's base, head size 32)
+(toolkit/grpo/engine.py), on tiny-llama-q64 and on tiny-llama-h80 (the engine demo's base, head size 80)
 with a rank-16 adapter, float32, one engine per model serving both paths. Each sync is timed until its
 call returned (the `sync_s` a run logs) and until the engine answered one token with the new weights.
 Writes its table between the engine-sync markers of bench/RESULTS.md and the figures to
@@ -29,7 +29,7 @@ from toolkit.grpo.engine import EngineSampler
 
 BENCH = Path(__file__).resolve().parent
 BEGIN, END = "<!-- make bench engine-sync: begin -->", "<!-- make bench engine-sync: end -->"
-MODELS = ("tiny-llama-q64", "tiny-llama-h32")
+MODELS = ("tiny-llama-q64", "tiny-llama-h80")
 RANK = 16
 
 

@@ -3,9 +3,7 @@ preference pairs.
 
 Run `python scripts/build_assets.py` (about four minutes on two idle cores), or
 `python scripts/build_assets.py --pairs` to write only the preference pairs (seconds; the model is left
-alone), or `python scripts/build_assets.py --engine` to write only toolkit/assets/tiny-llama-h32: the same
-tokenizer, corpus and pretraining on a base whose attention heads are 32 wide, a size vLLM's CPU engine
-serves (it refuses tiny-llama's 40; docs/grpo.md's engine demo starts from it). Everything comes from fixed
+alone). Everything comes from fixed
 seeds: a rerun reproduces the data files exactly, and the weights bit for bit on the same machine and
 software stack. Check a rebuilt model with `python scripts/measure_demo_headroom.py` before committing
 it: how quickly a LoRA fine-tune picks up the chat format depends on how well pretraining went.
@@ -46,8 +44,6 @@ MODEL_SHAPE = dict(
     max_position_embeddings=2048,
     tie_word_embeddings=False,
 )
-# The engine demo's base: head size 32 (vLLM's CPU attention refuses 40), the same heads and the rest alike.
-ENGINE_SHAPE = dict(MODEL_SHAPE, head_dim=32)
 # Enough steps for the base to learn two-digit addition in the raw forms below (about 95% on held-out
 # pairs) while the whole build stays within a few minutes on two CPU cores.
 PRETRAIN = dict(steps=700, batch=32, seq_len=128, lr=3e-3, warmup=50, weight_decay=0.1)
@@ -331,14 +327,14 @@ def seed_turn_markers(model, tokenizer):
                 weights[tokenizer.token_to_id(token)] = weights[separator] + noise
 
 
-def build_model(tokenizer, shape=MODEL_SHAPE):
+def build_model(tokenizer):
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     config = LlamaConfig(
         vocab_size=tokenizer.get_vocab_size(),
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|pad|>"],
-        **shape,
+        **MODEL_SHAPE,
     )
     model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(
@@ -349,9 +345,7 @@ def build_model(tokenizer, shape=MODEL_SHAPE):
     return model
 
 
-def main(engine=False):
-    """Data, tokenizer and tiny-llama; with `engine`, tiny-llama-h32 only (the data and tokenizer as they
-    are: the same seeds give the same corpus)."""
+def main():
     started = time.time()
     torch.set_num_threads(2)
     torch.manual_seed(SEED)
@@ -360,25 +354,21 @@ def main(engine=False):
     seen_pairs, eval_pairs = split_pairs(rng)
     train_rows = [chat_example(a, b, rng) for a, b in rng.sample(seen_pairs, NUM_TRAIN)]
     eval_rows = [chat_example(a, b, rng) for a, b in eval_pairs]
-    if not engine:
-        write_jsonl(ASSETS / "demo" / "train.jsonl", train_rows)
-        write_jsonl(ASSETS / "demo" / "eval.jsonl", eval_rows)
-        write_pairs()
+    write_jsonl(ASSETS / "demo" / "train.jsonl", train_rows)
+    write_jsonl(ASSETS / "demo" / "eval.jsonl", eval_rows)
+    write_pairs()
 
     # About 70% of the tokens are sums; the English keeps the vocabulary and the model general.
     documents = [arithmetic_document(seen_pairs, rng) for _ in range(6000)]
     documents += [english_document(rng) for _ in range(4000)]
     rng.shuffle(documents)
-    if engine:
-        tokenizer = Tokenizer.from_file(str(ASSETS / "tiny-llama" / "tokenizer.json"))
-    else:
-        chat_text = [m["content"] for row in train_rows for m in row["messages"]]
-        tokenizer = train_tokenizer(documents + chat_text)
+    chat_text = [m["content"] for row in train_rows for m in row["messages"]]
+    tokenizer = train_tokenizer(documents + chat_text)
 
-    model_dir = ASSETS / ("tiny-llama-h32" if engine else "tiny-llama")
+    model_dir = ASSETS / "tiny-llama"
     model_dir.mkdir(parents=True, exist_ok=True)
     save_tokenizer(tokenizer, model_dir)
-    model = build_model(tokenizer, ENGINE_SHAPE if engine else MODEL_SHAPE)
+    model = build_model(tokenizer)
     end_of_text = tokenizer.token_to_id("<|endoftext|>")
     token_ids = [t for encoding in tokenizer.encode_batch(documents) for t in encoding.ids + [end_of_text]]
     print(f"corpus: {len(documents)} documents, {len(token_ids)} tokens", flush=True)
@@ -390,7 +380,4 @@ def main(engine=False):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--pairs"]:
-        write_pairs()
-    else:
-        main(engine=sys.argv[1:] == ["--engine"])
+    write_pairs() if sys.argv[1:] == ["--pairs"] else main()
