@@ -2,8 +2,7 @@
 
 Reports assistant-token eval loss and greedy exact-match accuracy on the held-out split before and after
 training, so the demo recipe's defaults can be checked against a known-good reference:
-`python scripts/measure_demo_headroom.py` (about a minute on two CPU cores); `--model tiny-llama-h32` measures
-the engine demo's base.
+`python scripts/measure_demo_headroom.py` (about a minute on two CPU cores).
 """
 
 import argparse
@@ -121,13 +120,12 @@ def main():
     parser.add_argument("--alpha", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default="tiny-llama", help="an embedded base under toolkit/assets/")
     args = parser.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(args.seed)
 
-    tokenizer = AutoTokenizer.from_pretrained(ASSETS / args.model)
-    model = AutoModelForCausalLM.from_pretrained(ASSETS / args.model)
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tiny-llama")
+    model = AutoModelForCausalLM.from_pretrained(ASSETS / "tiny-llama")
     train_rows, eval_rows = (read_jsonl(ASSETS / "demo" / f"{s}.jsonl") for s in ("train", "eval"))
     train_examples = [tokenize(tokenizer, r["messages"], args.max_length) for r in train_rows]
     eval_examples = [tokenize(tokenizer, r["messages"], args.max_length) for r in eval_rows]
