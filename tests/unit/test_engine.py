@@ -117,6 +117,9 @@ def test_the_engine_serves_the_base_the_trainer_folds_its_start_adapter_into(tmp
         base.state_dict()["model.layers.0.self_attn.q_proj.base_layer.weight"],
     )  # the start adapter is in it
     assert (Path(served) / "tokenizer.json").is_file()
+    not_adapter = load_grpo_config(None, [f"model.path={Q64}", f"model.adapter={tmp_path}"])
+    with pytest.raises(UserError, match="model.adapter: .* is not an adapter directory"):
+        _served_base(not_adapter, tmp_path / "engine")
 
 
 def test_the_logprob_gap_counts_sampled_tokens_only():

@@ -188,6 +188,8 @@ def write_folded_base(model_path: str, adapter: str, out_dir: Path, dtype: str, 
     toolkit/model/load.py's merge_start_adapter, in the same dtype), built on this process alone."""
     from peft import PeftModel
 
+    if not (Path(adapter) / ADAPTER_CONFIG).is_file():
+        raise UserError(f"model.adapter: {adapter} is not an adapter directory (no {ADAPTER_CONFIG})")
     with outside_zero3():
         base = model_class(model_path).from_pretrained(
             model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
