@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 # With a GPU, the `gpu` extra too (Liger's Triton kernels, which need the CUDA torch chosen above).
 GPU_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ",gpu")
 
-.PHONY: install install-vllm install-gpu-kernels test-vllm lock demo demo-dpo demo-rm demo-grpo demo-distill demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean
+.PHONY: install install-vllm install-gpu-kernels test-vllm lock demo demo-dpo demo-rm demo-grpo demo-grpo-vllm demo-distill demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -80,10 +80,11 @@ demo-rm: install
 
 # GRPO from an SFT run stopped early (trained first when missing: the demo's config cut to 235 steps, which
 # answers with a number but gets a third of the sums right): sampled answers, rewarded when exact.
+DEMO_GRPO_START = $(VENV)/bin/accelerate launch \
+	--config_file accelerate_configs/single.yaml recipes/finetune_llm.py --config recipes/configs/demo.yaml \
+	train.overwrite=true train.max_steps=235 output_dir=runs/demo-grpo-start eval.exact_match_samples=0
 demo-grpo: install
-	test -f runs/demo-grpo-start/final/adapter_config.json || $(VENV)/bin/accelerate launch \
-		--config_file accelerate_configs/single.yaml recipes/finetune_llm.py --config recipes/configs/demo.yaml \
-		train.overwrite=true train.max_steps=235 output_dir=runs/demo-grpo-start eval.exact_match_samples=0
+	test -f runs/demo-grpo-start/final/adapter_config.json || $(DEMO_GRPO_START)
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/grpo_llm.py \
 		train.overwrite=true $(ARGS)
 
@@ -105,6 +106,18 @@ demo-distill: install
 		train.overwrite=true train.max_steps=235 output_dir=runs/demo-grpo-start eval.exact_match_samples=0
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/grpo_llm.py \
 		--config recipes/configs/demo-grpo-distill.yaml train.overwrite=true $(ARGS)
+
+# The GRPO demo sampling with the vLLM engine (docs/grpo.md; needs `make install-vllm`). vLLM's CPU engine
+# refuses tiny-llama's head size (40), so it runs on tiny-llama-h80: the same model with its heads widened to
+# 80 (scripts/widen_heads.py: the same function), from demo-grpo's own start adapter widened the same way.
+# The engine serves the base with that start folded in and hot-loads the trained adapter each round.
+# ARGS="grpo.generation=hf output_dir=runs/demo-grpo-h80-hf": the same run sampling with HF generate.
+demo-grpo-vllm: install
+	test -f runs/demo-grpo-start/final/adapter_config.json || $(DEMO_GRPO_START)
+	$(PY) scripts/widen_heads.py --adapter runs/demo-grpo-start/final runs/demo-grpo-start-h80
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/grpo_llm.py \
+		train.overwrite=true model.path=toolkit/assets/tiny-llama-h80 model.adapter=runs/demo-grpo-start-h80 \
+		output_dir=runs/demo-grpo-vllm grpo.generation=vllm $(ARGS)
 
 # pytest exits 5 when it collects no tests: said in one line, not a failed stage.
 pytest = $(PY) -m pytest $(1) || { code=$$?; [ $$code -eq 5 ] && echo "no tests collected in $(1)" || exit $$code; }

@@ -16,12 +16,14 @@ its checkpoint built once and cached under runs/bench-moments/), and the vision-
 and what each does when asked to pack image rows), and `ftkit eval` against lm-eval's own HF backend
 (bench/eval_overhead.py: the whole command's time and memory, and the scores, on the same model and tasks),
 and a Qwen3.5-shaped hybrid padded, grouped by length and packed (bench/hybrid_packing.py), and GRPO's
-rollouts with HF generate against the vLLM engine (bench/rollout_engine.py; skipped without .venv-vllm).
+rollouts with HF generate against the vLLM engine (bench/rollout_engine.py; skipped without .venv-vllm), and
+the engine's weight sync, adapter-only against merged weights (bench/engine_sync.py; the same).
 
     python bench/run.py [--repeats 5] [--loss-head-repeats 3] [--pipeline-repeats 2] [--grpo-repeats 2]
         [--reward-repeats 3]
         [--moe-repeats 3] [--long-context-repeats 2] [--moments-repeats 3] [--vision-repeats 3]
         [--eval-repeats 3] [--hybrid-repeats 3] [--rollout-engine-repeats 3]
+        [--engine-sync-repeats 5]
         [--only SECTION ...]
 """
 
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import data_prep
 import dpo
+import engine_sync
 import eval_overhead
 import grpo
 import hybrid_packing
@@ -173,7 +176,7 @@ def sft_section(repeats: int, moe: bool = False) -> str:
 
 
 SECTIONS = ("sft", "dpo", "reward", "data-prep", "loss-head", "pipeline", "grpo", "moe", "long-context",
-            "moments", "vision", "eval", "hybrid", "rollout-engine")  # fmt: skip
+            "moments", "vision", "eval", "hybrid", "rollout-engine", "engine-sync")  # fmt: skip
 
 
 def main() -> None:
@@ -190,6 +193,7 @@ def main() -> None:
     parser.add_argument("--eval-repeats", type=int, default=3)
     parser.add_argument("--hybrid-repeats", type=int, default=3)
     parser.add_argument("--rollout-engine-repeats", type=int, default=3)
+    parser.add_argument("--engine-sync-repeats", type=int, default=5)
     parser.add_argument(
         "--only", action="append", choices=SECTIONS, help="run this section only (repeatable; default: all)"
     )
@@ -223,6 +227,8 @@ def main() -> None:
         print(hybrid_packing.run_section(args.hybrid_repeats, machine))
     if "rollout-engine" in only:
         print(rollout_engine.run_section(args.rollout_engine_repeats, machine))
+    if "engine-sync" in only:
+        print(engine_sync.run_section(args.engine_sync_repeats, machine))
 
 
 if __name__ == "__main__":

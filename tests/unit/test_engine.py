@@ -15,7 +15,9 @@ from toolkit.engine import client
 from toolkit.engine.server import Engine, ServeSpec, engine_python, free_port, serve_command
 from toolkit.errors import UserError
 from toolkit.grpo.config import load_grpo_config
-from toolkit.grpo.engine import EngineSampler, logprob_gap
+from toolkit.grpo.engine import EngineSampler, _served_base, logprob_gap
+
+Q64 = Path(__file__).resolve().parents[2] / "toolkit" / "assets" / "tiny-llama-q64"
 
 
 def fake_venv(tmp_path: Path) -> Path:
@@ -79,10 +81,45 @@ def test_the_engine_runs_no_checkpoint_code_unless_asked_and_fits_the_lora_rank(
         serve_command(python, ServeSpec("m", "float32", 64, lora_rank=1024), "127.0.0.1", 8000)
 
 
-def test_a_start_adapter_is_refused_with_the_engine(tmp_path):
-    with pytest.raises(UserError, match="model.adapter is folded into the trained base"):
-        load_grpo_config(None, ["grpo.generation=vllm", f"model.adapter={tmp_path}"])
-    assert load_grpo_config(None, ["model.adapter=null"]).grpo.generation == "hf"
+def test_a_start_adapter_is_refused_with_an_engine_the_user_started(tmp_path):
+    url = "grpo.vllm.url=http://127.0.0.1:1"
+    with pytest.raises(UserError, match="grpo.vllm.url: model.adapter is folded into the trained base"):
+        load_grpo_config(None, ["grpo.generation=vllm", url, f"model.adapter={tmp_path}"])
+    ours = load_grpo_config(None, ["grpo.generation=vllm", f"model.adapter={tmp_path}"])
+    assert ours.model.adapter == str(tmp_path)
+
+
+def test_the_engine_serves_the_base_the_trainer_folds_its_start_adapter_into(tmp_path):
+    """With model.adapter the engine's base is written once: the trainer's own base weights, exactly."""
+    from peft import LoraConfig as PeftLora
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.config import LoraConfig, ModelConfig
+    from toolkit.model.load import load_model
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(Q64, dtype=torch.float32)
+    start = get_peft_model(base, PeftLora(r=8, target_modules="all-linear", init_lora_weights=False))
+    start.save_pretrained(str(tmp_path / "start"))
+    cfg = load_grpo_config(None, [f"model.path={Q64}", f"model.adapter={tmp_path / 'start'}"])
+    no_start = load_grpo_config(None, [f"model.path={Q64}", "model.adapter=null"])
+    assert _served_base(no_start, tmp_path) == str(Q64)
+    served = _served_base(cfg, tmp_path / "engine")
+    assert served == str((tmp_path / "engine" / "base").resolve())
+    folded = AutoModelForCausalLM.from_pretrained(served).state_dict()
+    model_cfg = ModelConfig(path=str(Q64), method="full", adapter=str(tmp_path / "start"))
+    trained = load_model(model_cfg, LoraConfig()).state_dict()
+    assert folded.keys() == trained.keys()
+    assert all(torch.equal(folded[k], trained[k]) for k in trained)
+    assert not torch.equal(
+        folded["model.layers.0.self_attn.q_proj.weight"],
+        base.state_dict()["model.layers.0.self_attn.q_proj.base_layer.weight"],
+    )  # the start adapter is in it
+    assert (Path(served) / "tokenizer.json").is_file()
+    not_adapter = load_grpo_config(None, [f"model.path={Q64}", f"model.adapter={tmp_path}"])
+    with pytest.raises(UserError, match="model.adapter: .* is not an adapter directory"):
+        _served_base(not_adapter, tmp_path / "engine")
 
 
 def test_the_logprob_gap_counts_sampled_tokens_only():

@@ -182,6 +182,27 @@ def merge_adapter(
     verify_export(out_dir, trust_remote_code)
 
 
+def write_folded_base(model_path: str, adapter: str, out_dir: Path, dtype: str, trust_remote_code=False):
+    """The base with a run's start adapter folded in, as a model folder (weights, config, tokenizer) another
+    program serves: the very weights the run's base has (the same load and peft merge as
+    toolkit/model/load.py's merge_start_adapter, in the same dtype), built on this process alone."""
+    from peft import PeftModel
+
+    if not (Path(adapter) / ADAPTER_CONFIG).is_file():
+        raise UserError(f"model.adapter: {adapter} is not an adapter directory (no {ADAPTER_CONFIG})")
+    with outside_zero3():
+        base = model_class(model_path).from_pretrained(
+            model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+        )
+        folded = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    folded.save_pretrained(str(tmp))
+    AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code).save_pretrained(str(tmp))
+    shutil.rmtree(out_dir, ignore_errors=True)  # an earlier launch's, written here the same way
+    tmp.rename(out_dir)
+
+
 @contextlib.contextmanager
 def outside_zero3():
     """Build a model on this process alone, even inside a ZeRO-3 run.

@@ -215,10 +215,11 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
 
 def validate_engine(cfg: GrpoRecipeConfig) -> None:
     """What the engine path does not do yet, refused in one line before anything loads."""
-    if cfg.model.adapter:
+    if cfg.model.adapter and cfg.grpo.vllm.url:
         raise UserError(
-            "grpo.generation=vllm: model.adapter is folded into the trained base, which the engine does not "
-            "serve; merge it into a model folder (`ftkit export --merge-lora`) and name that as model.path"
+            "grpo.vllm.url: model.adapter is folded into the trained base, which an engine you started does "
+            "not serve; merge it into a model folder (`ftkit export --merge-lora`), serve that and name it "
+            "as model.path, or leave grpo.vllm.url unset (ftkit's engine serves the folded base)"
         )
     loopback = cfg.grpo.vllm.host in ("127.0.0.1", "localhost", "::1")
     if cfg.model.method == "full" and not cfg.grpo.vllm.url and not loopback:

@@ -4,8 +4,10 @@ the rest of the rollout (rewards, advantages, the loss) does not know which samp
 The main process sends the whole round, in one fixed order with one seed per completion, and shares what
 comes back with the others: the completions do not depend on the number of training processes. Before each
 round the LoRA adapter (gathered to the main process on sharded backends) is written to the run folder and
-hot-loaded under a new name; the base weights never move. A full fine-tune's weights are written as a
-checkpoint the engine reloads in place each round.
+hot-loaded under a new name; the base weights never move. A run that starts from a trained adapter
+(model.adapter) has it folded into its base: that folded base is written once to the run folder and is the
+model the engine serves, so the adapter trained on top of it is hot-loaded the same way. A full
+fine-tune's weights are written as a checkpoint the engine reloads in place each round.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from accelerate.utils import broadcast_object_list
 from tqdm import tqdm
 
-from toolkit.checkpoint.export import full_state_dict, saver
+from toolkit.checkpoint.export import full_state_dict, saver, write_folded_base
 from toolkit.checkpoint.rundir import ENGINE_DIR
 from toolkit.distributed import agreed_error, unwrap
 from toolkit.engine import client
@@ -74,6 +76,9 @@ class Sampled:
         round_index, version = state[AHEAD + "about"].tolist()
         fields = (state[AHEAD + name] for name in ("tokens", "lengths", "logps"))
         return cls(round_index, *fields, version, state[AHEAD + "times"])
+
+FOLDED_BASE = "base"
+"""Under the run's engine/: model.path with model.adapter folded in, the base ftkit's engine serves."""
 
 
 class EngineSampler:
@@ -328,7 +333,7 @@ def _start_or_connect(cfg, folder) -> Engine:
     if settings.url:
         return Engine.connect(settings.url)
     spec = ServeSpec(
-        model=cfg.model.path,
+        model=_served_base(cfg, folder),
         reloads_weights=cfg.model.method == "full",
         dtype=_engine_dtype(cfg),
         max_model_len=cfg.data.max_length + cfg.grpo.max_new_tokens,
@@ -338,6 +343,16 @@ def _start_or_connect(cfg, folder) -> Engine:
         gpu_memory_utilization=settings.gpu_memory_utilization,
     )
     return Engine.start(spec, folder / "vllm.log", settings.host, settings.port)
+
+
+def _served_base(cfg, folder: Path) -> str:
+    """The base the engine serves: model.path, or with a start adapter the folded base written under the
+    run's engine/ folder (the trainer folds the same adapter into the same base)."""
+    if not cfg.model.adapter:
+        return cfg.model.path
+    target = folder / FOLDED_BASE
+    write_folded_base(cfg.model.path, cfg.model.adapter, target, cfg.model.dtype, cfg.model.trust_remote_code)
+    return str(target.resolve())
 
 
 def write_weights(config, state: dict, folder: Path) -> None:

@@ -1,0 +1,64 @@
+"""toolkit/assets/tiny-llama-h80, the engine demo's base (scripts/widen_heads.py): the demo model with its
+attention heads widened from 40 (which vLLM's CPU engine refuses) to 80, computing the same logits, and
+the demo's start adapter widened with it computing the same logits too."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+REPO = Path(__file__).resolve().parents[2]
+TINY, WIDE = REPO / "toolkit" / "assets" / "tiny-llama", REPO / "toolkit" / "assets" / "tiny-llama-h80"
+
+
+def script():
+    spec = importlib.util.spec_from_file_location("widen_heads", REPO / "scripts" / "widen_heads.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def prompts() -> torch.Tensor:
+    return torch.randint(0, 2048, (3, 40), generator=torch.Generator().manual_seed(0))
+
+
+def test_the_widened_model_is_the_demo_model_with_heads_the_engine_serves(tmp_path):
+    assert json.loads((WIDE / "config.json").read_text())["head_dim"] == 80
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (WIDE / name).read_bytes() == (TINY / name).read_bytes()
+    script().widen_model(tmp_path / "rebuilt")
+    rebuilt, shipped = (
+        load_file(tmp_path / "rebuilt" / "model.safetensors"),
+        load_file(WIDE / "model.safetensors"),
+    )
+    assert rebuilt.keys() == shipped.keys() and all(torch.equal(rebuilt[k], shipped[k]) for k in shipped)
+    with torch.no_grad():
+        narrow = AutoModelForCausalLM.from_pretrained(TINY)(input_ids=prompts()).logits
+        wide = AutoModelForCausalLM.from_pretrained(WIDE)(input_ids=prompts()).logits
+    # Float rounding only (the queries scaled by sqrt(2), sums in another order): 1e-5 of logits up to ~18.
+    torch.testing.assert_close(wide, narrow, rtol=0, atol=1e-4)
+
+
+def test_a_start_adapter_widened_computes_what_it_did(tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(TINY)
+    adapted = get_peft_model(base, LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False))
+    adapted.save_pretrained(str(tmp_path / "narrow"))
+    script().widen_adapter(tmp_path / "narrow", tmp_path / "wide")
+    widened = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(WIDE), str(tmp_path / "wide"))
+    with torch.no_grad():
+        before, plain = (
+            adapted(input_ids=prompts()).logits,
+            AutoModelForCausalLM.from_pretrained(TINY)(input_ids=prompts()).logits,
+        )
+        after = widened(input_ids=prompts()).logits
+    assert (before - plain).abs().max() > 1.0  # the adapter changes the logits
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-4)
+    assert json.loads((tmp_path / "wide" / "adapter_config.json").read_text())["base_model_name_or_path"] == (
+        "toolkit/assets/tiny-llama-h80"
+    )
