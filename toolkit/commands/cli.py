@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument(
         "--engine",
         choices=("shared", "own"),
-        help="grpo with vllm: on the main process's GPU (default) or one of its own (grpo.vllm.url)",
+        help="grpo with vllm: on the main process's GPU (default) or its own (grpo.vllm.gpus or .url)",
     )
     plan.add_argument(
         "--images-per-row", type=int, help="vision-language models: images in each row (default 1)"

@@ -1,6 +1,6 @@
 """The engine's HTTP API, the few calls ftkit makes: health, seeded completions of token ids with the
-sampled tokens' log-probabilities, LoRA adapters loaded and unloaded while it runs, and whole weights
-reloaded."""
+sampled tokens' log-probabilities, LoRA adapters loaded and unloaded while it runs, whole weights
+reloaded, and sleep and wake-up (vLLM's sleep mode)."""
 
 from __future__ import annotations
 
@@ -119,3 +119,28 @@ def reload_weights(url: str, folder: str) -> None:
             "/collective_rpc, which VLLM_SERVER_DEV_MODE=1 in the engine's environment opens"
         ) from exc
     post(url, "/reset_prefix_cache", {})
+
+
+def sleep(url: str, level: int) -> None:
+    """The engine frees its GPU memory: level 1 keeps its weights in CPU memory, level 2 drops them (they
+    are reloaded before it serves again); both drop the KV cache. Requests in flight are aborted."""
+    _dev(url, f"/sleep?level={level}")
+
+
+def wake_up(url: str, tags: tuple[str, ...] = ()) -> None:
+    """The engine's GPU memory back: all of it, or only `tags` ("weights", "kv_cache"), so a reload of
+    whole weights does not meet the KV cache on the GPU."""
+    query = "".join(f"{'&' if i else '?'}tags={tag}" for i, tag in enumerate(tags))
+    _dev(url, f"/wake_up{query}")
+
+
+def _dev(url: str, path: str) -> None:
+    try:
+        post(url, path, {})
+    except UserError as exc:
+        if "Not Found" not in str(exc):
+            raise
+        raise UserError(
+            f"grpo.vllm.sleep: the engine at {url} has no {path.split('?')[0]}: sleep mode needs "
+            "--enable-sleep-mode and VLLM_SERVER_DEV_MODE=1 in the engine's environment"
+        ) from exc

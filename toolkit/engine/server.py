@@ -45,6 +45,13 @@ class ServeSpec:
     reloads_weights: bool = False
     """Whole weights are sent (full fine-tuning): vLLM's /collective_rpc is opened (its development mode)
     for reload_weights."""
+    sleep: bool = False
+    """vLLM's sleep mode (GPU engines): --enable-sleep-mode, and /sleep and /wake_up opened (its
+    development mode), so the engine frees its GPU memory between rounds."""
+    gpus: str = ""
+    """The GPUs it runs on, as the engine's CUDA_VISIBLE_DEVICES ("": those the run's process sees)."""
+    tensor_parallel_size: int = 0
+    """GPUs one copy of the model is split over (0: vLLM's own default, one)."""
 
 
 def engine_python(venv: Path = ENGINE_VENV) -> Path:
@@ -88,11 +95,26 @@ def serve_command(python: Path, spec: ServeSpec, host: str, port: int) -> list[s
         command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
     if spec.trust_remote_code:
         command.append("--trust-remote-code")
-    if not _has_gpu():
+    if not has_gpu():
         command.append("--enforce-eager")  # compiling the CPU graphs costs more start time than it saves here
     else:
         command += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+    if spec.tensor_parallel_size:
+        command += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+    if spec.sleep:
+        command.append("--enable-sleep-mode")
     return command
+
+
+def serve_environment(spec: ServeSpec, base: dict[str, str]) -> dict[str, str]:
+    """The engine's environment: `base` (the run's) with what ftkit's use of the server needs."""
+    env = {**base, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    if spec.reloads_weights or spec.sleep:  # /collective_rpc, /sleep and /wake_up are development endpoints
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    if spec.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = spec.gpus
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gb))
+    return env
 
 
 def _end_with_parent() -> None:
@@ -106,7 +128,7 @@ def _end_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _has_gpu() -> bool:
+def has_gpu() -> bool:
     import shutil
 
     return shutil.which("nvidia-smi") is not None
@@ -129,10 +151,7 @@ class Engine:
         if port:
             check_port_free(host, port)
         port = port or free_port(host)
-        env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-        if spec.reloads_weights:
-            env["VLLM_SERVER_DEV_MODE"] = "1"
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gb))
+        env = serve_environment(spec, dict(os.environ))
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as out:  # the child keeps its own copy of the descriptor
             process = subprocess.Popen(

@@ -18,6 +18,7 @@ GrpoLoss = Literal["grpo", "dr_grpo", "dapo"]
 Generation = Literal["hf", "vllm"]
 RewardScaling = Literal["group", "batch", "none"]
 BUILT_IN_REWARDS = ("exact_answer", "format", "length")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass
@@ -35,6 +36,15 @@ class VllmConfig:
     """KV cache of a CPU engine (VLLM_CPU_KVCACHE_SPACE, GiB)."""
     gpu_memory_utilization: Annotated[float, Range(low=0, high=1, low_open=True)] = 0.3
     """Share of the GPU's memory a GPU engine takes (weights and KV cache)."""
+    gpus: str | list[NonNegativeInt] | None = None
+    """GPUs of the engine ftkit starts ("2,3" or [2, 3], as nvidia-smi numbers them), apart from the
+    training processes'; unset: the main process's GPU, shared with training."""
+    tensor_parallel_size: NonNegativeInt = 0
+    """GPUs the engine ftkit starts splits the model over (0: the count of grpo.vllm.gpus, else 1)."""
+    sleep: bool | None = None
+    """The engine ftkit starts sleeps between rounds (vLLM's sleep mode, GPU only): its memory freed once
+    a round's completions are back, taken again before the next sync. Unset: on when it shares the main
+    process's GPU (no url, no gpus, grpo.async_rounds 0, a loopback host, a GPU here), off otherwise."""
 
 
 @dataclass
@@ -221,12 +231,12 @@ def validate_engine(cfg: GrpoRecipeConfig) -> None:
             "not serve; merge it into a model folder (`ftkit export --merge-lora`), serve that and name it "
             "as model.path, or leave grpo.vllm.url unset (ftkit's engine serves the folded base)"
         )
-    loopback = cfg.grpo.vllm.host in ("127.0.0.1", "localhost", "::1")
-    if cfg.model.method == "full" and not cfg.grpo.vllm.url and not loopback:
+    if cfg.model.method == "full" and not cfg.grpo.vllm.url and cfg.grpo.vllm.host not in LOOPBACK:
         raise UserError(
             f"grpo.vllm.host: {cfg.grpo.vllm.host} would expose vLLM's development endpoints, which a full "
             "fine-tune's engine opens to reload its weights; keep it on 127.0.0.1"
         )
+    validate_placement(cfg)
     if cfg.grpo.environment.openenv.url or cfg.grpo.environment.openenv.app:
         raise UserError(
             "grpo.environment.openenv: OpenEnv rollouts run on HF generate only so far; "
@@ -236,6 +246,94 @@ def validate_engine(cfg: GrpoRecipeConfig) -> None:
         raise UserError(
             "grpo.generation=vllm: lora.use_dora adapters are not loaded by the engine; turn it off"
         )
+
+
+def validate_placement(cfg: GrpoRecipeConfig) -> None:
+    """grpo.vllm.sleep and grpo.vllm.gpus: what needs no look at the machine."""
+    settings, grpo = cfg.grpo.vllm, cfg.grpo
+    if settings.sleep and settings.url:
+        raise UserError(
+            "grpo.vllm.sleep: ftkit puts only the engine it starts to sleep, not yours at grpo.vllm.url"
+        )
+    if settings.sleep and grpo.async_rounds:
+        raise UserError(
+            "grpo.vllm.sleep: with grpo.async_rounds the engine generates while training runs; it cannot "
+            "sleep"
+        )
+    if settings.sleep and settings.host not in LOOPBACK:
+        raise UserError(
+            f"grpo.vllm.host: {settings.host} would expose vLLM's development endpoints, which sleep mode "
+            "opens; keep it on 127.0.0.1"
+        )
+    gpus = engine_gpus(cfg)
+    if gpus and settings.url:
+        raise UserError(
+            "grpo.vllm.gpus: places the engine ftkit starts; yours at grpo.vllm.url runs where you started it"
+        )
+    if len(set(gpus)) != len(gpus):
+        raise UserError(f"grpo.vllm.gpus: {','.join(gpus)} names a GPU twice")
+    if gpus and settings.tensor_parallel_size > len(gpus):
+        raise UserError(
+            f"grpo.vllm.tensor_parallel_size: {settings.tensor_parallel_size} is more than grpo.vllm.gpus "
+            f"({len(gpus)})"
+        )
+
+
+def engine_gpus(cfg: GrpoRecipeConfig) -> list[str]:
+    """grpo.vllm.gpus as CUDA_VISIBLE_DEVICES entries ([] when unset)."""
+    gpus = cfg.grpo.vllm.gpus
+    if gpus is None or gpus == "":
+        return []
+    items = [str(g) for g in gpus] if isinstance(gpus, list) else [g.strip() for g in gpus.split(",")]
+    if not all(item.isdigit() for item in items):
+        raise UserError(f'grpo.vllm.gpus: {gpus!r} is not GPU indices ("2,3" or [2, 3])')
+    return items
+
+
+def sleep_level(cfg: GrpoRecipeConfig, gpu: bool) -> int:
+    """vLLM's sleep level for the engine between rounds, 0 when it does not sleep: 1 (LoRA: its base
+    weights kept in CPU memory) or 2 (full fine-tuning: its weights dropped, reloaded anyway)."""
+    settings = cfg.grpo.vllm
+    sleeps = settings.sleep
+    if sleeps is None:
+        sleeps = (
+            gpu
+            and not settings.url
+            and not engine_gpus(cfg)
+            and not cfg.grpo.async_rounds
+            and settings.host in LOOPBACK
+        )
+    if not sleeps or cfg.grpo.generation != "vllm":
+        return 0
+    return 2 if cfg.model.method == "full" else 1
+
+
+def check_engine_machine(cfg: GrpoRecipeConfig, gpu: bool, env: dict[str, str]) -> None:
+    """grpo.vllm.sleep and grpo.vllm.gpus against this machine: `gpu`, whether it has one; `env`, the
+    launch's environment (its local world size and visible devices)."""
+    if cfg.grpo.vllm.sleep and not gpu:
+        raise UserError(
+            "grpo.vllm.sleep: no GPU here, and vLLM's CPU backend has no sleep mode (its CPU worker ignores "
+            "/sleep); leave it unset or false"
+        )
+    gpus = engine_gpus(cfg)
+    if gpus and not gpu:
+        raise UserError(f"grpo.vllm.gpus: {','.join(gpus)} named, but no GPU here (nvidia-smi not found)")
+    shared = sorted(set(gpus) & set(training_gpus(env)), key=int)
+    if shared:
+        raise UserError(
+            f"grpo.vllm.gpus: GPU {','.join(shared)} also trains (this launch's processes use "
+            f"{','.join(training_gpus(env))}); name GPUs apart from training's"
+        )
+
+
+def training_gpus(env: dict[str, str]) -> list[str]:
+    """The GPUs this machine's training processes use, as nvidia-smi numbers them: the first
+    LOCAL_WORLD_SIZE of CUDA_VISIBLE_DEVICES (accelerate gives local process i device i)."""
+    local = int(env.get("LOCAL_WORLD_SIZE", "1"))
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",")] if visible else [str(i) for i in range(local)]
+    return ids[:local]
 
 
 def validate_openenv(environment: EnvironmentConfig) -> None:
@@ -254,9 +352,12 @@ def check_engine_environment(cfg: GrpoRecipeConfig) -> None:
     """Before the run writes anything: an engine ftkit would start needs its environment (.venv-vllm).
     Not part of `validate_grpo`, which also checks configs planned for another machine."""
     if cfg.grpo.generation == "vllm" and not cfg.grpo.vllm.url:
+        import os
+
         from toolkit.engine import server
 
         server.engine_python(server.ENGINE_VENV)
+        check_engine_machine(cfg, server.has_gpu(), dict(os.environ))
 
 
 def validate_teacher(cfg: GrpoRecipeConfig) -> None:

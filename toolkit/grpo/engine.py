@@ -29,9 +29,9 @@ from toolkit.checkpoint.export import full_state_dict, saver, write_folded_base
 from toolkit.checkpoint.rundir import ENGINE_DIR
 from toolkit.distributed import agreed_error, unwrap
 from toolkit.engine import client
-from toolkit.engine.server import BASE_NAME, Engine, ServeSpec
+from toolkit.engine.server import BASE_NAME, Engine, ServeSpec, has_gpu
 from toolkit.errors import UserError
-from toolkit.grpo.config import steps_per_round
+from toolkit.grpo.config import engine_gpus, sleep_level, steps_per_round
 
 AHEAD = "ahead."
 """The prefix of the round sent ahead in a checkpoint's recipe state."""
@@ -77,6 +77,7 @@ class Sampled:
         fields = (state[AHEAD + name] for name in ("tokens", "lengths", "logps"))
         return cls(round_index, *fields, version, state[AHEAD + "times"])
 
+
 FOLDED_BASE = "base"
 """Under the run's engine/: model.path with model.adapter folded in, the base ftkit's engine serves."""
 
@@ -84,8 +85,14 @@ FOLDED_BASE = "base"
 class EngineSampler:
     """The engine a run samples with: held by the main process (None elsewhere), its adapter per round."""
 
-    def __init__(self, accelerator, cfg, engine: Engine | None, folder: Path | None = None):
+    def __init__(self, accelerator, cfg, engine: Engine | None, folder: Path | None = None, sleep_level=0):
         self.accelerator, self.cfg, self.engine = accelerator, cfg, engine
+        self.sleep_level = sleep_level
+        """vLLM's sleep level between rounds (grpo.vllm.sleep; 0: the engine never sleeps)."""
+        self.sleeping: set[str] = set()
+        """What of the engine's GPU memory sleeps now ("weights", "kv_cache")."""
+        self.wake_seconds = self.sleep_seconds = 0.0
+        """The last round's wake-up (before its sync) and sleep (once its completions were back)."""
         self.folder = folder
         """Where the weights sent to the engine are written (the run folder's engine/)."""
         self.adapter = None
@@ -120,7 +127,8 @@ class EngineSampler:
         error = agreed_error(accelerator, error)
         if error:
             raise UserError(error)
-        sampler = cls(accelerator, cfg, engine, run.output_dir / ENGINE_DIR)
+        level = sleep_level(cfg, has_gpu())
+        sampler = cls(accelerator, cfg, engine, run.output_dir / ENGINE_DIR, level)
         try:
             yield sampler
         finally:
@@ -137,13 +145,38 @@ class EngineSampler:
         if sampled is None:  # the first round, or the first after a resume that kept none ahead
             prompts, seeds = requests(round_index)
             asked = functools.partial(self._requested, round_index, prompts, seeds, stop_ids, *self._served())
-            sampled = self._shared_round(round_index, len(prompts), asked)
+            sampled = self._shared_round(round_index, len(prompts), functools.partial(self.then_rest, asked))
         if (
             self.cfg.grpo.async_rounds
             and (round_index + 1) * steps_per_round(self.cfg) < self.cfg.train.max_steps
         ):
             self._send_ahead(round_index + 1, *requests(round_index + 1), stop_ids)  # a round that will train
         return sampled, sync_seconds
+
+    def then_rest(self, call):
+        """Main process: `call()`'s result, the engine put to sleep once it is back (grpo.vllm.sleep)."""
+        result = call()
+        if self.sleep_level:
+            started = time.perf_counter()
+            client.sleep(self.engine.url, self.sleep_level)
+            self.sleeping = {"weights", "kv_cache"}
+            self.sleep_seconds = time.perf_counter() - started
+        return result
+
+    def _wake(self, *tags: str) -> None:
+        """Main process: the engine's sleeping memory back, all of it or only `tags`."""
+        wanted = set(tags) or {"weights", "kv_cache"}
+        if not wanted & self.sleeping:
+            return
+        started = time.perf_counter()
+        client.wake_up(self.engine.url, tags)
+        self.sleeping -= wanted
+        self.wake_seconds += time.perf_counter() - started
+
+    def rest_seconds(self) -> tuple[float, float] | None:
+        """(wake_s, sleep_s) of the last round (0 on every process but the main one); None when the engine
+        does not sleep."""
+        return (self.wake_seconds, self.sleep_seconds) if self.sleep_level else None
 
     def _served(self) -> tuple[str, int]:
         """(the name the engine serves the synced weights under, rounds trained into them)."""
@@ -257,9 +290,9 @@ class EngineSampler:
     def sync(self, model, round_index: int) -> float:
         """Collective: the trained weights as they are now, gathered on the main process and sent: a LoRA
         adapter loaded under a new name, or (full fine-tuning) the whole weights reloaded. Returns the
-        seconds it took (the first round's wait for the engine to start not counted)."""
+        seconds it took (the first round's wait for the engine to start and its wake-up not counted)."""
         error = self._guarded(self._wait_ready)
-        started = time.perf_counter()
+        started, self.wake_seconds = time.perf_counter(), 0.0
         state = full_state_dict(self.accelerator, model)
         if not error and self.cfg.model.method == "full":
             error = self._guarded(self._reload, unwrap(self.accelerator, model), state, round_index)
@@ -269,7 +302,7 @@ class EngineSampler:
         if error:
             raise UserError(error)
         self.version = round_index
-        return time.perf_counter() - started
+        return time.perf_counter() - started - self.wake_seconds
 
     def _guarded(self, call, *args) -> str:
         """`call(*args)` on the main process; its UserError as the text every process will raise."""
@@ -285,6 +318,7 @@ class EngineSampler:
         name = f"round-{round_index}-{secrets.token_hex(3)}"  # a reused name would keep the old weights
         folder = self.folder / f"adapter-{name}"
         policy.save_pretrained(str(folder), state_dict=state)
+        self._wake()
         client.load_adapter(self.engine.url, name, str(folder.resolve()))
         if self.adapter is not None:
             client.unload_adapter(self.engine.url, self.adapter[0])
@@ -296,7 +330,9 @@ class EngineSampler:
         deleted)."""
         folder = self.folder / f"weights-round-{round_index}"
         write_weights(policy.config, state, folder)
+        self._wake("weights")  # after a level-2 sleep the KV cache comes back once the weights are in
         client.reload_weights(self.engine.url, str(folder.resolve()))
+        self._wake("kv_cache")
         if self.weights is not None:
             shutil.rmtree(self.weights, ignore_errors=True)
         self.weights = folder
@@ -341,6 +377,9 @@ def _start_or_connect(cfg, folder) -> Engine:
         trust_remote_code=cfg.model.trust_remote_code,
         kv_cache_gb=settings.kv_cache_gb,
         gpu_memory_utilization=settings.gpu_memory_utilization,
+        sleep=sleep_level(cfg, has_gpu()) > 0,
+        gpus=",".join(engine_gpus(cfg)),
+        tensor_parallel_size=settings.tensor_parallel_size or len(engine_gpus(cfg)),
     )
     return Engine.start(spec, folder / "vllm.log", settings.host, settings.port)
 

@@ -123,7 +123,9 @@ def engine_conversations(engine, model, prompts, seeds, cfg, tokenizer, environm
     process; and the seconds the sync took."""
     sync_seconds = engine.sync(model, round_index)
     talks = engine.on_main(
-        lambda sampler: _engine_turns(sampler, prompts, seeds, cfg.grpo, tokenizer, environment)
+        lambda sampler: sampler.then_rest(
+            lambda: _engine_turns(sampler, prompts, seeds, cfg.grpo, tokenizer, environment)
+        )
     )
     return talks, sync_seconds
 

@@ -52,6 +52,9 @@ class Rollout:
     """(mean, max) |engine log-prob - trainer log-prob| over the round's sampled tokens (engine rounds)."""
     sync_seconds: float = 0.0
     """Seconds the round's weight sync to the engine took."""
+    rest_seconds: tuple[float, float] | None = None
+    """(wake_s, sleep_s): the engine's wake-up before the round's sync and its sleep after its completions
+    (grpo.vllm.sleep); None when it does not sleep."""
     mask: torch.Tensor | None = None
     """Multi-turn: 1 on the tokens the model sampled, 0 on the environment's, [N, max_new_tokens]; None
     when every completion token is the model's."""
@@ -234,6 +237,7 @@ def generate(
         rollout.ref_logps = scored(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, reference)
     if engine_logps is not None:
         rollout.engine_logps, rollout.sync_seconds = engine_logps, sync_seconds
+        rollout.rest_seconds = engine.rest_seconds()
         rollout.staleness = round_index - sampled.version if sampled is not None else 0
         # The trainer's log-probs of the sampled tokens as the round starts training: their gap to the
         # engine's (its weights one round older with grpo.async_rounds) is what the loss's TIS corrects.
@@ -409,6 +413,8 @@ class StepStats:
         if rollout.engine_gap is not None:
             values["engine_logprob_gap_mean"], values["engine_logprob_gap_max"] = rollout.engine_gap
             values["sync_s"] = rollout.sync_seconds if fresh else 0.0
+        if rollout.rest_seconds is not None:
+            values["wake_s"], values["sleep_s"] = rollout.rest_seconds if fresh else (0.0, 0.0)
             values["staleness"] = rollout.staleness
         if rollout.times is not None:  # unix times: the round's overlap with the one before is read from them
             names = ("generation_started_at", "generation_ended_at", "training_started_at")

@@ -16,10 +16,13 @@ grpo.vllm.gpu_memory_utilization takes
                it holds at once, C the elements one such row caches (`plan.generation`'s formula, no tensor
                parallelism); at least one, or vLLM refuses to start (its max_model_len is T)
 
-Two layouts. Shared (`--engine shared`, grpo.vllm.url unset): ftkit starts the engine on the main process's
-GPU, with no sleep between rounds yet, so that GPU holds training's peak and the engine's U x G together.
-Own (`--engine own`): an engine you started at grpo.vllm.url, on a GPU of its own (taken as large as a
-training GPU): the training GPUs hold training only, the engine's GPU U x G.
+Two layouts. Shared (`--engine shared`, grpo.vllm.url and grpo.vllm.gpus unset): ftkit starts the engine
+on the main process's GPU, so that GPU holds training's peak and the engine's U x G together. It sleeps
+between rounds there (grpo.vllm.sleep), which frees its U x G while training runs, but training's weights,
+optimizer states and cached blocks stay on the GPU while it generates: the plan does not split the two
+phases and counts both together, an upper bound. Own (`--engine own`): the engine on GPUs of its own
+(grpo.vllm.gpus, or yours at grpo.vllm.url; taken as large as a training GPU): the training GPUs hold
+training only, the engine's GPU U x G.
 """
 
 from __future__ import annotations
@@ -96,13 +99,15 @@ def report_lines(engine: EngineBytes, request, training_peak: int | None, comple
     peak = "" if training_peak is None else f"{training_peak / GIB:.1f} GiB "
     if engine.shared:
         lines.append(
-            f"  shared (grpo.vllm.url unset: ftkit starts it on the main process's GPU; no sleep between "
-            f"rounds yet): that GPU holds training {peak}+ the engine's {share:.1f} GiB; the tables' "
-            "totals include it (--engine own: a GPU of its own)"
+            f"  shared (grpo.vllm.url and grpo.vllm.gpus unset: ftkit starts it on the main process's GPU, "
+            f"asleep while training runs): that GPU holds training {peak}+ the engine's {share:.1f} GiB, "
+            "counted together (an upper bound); the tables' totals include it (--engine own: a GPU of "
+            "its own)"
         )
     else:
         lines.append(
-            f"  own GPU (yours, at grpo.vllm.url): a GPU of {r.gpu_mem:g} GiB beside the {r.gpus} training "
-            f"GPUs holds the engine's {share:.1f} GiB; the training GPUs hold training {peak}only"
+            f"  own GPU (grpo.vllm.gpus, or yours at grpo.vllm.url): a GPU of {r.gpu_mem:g} GiB beside the "
+            f"{r.gpus} training GPUs holds the engine's {share:.1f} GiB; the training GPUs hold training "
+            f"{peak}only"
         )
     return lines

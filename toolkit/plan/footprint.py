@@ -114,7 +114,7 @@ class MemoryEstimate:
     is the larger); 0 for a text model."""
     engine: int = 0
     """grpo.generation vllm, the engine started by ftkit: its share of the main process's GPU (`plan.engine`),
-    held beside training's peak (no sleep between rounds yet); 0 otherwise."""
+    counted beside training's peak (an upper bound: it sleeps while training runs); 0 otherwise."""
     grads_meet_activations: bool = True
     """Whether the gradients and the activations peak together. Not with one micro-batch a step on a torch
     backend that frees its gradients at each step (single, DDP): backward frees activations as it makes
