@@ -313,8 +313,8 @@ def check_engine_machine(cfg: GrpoRecipeConfig, gpu: bool, env: dict[str, str]) 
     launch's environment (its local world size and visible devices)."""
     if cfg.grpo.vllm.sleep and not gpu:
         raise UserError(
-            "grpo.vllm.sleep: no GPU here, and vLLM's CPU backend has no sleep mode (its CPU worker ignores "
-            "/sleep); leave it unset or false"
+            "grpo.vllm.sleep: no GPU here, and vLLM's CPU backend has no sleep mode (vLLM refuses "
+            "--enable-sleep-mode there); leave it unset or false"
         )
     gpus = engine_gpus(cfg)
     if gpus and not gpu:
