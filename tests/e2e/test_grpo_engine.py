@@ -120,6 +120,7 @@ def test_trains_on_the_engines_samples_with_the_weights_synced_each_round(own):
     assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
     assert [r["sync_s"] > 0 for r in lines] == [True, False, True, False]  # rounds start at steps 1 and 3
     assert all(r["advantage_std"] > 0 and r["grad_norm"] > 0 for r in lines)
+    assert not any("wake_s" in r or "sleep_s" in r for r in lines)  # vLLM's CPU engine never sleeps
     assert lines[1]["kl"] > 0 and lines[-1]["kl"] > 0  # the adapter moved the policy from the reference
     # Round 2 samples from the weights trained in round 1: an unsynced engine would sample from the base.
     for r in lines:
