@@ -7,7 +7,8 @@ round the LoRA adapter (gathered to the main process on sharded backends) is wri
 hot-loaded under a new name; the base weights never move. A run that starts from a trained adapter
 (model.adapter) has it folded into its base: that folded base is written once to the run folder and is the
 model the engine serves, so the adapter trained on top of it is hot-loaded the same way. A full
-fine-tune's weights are written as a checkpoint the engine reloads in place each round.
+fine-tune's weights are written as a checkpoint the engine reloads in place each round. With
+grpo.vllm.sleep the engine sleeps once a round's completions are back and wakes for the next round's sync.
 """
 
 from __future__ import annotations
