@@ -96,10 +96,20 @@ def _template_config(model: str, method: str, objective: str, seeing: bool) -> t
             cfg.model.path.lower() == model.lower(),
             same_arch,
             not path.name.startswith("demo"),  # a real model's config over an embedded demo's
+            not _specialised(cfg),  # plain GRPO over distillation or a tool environment
         )
 
     best = max(configs, key=closeness)
     return str(best), dotted(to_dict(configs[best]))
+
+
+def _specialised(cfg) -> bool:
+    """Whether a GRPO config trains something other than plain GRPO (a teacher, an environment)."""
+    grpo = getattr(cfg, "grpo", None)
+    if grpo is None:
+        return False
+    openenv = grpo.environment.openenv
+    return bool(grpo.teacher or grpo.environment.tools or openenv.url or openenv.app)
 
 
 def _sees(model: str) -> bool:
