@@ -65,14 +65,14 @@ def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def main():
+def main(folder: Path = DEMO):
     rng = random.Random(SEED)
     sums = distinct_sums(NUM_EVAL + NUM_TOOL_TRAIN + NUM_DIRECT_TRAIN, rng)
     held, tool, direct = sums[:NUM_EVAL], sums[NUM_EVAL:-NUM_DIRECT_TRAIN], sums[-NUM_DIRECT_TRAIN:]
-    write_jsonl(DEMO / "agent_eval.jsonl", [tool_row(s, rng) for s in held])
-    write_jsonl(DEMO / "agent_train.jsonl", [tool_row(s, rng) for s in tool])
-    write_jsonl(DEMO / "agent_direct_train.jsonl", [direct_row(s, rng) for s in direct])
-    print(f"wrote {len(tool)} tool, {len(direct)} direct training and {len(held)} held-out sums to {DEMO}")
+    write_jsonl(folder / "agent_eval.jsonl", [tool_row(s, rng) for s in held])
+    write_jsonl(folder / "agent_train.jsonl", [tool_row(s, rng) for s in tool])
+    write_jsonl(folder / "agent_direct_train.jsonl", [direct_row(s, rng) for s in direct])
+    print(f"wrote {len(tool)} tool, {len(direct)} direct training and {len(held)} held-out sums to {folder}")
 
 
 if __name__ == "__main__":
