@@ -106,7 +106,7 @@ def main():
     parser.add_argument("models", nargs="+", type=Path, help="model directories (final/, merged/, ...)")
     parser.add_argument("--data", type=Path, default=REPO / "toolkit/assets/demo/agent_eval.jsonl")
     parser.add_argument("--max-turns", type=int, default=3)
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="per model turn")
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="per model turn")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = [json.loads(line) for line in args.data.read_text().splitlines()]
