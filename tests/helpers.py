@@ -263,6 +263,24 @@ def run_script(script: Path, args: list[str], out: Path, processes: int = 0, con
     return result
 
 
+def short_grpo_args(out: Path, steps: int, batch: int, micro: int) -> list[str]:
+    """The settings every short GRPO test run shares: `steps` steps of `batch` completions in micro-batches of
+    `micro`, every step logged at a constant learning rate, no held-out evaluation, no start adapter."""
+    return [
+        f"output_dir={out}",
+        "model.adapter=null",
+        f"train.max_steps={steps}",
+        "train.log_every_steps=1",
+        "train.warmup_steps=0",
+        "train.lr_scheduler=constant",
+        f"train.global_batch_size={batch}",
+        f"train.micro_batch_size={micro}",
+        "data.eval=null",
+        "eval.exact_match_samples=0",
+        "eval.max_batches=0",
+    ]
+
+
 def demo_pair_files(root: Path, train: int, held_out: int) -> Path:
     """`root` holding train.jsonl and eval.jsonl: the first `train` and `held_out` of the demo's pairs."""
     demo = REPO / "toolkit" / "assets" / "demo"

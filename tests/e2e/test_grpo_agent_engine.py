@@ -11,7 +11,7 @@ These need .venv-vllm (`make install-vllm`) and skip, saying so, where it is mis
 import pytest
 import scripted_agent
 import torch
-from helpers import REPO, run_script, train_lines
+from helpers import REPO, run_script, short_grpo_args, train_lines
 from transformers import AutoTokenizer
 
 from toolkit.checkpoint import read_recipe_state
@@ -43,25 +43,15 @@ def runs(tmp_path_factory):
     try:
         served.wait_ready(600)
         args = lambda out: [  # noqa: E731
-            f"output_dir={out}",
+            *short_grpo_args(out, STEPS, 8, 4),
             f"model.path={model}",
-            "model.adapter=null",
             "model.method=lora",
             f"lora.r={LORA_RANK}",
             f"lora.alpha={2 * LORA_RANK}",
             "train.learning_rate=5e-3",
-            f"train.max_steps={STEPS}",
-            "train.log_every_steps=1",
-            "train.warmup_steps=0",
-            "train.lr_scheduler=constant",
-            "train.global_batch_size=8",
-            "train.micro_batch_size=4",
             "train.save_every_steps=1",
             "data.max_length=64",
             "data.eval_fraction=0.02",
-            "data.eval=null",
-            "eval.exact_match_samples=0",
-            "eval.max_batches=0",
             "grpo.num_generations=4",
             f"grpo.max_new_tokens={BUDGET}",
             "grpo.max_turns=3",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, run_script, train_lines
+from helpers import REPO, run_script, short_grpo_args, train_lines
 
 from toolkit.commands.generate import load_for_generation
 from toolkit.config import LoraConfig, ModelConfig
@@ -51,20 +51,10 @@ def exact_reverse_kl(student, teacher, tokenizer, rows: list[dict]) -> float:
 
 def distill(out: Path, teacher: Path, data: Path, processes: int = 0, config: str = ""):
     args = [
-        f"output_dir={out}",
-        "model.adapter=null",
+        *short_grpo_args(out, STEPS, 16, 4),
         "train.learning_rate=5e-3",
-        f"train.max_steps={STEPS}",
-        "train.log_every_steps=1",
-        "train.warmup_steps=0",
-        "train.lr_scheduler=constant",
-        "train.global_batch_size=16",
-        "train.micro_batch_size=4",
         "data.max_length=64",
         f"data.train={data}",
-        "data.eval=null",
-        "eval.exact_match_samples=0",
-        "eval.max_batches=0",
         "grpo.num_generations=4",
         "grpo.max_new_tokens=8",
         "grpo.steps_per_generation=2",

@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, run_script, train_lines
+from helpers import REPO, run_script, short_grpo_args, train_lines
 
 from toolkit.engine import client
 from toolkit.engine.server import ENGINE_VENV, Engine, ServeSpec
@@ -43,25 +43,15 @@ def run_args(out, *overrides: str, method: str = "lora") -> list[str]:
         "full": ["train.learning_rate=2e-4", f"grpo.reference_model={MODEL}"],
     }
     return [
-        f"output_dir={out}",
+        *short_grpo_args(out, STEPS, 16, 4),
         f"model.path={MODEL}",
-        "model.adapter=null",
         f"model.method={method}",
         f"lora.r={LORA_RANK}",
         f"lora.alpha={2 * LORA_RANK}",
         *per_method[method],
-        f"train.max_steps={STEPS}",
-        "train.log_every_steps=1",
-        "train.warmup_steps=0",
-        "train.lr_scheduler=constant",
-        "train.global_batch_size=16",
-        "train.micro_batch_size=4",
         "train.save_every_steps=1",
         "data.max_length=64",
         "data.eval_fraction=0.02",
-        "data.eval=null",
-        "eval.exact_match_samples=0",
-        "eval.max_batches=0",
         "grpo.num_generations=4",
         "grpo.max_new_tokens=8",
         "grpo.steps_per_generation=2",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import scripted_agent
-from helpers import REPO, run_script, train_lines
+from helpers import REPO, run_script, short_grpo_args, train_lines
 
 RECIPE = REPO / "recipes" / "grpo_llm.py"
 CALCULATOR = f"{REPO / 'toolkit' / 'assets' / 'demo' / 'calculator.py'}:calculator"
@@ -20,23 +20,13 @@ STEPS = 3
 
 def run_agent(out: Path, model: Path, processes: int = 0, config: str = ""):
     args = [
-        f"output_dir={out}",
+        *short_grpo_args(out, STEPS, 8, 2),
         f"model.path={model}",
-        "model.adapter=null",
         "model.method=lora",
         "train.learning_rate=2e-3",
-        f"train.max_steps={STEPS}",
-        "train.log_every_steps=1",
-        "train.warmup_steps=0",
-        "train.lr_scheduler=constant",
-        "train.global_batch_size=8",
-        "train.micro_batch_size=2",
         f"data.train={REPO / 'toolkit' / 'assets' / 'demo' / 'tools_eval.jsonl'}",
-        "data.eval=null",
         "data.eval_fraction=0.05",
         "data.max_length=224",
-        "eval.exact_match_samples=0",
-        "eval.max_batches=0",
         "grpo.num_generations=4",
         "grpo.max_new_tokens=128",
         "grpo.rewards=[length,format]",

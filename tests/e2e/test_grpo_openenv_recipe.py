@@ -6,7 +6,7 @@ tested on the embedded model in tests/unit/test_grpo_openenv.py."""
 import re
 
 import pytest
-from helpers import REPO, run_script, train_lines
+from helpers import REPO, run_script, short_grpo_args, train_lines
 
 pytest.importorskip("openenv", reason="openenv-core is not installed (pip install 'ftkit[openenv]')")
 
@@ -19,20 +19,11 @@ STEPS = 2
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo-openenv") / "run"
     args = [
-        f"output_dir={out}",
-        "model.adapter=null",
+        *short_grpo_args(out, STEPS, 8, 4),
         "model.method=lora",
-        f"train.max_steps={STEPS}",
-        "train.log_every_steps=1",
-        "train.warmup_steps=0",
-        "train.global_batch_size=8",
-        "train.micro_batch_size=4",
         f"data.train={REPO / 'toolkit' / 'assets' / 'demo' / 'tools_eval.jsonl'}",
-        "data.eval=null",
         "data.eval_fraction=0.05",
         "data.max_length=224",
-        "eval.exact_match_samples=0",
-        "eval.max_batches=0",
         "grpo.num_generations=4",
         "grpo.max_new_tokens=24",
         "grpo.rewards=[length]",

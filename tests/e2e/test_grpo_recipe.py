@@ -14,7 +14,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import REPO, assert_export_is_the_trained_state, run_script, start_adapter, tiny_moe, train_lines
+from helpers import (
+    REPO,
+    assert_export_is_the_trained_state,
+    run_script,
+    short_grpo_args,
+    start_adapter,
+    tiny_moe,
+    train_lines,
+)
 
 from toolkit.checkpoint import RECIPE_STATE
 from toolkit.commands import cli
@@ -26,22 +34,12 @@ COMPARED = ("loss", "reward", "kl", "clip_frac", "grad_norm", "completion_len", 
 
 def run_grpo(out: Path, *overrides: str, processes: int = 0, config: str = "", method: str = "lora"):
     args = [
-        f"output_dir={out}",
-        "model.adapter=null",
+        *short_grpo_args(out, STEPS, 16, 4),
         f"model.method={method}",
         f"train.learning_rate={'2e-3' if method == 'lora' else '2e-4'}",
-        f"train.max_steps={STEPS}",
-        "train.log_every_steps=1",
-        "train.warmup_steps=0",
-        "train.lr_scheduler=constant",
-        "train.global_batch_size=16",
-        "train.micro_batch_size=4",
         "train.save_every_steps=1",
         "data.max_length=64",
         "data.eval_fraction=0.02",
-        "data.eval=null",
-        "eval.exact_match_samples=0",
-        "eval.max_batches=0",
         "grpo.num_generations=4",
         "grpo.max_new_tokens=8",
         "grpo.steps_per_generation=2",
