@@ -413,9 +413,9 @@ class StepStats:
         if rollout.engine_gap is not None:
             values["engine_logprob_gap_mean"], values["engine_logprob_gap_max"] = rollout.engine_gap
             values["sync_s"] = rollout.sync_seconds if fresh else 0.0
+            values["staleness"] = rollout.staleness
         if rollout.rest_seconds is not None:
             values["wake_s"], values["sleep_s"] = rollout.rest_seconds if fresh else (0.0, 0.0)
-            values["staleness"] = rollout.staleness
         if rollout.times is not None:  # unix times: the round's overlap with the one before is read from them
             names = ("generation_started_at", "generation_ended_at", "training_started_at")
             values.update(zip(names, rollout.times.tolist(), strict=True))
