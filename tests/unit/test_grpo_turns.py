@@ -43,16 +43,21 @@ def untyped(x):
         ("untyped", "grpo.environment.tools: untyped: no JSON schema from its signature"),
         ("max_turns", "grpo.max_turns: 0 must be at least 1"),
         ("no engine", "grpo.generation=vllm: no engine environment at"),
+        ("reward module", "grpo.rewards: cannot import nowhere_module for nowhere_module:score"),
+        ("reward file", "rewards.py has no function score"),
     ],
 )
 def test_bad_input_is_one_line_and_nothing_is_written(case, message, tmp_path, monkeypatch, capsys):
     (tmp_path / "tools.py").write_text(UNTYPED)
+    (tmp_path / "rewards.py").write_text("def other(prompts, completions, answers):\n    return [0.0]\n")
     monkeypatch.setattr(server, "ENGINE_VENV", tmp_path / "no-venv")  # whether or not this checkout has one
     overrides = {
         "unimportable": ["grpo.environment.tools=[nowhere_module:f]"],
         "untyped": [f"grpo.environment.tools=[{tmp_path / 'tools.py'}:untyped]"],
         "max_turns": ["grpo.max_turns=0"],
         "no engine": ["grpo.generation=vllm", f"grpo.environment.tools=[{CALCULATOR}]"],
+        "reward module": ["grpo.rewards=[exact_answer,nowhere_module:score]"],
+        "reward file": [f"grpo.rewards=[{tmp_path / 'rewards.py'}:score]"],
     }[case]
     out = tmp_path / "run"
     argv = [f"output_dir={out}", "model.adapter=null", *overrides]

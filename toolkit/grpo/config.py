@@ -215,6 +215,12 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
         validate_engine(cfg)
     if grpo.teacher:
         validate_teacher(cfg)
+    user_rewards = [name for name in grpo.rewards if ":" in name and not scalar.saved_scalar(name)]
+    if user_rewards:
+        from toolkit.grpo.rewards import load_user_function  # imports the user's code: only when named
+
+        for name in user_rewards:  # one not importable, or without the function: one line, nothing written
+            load_user_function(name)
     if grpo.environment.tools:
         from toolkit.grpo.environment import Environment  # imports the user's tools: only when named
 
