@@ -169,6 +169,10 @@ def takes_trajectories(function) -> bool:
     return parameters == ["trajectories"]
 
 
+# A user's file.py, run once per process: the config's checks import it, then the recipe uses the same module.
+_USER_FILES: dict[Path, object] = {}
+
+
 def load_user_function(spec: str, key: str = "grpo.rewards"):
     """The function `spec` names: `package.module:function`, or `path/to/file.py:function` (`key`: the
     config key that names it, for the one-line errors)."""
@@ -177,9 +181,12 @@ def load_user_function(spec: str, key: str = "grpo.rewards"):
         path = Path(where).expanduser()
         if not path.is_file():
             raise UserError(f"{key}: {where} does not exist")
-        module_spec = importlib.util.spec_from_file_location(f"ftkit_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        module = _USER_FILES.get(path.resolve())
+        if module is None:
+            module_spec = importlib.util.spec_from_file_location(f"ftkit_reward_{path.stem}", path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+            _USER_FILES[path.resolve()] = module
     else:
         if str(Path.cwd()) not in sys.path:
             sys.path.insert(0, str(Path.cwd()))  # a module beside where the user launched from
