@@ -21,10 +21,12 @@ import uvicorn  # noqa: E402  (installed with openenv-core)
 from accelerate import Accelerator  # noqa: E402
 
 from toolkit.data.chat import ensure_chat_template  # noqa: E402
+from toolkit.engine import client  # noqa: E402
 from toolkit.engine.server import free_port  # noqa: E402
 from toolkit.errors import UserError  # noqa: E402
 from toolkit.grpo import multiturn, openenv, sampling  # noqa: E402
 from toolkit.grpo.config import GrpoConfig, GrpoRecipeConfig, OpenEnvConfig, load_grpo_config  # noqa: E402
+from toolkit.grpo.engine import EngineSampler  # noqa: E402
 
 TINY = REPO / "toolkit" / "assets" / "tiny-llama"
 MAX_TURNS = 4
@@ -86,16 +88,54 @@ def prompts(tokenizer, count: int) -> list[list[int]]:
     ]
 
 
-def talk_with(url, model, tokenizer, seeds, **overrides):
+def talk_with(url, model, tokenizer, seeds, engine=None, **overrides):
+    """The conversations for `seeds` with HF generate, or on the EngineSampler `engine(cfg)` when given."""
     cfg = recipe(url, **overrides)
     environment = openenv.OpenEnv(cfg.grpo.environment.openenv, url)
     environment.check()
     before = countdown.COUNTS.copy()
-    talks = multiturn.conversations(
-        Run(), model, prompts(tokenizer, len(seeds)), seeds, cfg, tokenizer, environment
-    )
+    asked = prompts(tokenizer, len(seeds))
+    if engine is None:
+        talks = multiturn.conversations(Run(), model, asked, seeds, cfg, tokenizer, environment)
+    else:
+        talks, _ = multiturn.engine_conversations(
+            engine(cfg), model, asked, seeds, cfg, tokenizer, environment, 0
+        )
     served = countdown.COUNTS - before
     return talks, served, environment.requests
+
+
+def fake_engine(monkeypatch, model, tokenizer):
+    """engine(cfg): an EngineSampler whose engine is `model` answering client.post as vLLM would (each
+    request's seed, budget, end ids and stop strings; made-up log-probs, -1 - token/100); and the requests
+    it got."""
+    payloads = []
+
+    def post(url, path, payload):
+        payloads.append(payload)
+        decode = lambda tokens: tokenizer.decode(tokens, skip_special_tokens=False)  # noqa: E731
+        (tokens,) = sampling.sample(
+            model,
+            [payload["prompt"]],
+            [payload["seed"]],
+            GrpoConfig(max_new_tokens=payload["max_tokens"], temperature=payload["temperature"]),
+            tokenizer.pad_token_id,
+            payload["stop_token_ids"],
+            False,
+            sampling.StopStrings(payload.get("stop", []), decode),
+        )
+        logps = [-1.0 - 0.01 * t for t in tokens]
+        return {"choices": [{"token_ids": tokens, "logprobs": {"token_logprobs": logps}}]}
+
+    monkeypatch.setattr(client, "post", post)
+    held = type("Engine", (), {"url": "http://engine", "check_alive": lambda self: None})()
+
+    def engine(cfg):
+        sampler = EngineSampler(Run().accelerator, cfg, held)
+        monkeypatch.setattr(sampler, "sync", lambda model, round_index: 0.0)
+        return sampler
+
+    return engine, payloads
 
 
 def spans(talk) -> list[tuple[int, list[int]]]:
@@ -150,6 +190,32 @@ def test_the_embedded_model_plays_an_episode_per_conversation_and_each_stops_by_
     ]
 
 
+def test_on_the_engine_the_main_process_drives_the_sessions_as_hf_generate_does(
+    monkeypatch, url, model, tokenizer
+):
+    """The same seeds on the engine path: the same resets, steps, conversations, masks and rewards as HF
+    generate's, each turn asked with its own seed, the engine's log-probs kept on the model's tokens only."""
+    seeds = [10, 11, 12, 13]
+    expected, hf_served, _ = talk_with(url, model, tokenizer, seeds)
+    countdown.SEEDS.clear()
+    engine, payloads = fake_engine(monkeypatch, model, tokenizer)
+    talks, served, requests = talk_with(url, model, tokenizer, seeds, engine)
+    assert [seed for seed, _ in countdown.SEEDS] == seeds
+    assert all("Count down from" in prompt for _, prompt in countdown.SEEDS)
+    assert served == hf_served and requests == served["reset"] + served["step"]
+    assert [(t.tokens, t.trained, t.reward, t.stats, t.messages, t.done) for t in talks] == [
+        (t.tokens, t.trained, t.reward, t.stats, t.messages, t.done) for t in expected
+    ]
+    assert any(t.stats["turns"] > 1 for t in talks) and any(not all(t.trained) for t in talks)
+    assert len(payloads) == sum(t.stats["turns"] for t in talks), "one engine request per model turn"
+    turn_seeds = {multiturn.turn_seed(s, k) for s in seeds for k in range(MAX_TURNS)}
+    assert {p["seed"] for p in payloads} <= turn_seeds and {p["seed"] for p in payloads} > set(seeds)
+    table = multiturn.logp_table(talks, 128)
+    for i, talk in enumerate(talks):
+        wanted = [-1.0 - 0.01 * t if kept else 0.0 for t, kept in zip(talk.tokens, talk.trained, strict=True)]
+        assert table[i, : len(wanted)].tolist() == pytest.approx(wanted) and not table[i, len(wanted) :].any()
+
+
 def scripted(monkeypatch, tokenizer, turns: list[str]):
     """sampling.sample replaced by a model that writes `turns[k]` (then its end token) as its k-th turn."""
     calls = []
@@ -163,9 +229,13 @@ def scripted(monkeypatch, tokenizer, turns: list[str]):
     monkeypatch.setattr(sampling, "generating", lambda *a: contextlib.nullcontext((None, False)))
 
 
-def test_an_error_a_timeout_and_a_lost_session_are_turns_the_model_reads(monkeypatch, url, tokenizer):
+@pytest.mark.parametrize("on_engine", [False, True], ids=["hf", "engine"])
+def test_an_error_a_timeout_and_a_lost_session_are_turns_the_model_reads(
+    monkeypatch, url, tokenizer, on_engine
+):
     scripted(monkeypatch, tokenizer, ["boom", "sleep", "abc", "abcd"])
-    (talk,), served, requests = talk_with(url, None, tokenizer, [11], request_timeout_s=0.5)
+    engine = fake_engine(monkeypatch, None, tokenizer)[0] if on_engine else None
+    (talk,), served, requests = talk_with(url, None, tokenizer, [11], engine, request_timeout_s=0.5)
     said = [tokenizer.decode(ids, skip_special_tokens=True) for trained, ids in spans(talk) if not trained]
     assert len(said) == 3 and "error: the environment refused: the countdown exploded" in said[0]
     assert "error: the environment did not answer within 0.5 s" in said[1]
@@ -229,8 +299,8 @@ def test_a_server_that_does_not_answer_or_lacks_the_fields_is_one_line(url):
         (["grpo.environment.openenv.url=127.0.0.1:8000"], "is not http://host:port"),
         (["grpo.environment.openenv.app=server.py"], "is not module:app or file.py:app"),
         (
-            ["grpo.environment.openenv.app=m:app", "grpo.generation=vllm"],
-            "OpenEnv rollouts run on HF generate only",
+            ["grpo.environment.openenv.app=m:app", "grpo.generation=vllm", "grpo.async_rounds=1"],
+            r"grpo.async_rounds: multi-turn rollouts \(grpo.environment\) are sampled round by round",
         ),
     ],
 )
@@ -238,6 +308,13 @@ def test_bad_openenv_settings_are_one_line(overrides, message):
     with pytest.raises(UserError, match=message) as caught:
         load_grpo_config(None, ["model.adapter=null", *overrides])
     assert "\n" not in str(caught.value)
+
+
+def test_openenv_on_the_vllm_engine_is_a_valid_config():
+    cfg = load_grpo_config(
+        None, ["model.adapter=null", "grpo.environment.openenv.app=m:app", "grpo.generation=vllm"]
+    )
+    assert cfg.grpo.generation == "vllm" and cfg.grpo.environment.openenv.app == "m:app"
 
 
 def test_ftkit_serves_the_app_for_the_run_and_stops_it(monkeypatch, tmp_path):

@@ -200,14 +200,15 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
         raise UserError("grpo.beta > 0 with model.method full needs grpo.reference_model (a frozen copy)")
     if grpo.max_turns < 1:
         raise UserError(f"grpo.max_turns: {grpo.max_turns} must be at least 1")
-    if grpo.environment.openenv.url or grpo.environment.openenv.app:
+    served = bool(grpo.environment.openenv.url or grpo.environment.openenv.app)
+    if served:
         validate_openenv(grpo.environment)
     if grpo.async_rounds and grpo.generation != "vllm":
         raise UserError(
             "grpo.async_rounds: 1 needs grpo.generation=vllm (HF generate runs on the training processes: "
             "there is nothing to overlap with)"
         )
-    if grpo.async_rounds and grpo.environment.tools:
+    if grpo.async_rounds and (grpo.environment.tools or served):
         raise UserError(
             "grpo.async_rounds: multi-turn rollouts (grpo.environment) are sampled round by round"
         )
@@ -243,11 +244,6 @@ def validate_engine(cfg: GrpoRecipeConfig) -> None:
             "fine-tune's engine opens to reload its weights; keep it on 127.0.0.1"
         )
     validate_placement(cfg)
-    if cfg.grpo.environment.openenv.url or cfg.grpo.environment.openenv.app:
-        raise UserError(
-            "grpo.environment.openenv: OpenEnv rollouts run on HF generate only so far; "
-            "set grpo.generation=hf"
-        )
     if cfg.lora.use_dora:
         raise UserError(
             "grpo.generation=vllm: lora.use_dora adapters are not loaded by the engine; turn it off"

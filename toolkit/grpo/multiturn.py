@@ -106,12 +106,12 @@ def conversations(
 
 
 def _episodes(environment, prompts, seeds, grpo, tokenizer, ends):
-    """A context giving answer(index, talk, tokens, turn): an OpenEnv environment's sessions, opened for
-    these conversations and closed after them; the tools need none."""
+    """A context giving answer(index, talk, tokens, turn, logps=None): an OpenEnv environment's sessions,
+    opened for these conversations and closed after them; the tools need none."""
     if isinstance(environment, Environment):
 
-        def answer(index, talk, tokens, turn):
-            _answer(talk, tokens, turn, grpo, tokenizer, environment, ends)
+        def answer(index, talk, tokens, turn, logps=None):
+            _answer(talk, tokens, turn, grpo, tokenizer, environment, ends, logps)
 
         return contextlib.nullcontext(answer)
     return environment.episodes(prompts, seeds, grpo, tokenizer, ends)
@@ -131,22 +131,24 @@ def engine_conversations(engine, model, prompts, seeds, cfg, tokenizer, environm
 
 
 def _engine_turns(sampler, prompts, seeds, grpo, tokenizer, environment) -> list[Conversation]:
-    """Main process: every conversation's turns from the engine, each turn's requests sent at once."""
+    """Main process: every conversation's turns from the engine, each turn's requests sent at once, and the
+    environment's answers (the tools run, or the OpenEnv sessions stepped) here between turns."""
     talks = [Conversation() for _ in prompts]
     ends = TurnEnds.of(tokenizer)
-    for turn in range(grpo.max_turns):
-        active = [i for i, talk in enumerate(talks) if not talk.done]
-        if not active:
-            break
-        done = sampler.complete(
-            [prompts[i] + talks[i].tokens for i in active],
-            [turn_seed(seeds[i], turn) for i in active],
-            [grpo.max_new_tokens - len(talks[i].tokens) for i in active],
-            ends.ids,
-            ends.strings.strings,
-        )
-        for i, completion in zip(active, done, strict=True):
-            _answer(talks[i], completion.tokens, turn, grpo, tokenizer, environment, ends, completion.logps)
+    with _episodes(environment, prompts, seeds, grpo, tokenizer, ends) as answer:
+        for turn in range(grpo.max_turns):
+            active = [i for i, talk in enumerate(talks) if not talk.done]
+            if not active:
+                break
+            done = sampler.complete(
+                [prompts[i] + talks[i].tokens for i in active],
+                [turn_seed(seeds[i], turn) for i in active],
+                [grpo.max_new_tokens - len(talks[i].tokens) for i in active],
+                ends.ids,
+                ends.strings.strings,
+            )
+            for i, completion in zip(active, done, strict=True):
+                answer(i, talks[i], completion.tokens, turn, completion.logps)
     return talks
 
 

@@ -156,15 +156,15 @@ class OpenEnv:
 
     @contextlib.contextmanager
     def episodes(self, prompts, seeds, grpo, tokenizer, ends):
-        """answer(index, talk, tokens, turn) for these conversations, each reset with its seed; the
-        sessions are closed however the conversations end."""
+        """answer(index, talk, tokens, turn, logps=None) for these conversations, each reset with its seed;
+        the sessions are closed however the conversations end."""
         sessions = [Session(self.url, self.settings.request_timeout_s) for _ in prompts]
         try:
             for session, prompt, seed in zip(sessions, prompts, seeds, strict=True):
                 session.reset(seed, tokenizer.decode(prompt, skip_special_tokens=True))
 
-            def answer(index, talk, tokens, turn):
-                self._answer(sessions[index], talk, tokens, turn, grpo, tokenizer, ends)
+            def answer(index, talk, tokens, turn, logps=None):
+                self._answer(sessions[index], talk, tokens, turn, grpo, tokenizer, ends, logps)
 
             yield answer
         finally:
@@ -172,11 +172,11 @@ class OpenEnv:
                 session.close()
             self.requests += sum(session.requests for session in sessions)
 
-    def _answer(self, session, talk, tokens, turn, grpo, tokenizer, ends) -> None:
-        """The model's turn added to `talk` and sent as a step; the observation (or the error) added as the
-        next user turn (masked) unless the conversation ends: done, no end token (the budget ran out), or no
-        turn left."""
-        talk.add(tokens, 1)
+    def _answer(self, session, talk, tokens, turn, grpo, tokenizer, ends, logps=None) -> None:
+        """The model's turn added to `talk` (with the engine's log-probs of its tokens when it sampled them)
+        and sent as a step; the observation (or the error) added as the next user turn (masked) unless the
+        conversation ends: done, no end token (the budget ran out), or no turn left."""
+        talk.add(tokens, 1, logps)
         talk.stats["turns"] += 1
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         talk.answer = text.strip()
