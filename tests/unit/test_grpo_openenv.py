@@ -27,6 +27,7 @@ from toolkit.errors import UserError  # noqa: E402
 from toolkit.grpo import multiturn, openenv, sampling  # noqa: E402
 from toolkit.grpo.config import GrpoConfig, GrpoRecipeConfig, OpenEnvConfig, load_grpo_config  # noqa: E402
 from toolkit.grpo.engine import EngineSampler  # noqa: E402
+from toolkit.grpo.template_turns import TOOL_CALL_CLOSE  # noqa: E402
 
 TINY = REPO / "toolkit" / "assets" / "tiny-llama"
 MAX_TURNS = 4
@@ -217,12 +218,15 @@ def test_on_the_engine_the_main_process_drives_the_sessions_as_hf_generate_does(
 
 
 def scripted(monkeypatch, tokenizer, turns: list[str]):
-    """sampling.sample replaced by a model that writes `turns[k]` (then its end token) as its k-th turn."""
+    """sampling.sample replaced by a model that writes `turns[k]` as its k-th turn, then its end token
+    unless the turn ends at a tool call's close."""
     calls = []
 
     def sample(policy, contexts, seeds, cfg, pad_id, end_ids, synced, stops=None):
         calls.append(1)
-        tokens = tokenizer(turns[len(calls) - 1], add_special_tokens=False)["input_ids"] + [end_ids[0]]
+        text = turns[len(calls) - 1]
+        end = [] if text.endswith(TOOL_CALL_CLOSE) else [end_ids[0]]
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"] + end
         return [tokens[: cfg.max_new_tokens] for _ in contexts]
 
     monkeypatch.setattr(sampling, "sample", sample)
@@ -242,6 +246,21 @@ def test_an_error_a_timeout_and_a_lost_session_are_turns_the_model_reads(
     assert "error: the environment did not answer within 0.5 s" in said[2], "a lost session sends nothing"
     assert talk.stats == {"turns": 4, "tool_calls": 4, "tool_errors": 3, "tool_timeouts": 1}
     assert served == {"reset": 1, "step": 2} and requests == 3 and talk.reward is None
+
+
+@pytest.mark.parametrize("on_engine", [False, True], ids=["hf", "engine"])
+def test_a_turn_ended_at_a_tool_calls_close_gets_the_templates_end_of_turn_masked(
+    monkeypatch, url, tokenizer, on_engine
+):
+    scripted(monkeypatch, tokenizer, ['<tool_call>{"name": "x"}</tool_call>', "ab"])
+    engine = fake_engine(monkeypatch, None, tokenizer)[0] if on_engine else None
+    (talk,), served, _ = talk_with(url, None, tokenizer, [10], engine)
+    runs = spans(talk)
+    assert [trained for trained, _ in runs] == [1, 0, 1] and served == {"reset": 1, "step": 2}
+    assert tokenizer.decode(runs[0][1]).endswith(TOOL_CALL_CLOSE)
+    assert tokenizer.decode(runs[1][1]) == (
+        "<|im_end|>\n<|im_start|>user\nyou wrote 36 characters; 1 left<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_answers_that_are_not_observations_are_error_turns_and_a_full_server_is_one_line():

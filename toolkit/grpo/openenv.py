@@ -187,13 +187,15 @@ class OpenEnv:
         talk.stats["tool_timeouts"] += reply.kind == "timeout"
         if reply.reward is not None:
             talk.reward = (talk.reward or 0.0) + reply.reward
-        ended = ends.closed(tokens) is not None
-        if reply.done or not ended or turn + 1 == grpo.max_turns:
+        closed = ends.closed(tokens)
+        if reply.done or closed is None or turn + 1 == grpo.max_turns:
             talk.done = True
             return
         turn_text = reply.text or self.observation_text(reply.observation)
         talk.messages.append(user(turn_text))
-        said = appended(tokenizer, {"role": "assistant", "content": talk.answer}, [user(turn_text)])
+        # A turn ended at a tool call's close: the template's end of turn, which the model never wrote, first.
+        assistant = {"role": "assistant", "content": talk.answer}
+        said = appended(tokenizer, assistant, [user(turn_text)], at_close=closed == "string")
         room = grpo.max_new_tokens - len(talk.tokens)
         talk.add(said[:room], 0)
         talk.done = len(said) >= room  # no room left for another model turn
