@@ -7,8 +7,9 @@ A conversation is one token sequence after the prompt, with a mask: 1 on the tok
 what the environment wrote (tool turns, the next turn's header), which the loss never trains. Every turn of a
 conversation is sampled with its own seed, derived from the completion's seed and the turn's number, so a
 conversation is the same whichever process and batch it is sampled in. With a vLLM engine the main process
-holds the round's conversations and asks the engine for each turn with the same seeds, keeping the engine's
-log-probability of every token the model sampled (none for the environment's).
+holds the round's conversations, asks the engine for each turn with the same seeds and answers them itself
+(the tools run, or the OpenEnv sessions stepped, once), keeping the engine's log-probability of every token
+the model sampled (none for the environment's).
 """
 
 from __future__ import annotations

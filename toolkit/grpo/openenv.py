@@ -3,7 +3,9 @@
 session per conversation. A conversation opens with the data's prompt; its session is reset with the
 completion's seed (and the prompt's text, for an environment whose reset takes `prompt`); each model turn is
 one step, the turn's text the action; the observation is the next user turn, masked like any environment
-text; the steps' rewards add up to the conversation's reward.
+text; the steps' rewards add up to the conversation's reward. The sessions are held by the process that
+samples the conversations: each process its share with HF generate, the main process the whole round with
+the vLLM engine (grpo/multiturn.py answers both through `OpenEnv.episodes`).
 
 Requests are bounded: one reset and at most grpo.max_turns steps per conversation, each with a timeout. A
 server that cannot be reached at start is one line; one that fails mid-run (an error it reports, a timeout,
