@@ -4,9 +4,14 @@ engine stops its turn at "</tool_call>" (kept), the environment answers (an erro
 and the engine samples the next turn. One engine serves both runs (grpo.vllm.url): one process and ZeRO-3 on
 two give the same conversations, so the same per-step loss; the saved round shows the masks, and the
 engine's log-probs sit on the model's tokens only. A trajectory reward counts each conversation's calls.
+The same engine then samples a one-process run whose environment is OpenEnv (tests/openenv_countdown.py,
+served by ftkit): the main process steps the sessions between turns, the observations are masked user turns
+(after the template's end of turn where the model's turn ended at its close), the episodes' rewards logged.
 
 These need .venv-vllm (`make install-vllm`) and skip, saying so, where it is missing.
 """
+
+import re
 
 import pytest
 import scripted_agent
@@ -16,6 +21,7 @@ from transformers import AutoTokenizer
 
 from toolkit.checkpoint import read_recipe_state
 from toolkit.engine.server import ENGINE_VENV, Engine, ServeSpec
+from toolkit.grpo import openenv
 
 pytestmark = pytest.mark.skipif(
     not (ENGINE_VENV / ".installed").is_file(),
@@ -24,6 +30,10 @@ pytestmark = pytest.mark.skipif(
 
 RECIPE = REPO / "recipes" / "grpo_llm.py"
 CALCULATOR = f"{REPO / 'toolkit' / 'assets' / 'demo' / 'calculator.py'}:calculator"
+COUNTDOWN = [
+    f"grpo.environment.openenv.app={REPO / 'tests' / 'openenv_countdown.py'}:app",
+    "grpo.environment.openenv.observation_field=text",
+]
 STEPS, BUDGET, LORA_RANK = 2, 128, 8
 REWARDS = """
 def calls(trajectories):
@@ -33,7 +43,8 @@ def calls(trajectories):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(model folder, one process's run folder, ZeRO-3 x2's), both sampled by one engine."""
+    """(model folder, one process's run folder, ZeRO-3 x2's, the OpenEnv run's), all sampled by one
+    engine."""
     root = tmp_path_factory.mktemp("grpo-agent-engine")
     model = scripted_agent.build(root / "agent")
     (root / "rewards.py").write_text(REWARDS)
@@ -42,7 +53,7 @@ def runs(tmp_path_factory):
     )
     try:
         served.wait_ready(600)
-        args = lambda out: [  # noqa: E731
+        args = lambda out, environment=(f"grpo.environment.tools=[{CALCULATOR}]",): [  # noqa: E731
             *short_grpo_args(out, STEPS, 8, 4),
             f"model.path={model}",
             "model.method=lora",
@@ -58,19 +69,20 @@ def runs(tmp_path_factory):
             "grpo.beta=0.05",
             f"grpo.rewards=[format,{root / 'rewards.py'}:calls]",
             "grpo.format_pattern=.*7.*",
-            f"grpo.environment.tools=[{CALCULATOR}]",
+            *environment,
             "grpo.generation=vllm",
             f"grpo.vllm.url={served.url}",
         ]
         run_script(RECIPE, args(root / "one"), root / "one")
         run_script(RECIPE, args(root / "zero3"), root / "zero3", 2, "zero3")
+        run_script(RECIPE, args(root / "openenv", COUNTDOWN), root / "openenv")
     finally:
         served.stop()
-    return model, root / "one", root / "zero3"
+    return model, root / "one", root / "zero3", root / "openenv"
 
 
 def test_conversations_on_the_engine_match_across_layouts(runs):
-    _, one, zero3 = runs
+    _, one, zero3, _ = runs
     expected, got = train_lines(one), train_lines(zero3)
     assert [r["step"] for r in expected] == [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert any(r["turns"] > 1 for r in expected) and any(r["tool_errors"] > 0 for r in expected)
@@ -87,7 +99,7 @@ def test_conversations_on_the_engine_match_across_layouts(runs):
 
 
 def test_the_engine_stops_at_the_close_and_only_the_models_tokens_carry_its_log_probs(runs):
-    model, one, zero3 = runs
+    model, one, zero3, _ = runs
     tokenizer = AutoTokenizer.from_pretrained(model)
     rounds = [read_recipe_state(run / "checkpoints" / "step-1") for run in (one, zero3)]
     for key in ("completions", "lengths", "mask", "engine_logps"):
@@ -106,6 +118,43 @@ def test_the_engine_stops_at_the_close_and_only_the_models_tokens_carry_its_log_
             else:
                 assert text.startswith("<|im_end|>\n<|im_start|>tool\n<tool_response>\nerror: "), text
     assert closes > 0
+
+
+def test_openenv_on_the_engine_steps_every_turn_and_masks_the_observations(runs):
+    model, _, _, run = runs
+    rows = train_lines(run)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for row in rows:  # every model turn is one step; the episode's rewards join the total (weight 1)
+        assert row["tool_calls"] == row["turns"] >= 1 and row["tool_errors"] == row["tool_timeouts"] == 0
+        assert row["reward"] == pytest.approx(
+            row["reward_format"] + row["reward_calls"] + row["reward_environment"]
+        )
+        assert row["engine_logprob_gap_max"] < 1e-4
+    assert any(r["turns"] > 1 for r in rows) and any(r["reward_environment"] > 0 for r in rows)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    state, answered = read_recipe_state(run / "checkpoints" / "step-1"), 0
+    rows = zip(state["completions"], state["lengths"], state["mask"], state["engine_logps"], strict=True)
+    for tokens, length, mask, logps in rows:
+        tokens, mask, logps = tokens[:length].tolist(), mask[:length], logps[:length]
+        assert not logps[mask == 0].any() and logps[mask == 1].sum() < 0
+        parts = segments(tokens, mask.tolist())
+        for k, (trained, part) in enumerate(parts[:-1]):
+            if trained:
+                continue
+            said = tokenizer.decode(part, skip_special_tokens=False)
+            before = tokenizer.decode(parts[k - 1][1], skip_special_tokens=False)
+            # A turn ended at its close gets the template's end of turn first; one ended at <|im_end|> has it.
+            head = "" if before.endswith("<|im_end|>") else "<|im_end|>"
+            assert re.fullmatch(
+                re.escape(head) + r"\n<\|im_start\|>user\nyou wrote \d+ characters; \d left<\|im_end\|>\n"
+                r"<\|im_start\|>assistant\n",
+                said,
+            ), said
+            answered += 1
+    assert answered > 0
+    log = (run / "openenv-0.log").read_text()
+    port = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", log).group(1)
+    assert openenv._unhealthy(f"http://127.0.0.1:{port}", 2), "the server stops with the run"
 
 
 def segments(tokens: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:
