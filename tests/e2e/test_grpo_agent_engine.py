@@ -4,9 +4,10 @@ engine stops its turn at "</tool_call>" (kept), the environment answers (an erro
 and the engine samples the next turn. One engine serves both runs (grpo.vllm.url): one process and ZeRO-3 on
 two give the same conversations, so the same per-step loss; the saved round shows the masks, and the
 engine's log-probs sit on the model's tokens only. A trajectory reward counts each conversation's calls.
-The same engine then samples a one-process run whose environment is OpenEnv (tests/openenv_countdown.py,
-served by ftkit): the main process steps the sessions between turns, the observations are masked user turns
-(after the template's end of turn where the model's turn ended at its close), the episodes' rewards logged.
+The same engine then samples runs whose environment is OpenEnv (tests/openenv_countdown.py, served by ftkit),
+on one process and on DDP x2: the main process steps the sessions between turns, so both give the same
+rounds; the observations are masked user turns (after the template's end of turn where the model's turn
+ended at its close), the episodes' rewards logged.
 
 These need .venv-vllm (`make install-vllm`) and skip, saying so, where it is missing.
 """
@@ -43,8 +44,8 @@ def calls(trajectories):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(model folder, one process's run folder, ZeRO-3 x2's, the OpenEnv run's), all sampled by one
-    engine."""
+    """(model folder, one process's run folder, ZeRO-3 x2's, the OpenEnv runs' on one process and DDP x2),
+    all sampled by one engine."""
     root = tmp_path_factory.mktemp("grpo-agent-engine")
     model = scripted_agent.build(root / "agent")
     (root / "rewards.py").write_text(REWARDS)
@@ -76,9 +77,10 @@ def runs(tmp_path_factory):
         run_script(RECIPE, args(root / "one"), root / "one")
         run_script(RECIPE, args(root / "zero3"), root / "zero3", 2, "zero3")
         run_script(RECIPE, args(root / "openenv", COUNTDOWN), root / "openenv")
+        run_script(RECIPE, args(root / "openenv-ddp", COUNTDOWN), root / "openenv-ddp", 2, "ddp")
     finally:
         served.stop()
-    return model, root / "one", root / "zero3", root / "openenv"
+    return model, root / "one", root / "zero3", (root / "openenv", root / "openenv-ddp")
 
 
 def test_conversations_on_the_engine_match_across_layouts(runs):
@@ -121,8 +123,15 @@ def test_the_engine_stops_at_the_close_and_only_the_models_tokens_carry_its_log_
 
 
 def test_openenv_on_the_engine_steps_every_turn_and_masks_the_observations(runs):
-    model, _, _, run = runs
+    model, _, _, (run, ddp) = runs
     rows = train_lines(run)
+    for a, b in zip(rows, train_lines(ddp), strict=True):  # the main process's sessions, shared: one round
+        for key in ("reward", "reward_environment", "completion_len", "turns", "tool_calls"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6), (a["step"], key)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4) and a["grad_norm"] > 0, a["step"]
+    rounds = [read_recipe_state(r / "checkpoints" / "step-1") for r in (run, ddp)]
+    for key in ("completions", "lengths", "mask", "engine_logps"):
+        assert torch.equal(rounds[0][key], rounds[1][key]), key
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for row in rows:  # every model turn is one step; the episode's rewards join the total (weight 1)
         assert row["tool_calls"] == row["turns"] >= 1 and row["tool_errors"] == row["tool_timeouts"] == 0
@@ -132,7 +141,7 @@ def test_openenv_on_the_engine_steps_every_turn_and_masks_the_observations(runs)
         assert row["engine_logprob_gap_max"] < 1e-4
     assert any(r["turns"] > 1 for r in rows) and any(r["reward_environment"] > 0 for r in rows)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    state, answered = read_recipe_state(run / "checkpoints" / "step-1"), 0
+    state, answered = rounds[0], 0
     rows = zip(state["completions"], state["lengths"], state["mask"], state["engine_logps"], strict=True)
     for tokens, length, mask, logps in rows:
         tokens, mask, logps = tokens[:length].tolist(), mask[:length], logps[:length]
