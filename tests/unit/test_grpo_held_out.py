@@ -198,16 +198,22 @@ def test_greedy_turns_are_the_models_greedy_answers_whatever_the_batch(tokenizer
 
 
 def test_the_recipe_scores_held_out_conversations_before_and_after(tmp_path, capsys):
+    """The scripted agent's greedy turn answers "7" at once (its two successors of a turn's start tie, and
+    the tie goes to "7"): held out, two of four tool conversations end in "7", none of their calls does."""
     model = scripted_agent.build(tmp_path / "agent")
+    rows = [json.loads(line) for line in (DEMO / "tools_eval.jsonl").read_text().splitlines()[:4]]
+    for row in rows[::2]:
+        row["messages"][-1]["content"] = "7"
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = tmp_path / "run"
     argv = [
         *short_grpo_args(out, 1, 4, 4),
         f"model.path={model}",
         "model.method=lora",
         f"data.train={DEMO / 'tools_eval.jsonl'}",
-        "data.eval_fraction=0.05",
+        f"data.eval={tmp_path / 'held.jsonl'}",
         "data.max_length=224",
-        "eval.exact_match_samples=6",
+        "eval.exact_match_samples=4",
         "grpo.num_generations=2",
         "grpo.max_new_tokens=64",
         "grpo.max_turns=3",
@@ -215,9 +221,9 @@ def test_the_recipe_scores_held_out_conversations_before_and_after(tmp_path, cap
         f"grpo.environment.tools=[{DEMO / 'calculator.py'}:calculator]",
     ]
     assert run_main(load_recipe("grpo_llm").main, argv, "grpo_llm") == 0
-    scored = [r for r in read_metrics(out / "metrics.jsonl") if "eval_turns" in r]
-    assert [r["step"] for r in scored] == [0, 1]
-    for record in scored:
-        assert 0 <= record["exact_match"] <= 1 and 0 <= record["eval_tool_call_share"] <= 1
-        assert 1 <= record["eval_turns"] <= 3
-    assert "result: held-out exact match" in capsys.readouterr().out
+    before, after = [r for r in read_metrics(out / "metrics.jsonl") if "eval_turns" in r]
+    assert (before["step"], after["step"]) == (0, 1)
+    assert [before[k] for k in ("exact_match", "eval_tool_call_share", "eval_turns")] == [0.5, 0.0, 1.0]
+    assert 0 <= after["exact_match"] <= 1 and 0 <= after["eval_tool_call_share"] <= 1
+    assert 1 <= after["eval_turns"] <= 3
+    assert "result: held-out exact match 50.0% -> " in capsys.readouterr().out
