@@ -66,7 +66,9 @@ class Scripted(torch.nn.Module):
         super().__init__()
         self.turns = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in turns]
         self.contexts = []
-        self.device_of = torch.nn.Parameter(torch.zeros(1))  # generation puts its inputs on the model's device
+        self.device_of = torch.nn.Parameter(
+            torch.zeros(1)
+        )  # generation puts its inputs on the model's device
 
     def generate(self, input_ids, attention_mask, **_):
         self.contexts.append(input_ids)
