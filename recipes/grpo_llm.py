@@ -17,6 +17,7 @@ from toolkit import distributed
 from toolkit.entry import exit_with, recipe_args
 from toolkit.grpo import config as grpo_config
 from toolkit.grpo import environment as environments
+from toolkit.grpo import held_out
 from toolkit.grpo import loss as grpo_loss
 from toolkit.grpo import prompts as prompt_sets
 from toolkit.grpo import rollout as rollouts
@@ -57,7 +58,11 @@ def train(run: Run, cfg, engine, environment) -> int:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     reference = grpo_loss.Reference.build(accelerator, model, cfg, run.features)  # None when grpo.beta is 0
     teacher = teachers.Teacher.build(accelerator, cfg, run.features)  # None without grpo.teacher
-    evaluator = evaluate.Evaluator(accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, run.log)
+    # With tools, exact match scores whole held-out conversations' final answers (grpo/held_out.py).
+    conversations = held_out.ConversationEval.build(accelerator, cfg, tokenizer, eval_set, environment)
+    evaluator = evaluate.Evaluator(
+        accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, run.log, conversations=conversations
+    )
     start_step = run.begin(model, evaluator)  # a checkpoint's state, or the starting point measured
 
     # A checkpoint keeps the round in progress (and one sent ahead), so a resumed run trains on the very

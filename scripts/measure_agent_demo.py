@@ -1,7 +1,8 @@
 """Held-out exact match of the agent demo (toolkit/assets/demo/agent_eval.jsonl) for model directories:
-greedy conversations with the calculator tool, as GRPO's environment runs them (the model's turn ends at its
-end-of-turn token; its calls run and their results follow in the template's own form; up to --max-turns
-model turns), and the same questions asked with no tool listed, answered directly.
+greedy conversations with the calculator tool, as GRPO's held-out evaluation runs them
+(toolkit/grpo/held_out.py: the model's turn ends at its end-of-turn token or its tool call's close; its
+calls run and their results follow in the template's own form; up to --max-turns model turns within
+--max-new-tokens for the whole conversation), and the same questions asked with no tool listed.
 
     python scripts/measure_agent_demo.py runs/demo-agent-start/final runs/demo-agent/final
 
@@ -15,8 +16,9 @@ from pathlib import Path
 import torch
 
 from toolkit.commands.generate import load_for_generation
-from toolkit.grpo.environment import Environment, parse_calls
-from toolkit.grpo.multiturn import environment_turns
+from toolkit.grpo.config import GrpoConfig
+from toolkit.grpo.environment import Environment
+from toolkit.grpo.multiturn import greedy_conversations
 from toolkit.grpo.rewards import load_user_function
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,59 +34,20 @@ def prompt_ids(tokenizer, row: dict, with_tools: bool) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-@torch.no_grad()
-def greedy_turns(model, tokenizer, contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Each context's greedy next turn (left-padded batch), through its end-of-turn token."""
-    width = max(map(len, contexts))
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts])
-    mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=pad,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    turns = []
-    for row in out[:, width:].tolist():
-        end = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
-        turns.append(row[:end])
-    return turns
-
-
 def converse(model, tokenizer, rows, environment, max_turns: int, max_new_tokens: int, batch: int = 50):
-    """(final answers, number of tool calls) of each row's greedy conversation with the tools."""
+    """(final answers, number of tool calls) of each row's greedy conversation with the tools: the
+    recipe's held-out evaluation (toolkit/grpo/multiturn.py's greedy_conversations)."""
     contexts = [prompt_ids(tokenizer, row, True) for row in rows]
-    answers, calls = [""] * len(rows), [0] * len(rows)
-    active = list(range(len(rows)))
-    for turn in range(max_turns):
-        sampled = []
-        for start in range(0, len(active), batch):
-            part = [contexts[i] for i in active[start : start + batch]]
-            sampled += greedy_turns(model, tokenizer, part, max_new_tokens)
-        still = []
-        for i, tokens in zip(active, sampled, strict=True):
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
-            answers[i], found = text.strip(), parse_calls(text)
-            calls[i] += len(found)
-            if found and tokens[-1] == tokenizer.eos_token_id and turn + 1 < max_turns:
-                results = [environment.run(call) for call in found]
-                contexts[i] = contexts[i] + tokens
-                contexts[i] += environment_turns(tokenizer, text, found, results, environment.schemas)
-                still.append(i)
-        active = still
-    return answers, calls
+    limits = GrpoConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, generation_batch_size=batch)
+    talks = greedy_conversations(model, tokenizer, contexts, environment, limits, synced=False)
+    return [talk.answer for talk in talks], [talk.stats["tool_calls"] for talk in talks]
 
 
 def direct(model, tokenizer, rows, max_new_tokens: int, batch: int = 50) -> list[str]:
-    """Each row's question answered with no tool listed."""
+    """Each row's question answered with no tool listed, in one turn."""
     contexts = [prompt_ids(tokenizer, row, False) for row in rows]
-    turns = []
-    for start in range(0, len(contexts), batch):
-        turns += greedy_turns(model, tokenizer, contexts[start : start + batch], max_new_tokens)
-    return [tokenizer.decode(t, skip_special_tokens=True).strip() for t in turns]
+    limits = GrpoConfig(max_turns=1, max_new_tokens=max_new_tokens, generation_batch_size=batch)
+    return [talk.answer for talk in greedy_conversations(model, tokenizer, contexts, None, limits, False)]
 
 
 def measure(path: Path, rows, environment, max_turns: int, max_new_tokens: int) -> dict:
@@ -106,7 +69,9 @@ def main():
     parser.add_argument("models", nargs="+", type=Path, help="model directories (final/, merged/, ...)")
     parser.add_argument("--data", type=Path, default=REPO / "toolkit/assets/demo/agent_eval.jsonl")
     parser.add_argument("--max-turns", type=int, default=3)
-    parser.add_argument("--max-new-tokens", type=int, default=96, help="per model turn")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=128, help="per conversation, as grpo.max_new_tokens"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = [json.loads(line) for line in args.data.read_text().splitlines()]

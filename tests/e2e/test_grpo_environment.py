@@ -57,3 +57,41 @@ def test_the_environment_runs_logs_its_counts_and_two_processes_match_one(runs):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), a["step"]
         for key in ("reward", "completion_len", "turns", "tool_calls"):
             assert b[key] == pytest.approx(a[key], rel=1e-6), (a["step"], key)
+
+
+def test_held_out_conversations_are_scored_in_lockstep_on_sharded_processes(tmp_path):
+    """The held-out evaluation with tools (toolkit/grpo/held_out.py) on FSDP2 x2 generating layer by layer
+    (grpo.gather_for_generation=false: every generate call collective): the scripted agent's greedy turn is
+    "7" (its turn start's two successors tie, the tie goes to "7"), so of four held-out tool conversations the
+    two whose last assistant turn is "7" count, as on one process (tests/unit/test_grpo_held_out.py)."""
+    import json
+
+    from toolkit.train.metrics import read_metrics
+
+    model = scripted_agent.build(tmp_path / "agent")
+    tools_data = REPO / "toolkit" / "assets" / "demo" / "tools_eval.jsonl"
+    rows = [json.loads(line) for line in tools_data.read_text().splitlines()]
+    for row in rows[:4:2]:
+        row["messages"][-1]["content"] = "7"
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:4]))
+    out = tmp_path / "fsdp"
+    args = [
+        *short_grpo_args(out, 1, 4, 2),
+        f"model.path={model}",
+        "model.method=lora",
+        f"data.train={tools_data}",
+        f"data.eval={tmp_path / 'held.jsonl'}",
+        "data.max_length=224",
+        "eval.exact_match_samples=4",
+        "grpo.num_generations=2",
+        "grpo.max_new_tokens=64",
+        "grpo.max_turns=3",
+        "grpo.gather_for_generation=false",
+        "grpo.rewards=[exact_answer]",
+        f"grpo.environment.tools=[{CALCULATOR}]",
+    ]
+    run_script(RECIPE, args, out, processes=2, config="fsdp")
+    before, after = [r for r in read_metrics(out / "metrics.jsonl") if "eval_turns" in r]
+    scores = ("step", "exact_match", "eval_tool_call_share", "eval_turns")
+    assert [before[k] for k in scores] == [0, 0.5, 0.0, 1.0]
+    assert after["step"] == 1 and 0 <= after["exact_match"] <= 1 and 1 <= after["eval_turns"] <= 3

@@ -66,6 +66,9 @@ class Scripted(torch.nn.Module):
         super().__init__()
         self.turns = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in turns]
         self.contexts = []
+        self.device_of = torch.nn.Parameter(
+            torch.zeros(1)
+        )  # generation puts its inputs on the model's device
 
     def generate(self, input_ids, attention_mask, **_):
         self.contexts.append(input_ids)
@@ -84,10 +87,10 @@ def test_a_conversation_is_scored_on_the_answer_after_the_tool_result():
     answer = row["messages"][-1]["content"]
     model = Scripted(tokenizer, [call + "<|im_end|>", answer + "<|im_end|>"])
     environment = Environment({"calculator": calculator()}, timeout_s=5)
-    answers, calls = measure.converse(model, tokenizer, [row], environment, max_turns=3, max_new_tokens=64)
+    answers, calls = measure.converse(model, tokenizer, [row], environment, max_turns=3, max_new_tokens=128)
     assert (answers, calls) == ([answer], [1])
     # The second turn read the calculator's result, written as the template writes a tool turn.
     assert f"<tool_response>\n{answer}\n</tool_response>" in tokenizer.decode(model.contexts[1][0])
     # Without a call, the first turn is the answer: a wrong sum scores nothing.
     model = Scripted(tokenizer, ["7<|im_end|>"])
-    assert measure.converse(model, tokenizer, [row], environment, 3, 64) == (["7"], [0])
+    assert measure.converse(model, tokenizer, [row], environment, 3, 128) == (["7"], [0])

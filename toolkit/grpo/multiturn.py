@@ -90,19 +90,40 @@ def conversations(
 ) -> list[Conversation]:
     """Collective: this process's conversations, one per prompt, sampled with HF generate."""
     grpo = cfg.grpo
-    talks = [Conversation() for _ in prompts]
     ends = TurnEnds.of(tokenizer)
     with (
         sampling.generating(run.accelerator, model, grpo.gather_for_generation) as (policy, synced),
         _episodes(environment, prompts, seeds, grpo, tokenizer, ends) as answer,
     ):
-        for turn in range(grpo.max_turns):
-            active = [i for i, talk in enumerate(talks) if not talk.done]
-            if not active and not synced:
-                break
-            sampled = _sample_turn(policy, prompts, seeds, talks, active, turn, grpo, tokenizer, synced, ends)
-            for i, tokens in zip(active, sampled, strict=True):
-                answer(i, talks[i], tokens, turn)
+        return _turns(policy, prompts, seeds, grpo, tokenizer, synced, ends, answer)
+
+
+def greedy_conversations(
+    model, tokenizer, prompts: list[list[int]], environment: Environment | None, grpo, synced: bool
+) -> list[Conversation]:
+    """Collective when `synced`: each prompt's conversation with the tools decoded greedily (the held-out
+    evaluation), turn by turn as `conversations` samples them: the same turn ends, budget
+    (grpo.max_new_tokens), turns (grpo.max_turns) and batches (grpo.generation_batch_size). `environment`
+    may be None when grpo.max_turns is 1 (one turn, no tool ever runs)."""
+    ends = TurnEnds.of(tokenizer)
+
+    def answer(index, talk, tokens, turn):
+        _answer(talk, tokens, turn, grpo, tokenizer, environment, ends)
+
+    return _turns(model, prompts, None, grpo, tokenizer, synced, ends, answer)
+
+
+def _turns(policy, prompts, seeds, grpo, tokenizer, synced, ends, answer) -> list[Conversation]:
+    """The conversations, turn by turn: each open one's next model turn, then `answer` ends or continues it.
+    Sharded models generate in lockstep, so every process takes every turn."""
+    talks = [Conversation() for _ in prompts]
+    for turn in range(grpo.max_turns):
+        active = [i for i, talk in enumerate(talks) if not talk.done]
+        if not active and not synced:
+            break
+        sampled = _sample_turn(policy, prompts, seeds, talks, active, turn, grpo, tokenizer, synced, ends)
+        for i, tokens in zip(active, sampled, strict=True):
+            answer(i, talks[i], tokens, turn)
     return talks
 
 
@@ -183,28 +204,28 @@ def _one_turn() -> dict:
 def _sample_turn(
     policy, prompts, seeds, talks, active, turn, grpo, tokenizer, synced, ends
 ) -> list[list[int]]:
-    """The active conversations' next model turns, each within its remaining budget. Sharded models
-    generate in lockstep: a process with none left samples a stand-in row and drops it."""
+    """The active conversations' next model turns, each within its remaining budget, sampled with their
+    turn's seeds (greedy when `seeds` is None). Sharded models generate in lockstep: a process with none
+    left samples a stand-in row and drops it."""
     rows = active or [0]
     contexts = [prompts[i] + talks[i].tokens for i in rows]
     budgets = [grpo.max_new_tokens - len(talks[i].tokens) for i in rows]
-    turn_seeds = [turn_seed(seeds[i], turn) for i in rows]
+    turn_seeds = [turn_seed(seeds[i], turn) for i in rows] if seeds is not None else None
     # Lockstep needs as many generate calls on every process, whatever its count of active rows: one.
     step = len(rows) if synced else (grpo.generation_batch_size or len(rows))
     sampled = []
     for start in range(0, len(rows), step):
         part = slice(start, start + step)
         limit = dataclasses.replace(grpo, max_new_tokens=max(1, max(budgets[part])))
-        sampled += sampling.sample(
-            policy,
-            contexts[part],
-            turn_seeds[part],
-            limit,
-            tokenizer.pad_token_id,
-            ends.ids,
-            synced,
-            ends.strings,
-        )
+        pad = tokenizer.pad_token_id
+        if turn_seeds is None:
+            sampled += sampling.greedy(
+                policy, contexts[part], limit.max_new_tokens, pad, ends.ids, synced, ends.strings
+            )
+        else:
+            sampled += sampling.sample(
+                policy, contexts[part], turn_seeds[part], limit, pad, ends.ids, synced, ends.strings
+            )
     return [tokens[: max(budget, 0)] for tokens, budget in zip(sampled, budgets)] if active else []
 
 

@@ -85,6 +85,20 @@ def sample(
     per `cfg` (the grpo section) with each row's seed. Collective when `synced` (sharded weights).
     `stops`: a `StopStrings` that also ends a row at the first of its strings (the row's tokens through
     the one that completes it)."""
+    width = max(map(len, prompts))
+    processor = SeededSampling(seeds, cfg.temperature, cfg.top_k, cfg.top_p, width)
+    return _generated(model, prompts, cfg.max_new_tokens, pad_id, eos_id, synced, stops, [processor])
+
+
+@torch.no_grad()
+def greedy(
+    model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_id, synced: bool, stops=None
+):
+    """`sample`'s completions decoded greedily (each row's most likely token at every step): no seeds."""
+    return _generated(model, prompts, max_new_tokens, pad_id, eos_id, synced, stops, [])
+
+
+def _generated(model, prompts, max_new_tokens, pad_id, eos_id, synced, stops, processors):
     device = next(model.parameters()).device
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -92,17 +106,16 @@ def sample(
     for row, prompt in enumerate(prompts):  # left padding: every row's next token comes at the same column
         ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
-    processor = SeededSampling(seeds, cfg.temperature, cfg.top_k, cfg.top_p, width)
     criteria = [stops.criterion(width)] if stops else []
     generation = GenerationConfig(
-        max_new_tokens=cfg.max_new_tokens, do_sample=False, pad_token_id=pad_id, eos_token_id=eos_id
+        max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id, eos_token_id=eos_id
     )
     with eager_blocks():
         out = model.generate(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
             generation_config=generation,
-            logits_processor=LogitsProcessorList([processor]),
+            logits_processor=LogitsProcessorList(processors),
             stopping_criteria=StoppingCriteriaList(criteria),
             synced_gpus=synced,
         )

@@ -38,12 +38,16 @@ class Evaluator:
         log: MetricsLog,
         pipeline=None,
         images=None,
+        conversations=None,
     ):
         self.accelerator, self.model, self.tokenizer = accelerator, model, tokenizer
         self.loader, self.dataset, self.cfg, self.log = loader, dataset, cfg, log
         self.pipeline = pipeline
         self.images = images
         """A vision-language model's data.ImageInputs (rows' images to pixels), else None."""
+        self.conversations = conversations
+        """A run with tools: its held-out conversations (grpo/held_out.py's ConversationEval), whose
+        `measure(model)` gives exact match on the final answer in place of the first turn's; else None."""
         self.shown: dict[str, dict] = {}
         """What each `report` measured, by its label ("before", "after"): the run's closing lines read it."""
 
@@ -66,7 +70,9 @@ class Evaluator:
         generator = unwrap(self.accelerator, self.model)
         if self.pipeline is not None:
             generator = PipelineGenerator(self.pipeline)
-        if self.dataset is not None and cfg.exact_match_samples:
+        if self.conversations is not None:
+            results |= self.conversations.measure(self.model)
+        elif self.dataset is not None and cfg.exact_match_samples:
             # FSDP1 casts its inner units to bf16 but not the gathered root: autocast joins the two.
             with root_params_gathered(self.model), self.accelerator.autocast():
                 results["exact_match"] = exact_match(
