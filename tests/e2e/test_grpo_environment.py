@@ -76,13 +76,17 @@ def test_the_environment_runs_logs_its_counts_and_two_processes_match_one(runs):
 
 
 @pytest.mark.multiproc
-def test_fsdp2_on_two_processes_matches_one(single, runs):
-    """FSDP2 gathers the sharded weights for every turn's generate, in lockstep (a process whose
-    conversations have all ended samples a stand-in row): the same conversations, so the same steps."""
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "lockstep"])
+def test_fsdp2_on_two_processes_matches_one(single, runs, gather):
+    """FSDP2 gathers the whole model once for a round's turns (grpo.gather_for_generation), or generates
+    in lockstep, each layer gathered as it runs and the root's own weights around the round's turns (a
+    round starting after a training step, which sharded them again): the same conversations either way,
+    so the same steps."""
     model, one = single
-    out = one.parent / "fsdp2"
-    run_agent(out, model, processes=2, config="fsdp", overrides=ROUNDS)
-    assert_same_steps(runs[0], train_lines(out), "fsdp2")
+    out = one.parent / f"fsdp2-{gather}"
+    overrides = (*ROUNDS, f"grpo.gather_for_generation={str(gather).lower()}")
+    run_agent(out, model, processes=2, config="fsdp", overrides=overrides)
+    assert_same_steps(runs[0], train_lines(out), f"fsdp2 gather={gather}")
 
 
 def test_a_relaunch_after_a_stop_inside_a_round_resumes_exactly(single, tmp_path):
