@@ -1,5 +1,5 @@
 """The collectives the training core shares on every backend: clipping with the global norm, gathering the
-FSDP1 root's weights for generation, agreeing on flags and error text across ranks, ending the training
+FSDP root's weights for generation, agreeing on flags and error text across ranks, ending the training
 (the process group kept), and the model inside the backend's wrapper.
 How the backend itself is chosen and set up lives in toolkit/launch/."""
 
@@ -50,16 +50,31 @@ def _clip_mixed(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 
 
 def root_params_gathered(model):
-    """Collective: around `generate` on the unwrapped model, the weights the FSDP1 root wrapper shards.
+    """Collective: around `generate` on the unwrapped model, the weights the FSDP root shards.
 
     Unwrapping drops the root's hooks, which alone gather its own weights (embeddings, final norm, head);
-    the wrapped layers inside still gather theirs. Any other model needs nothing.
+    the wrapped layers inside still gather theirs. FSDP2's root keeps its weights gathered after a forward
+    but not after a backward, so a generation after a training step needs them gathered too. Any other
+    model needs nothing.
     """
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
+    if isinstance(model, FSDPModule):
+        return _fsdp2_root_unsharded(model)
     if not isinstance(model, FullyShardedDataParallel):
         return contextlib.nullcontext()
     return FullyShardedDataParallel.summon_full_params(model, recurse=False, writeback=False)
+
+
+@contextlib.contextmanager
+def _fsdp2_root_unsharded(model):
+    """The FSDP2 root's own weights gathered (its inner units gather theirs in their forward), then
+    sharded again."""
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
 
 
 def data_shard(accelerator) -> tuple[int, int]:

@@ -41,6 +41,9 @@ def test_the_recipe_serves_the_environment_adds_its_rewards_and_stops_it(run):
     for row in rows:
         assert row["reward"] == pytest.approx(row["reward_length"] + row["reward_environment"])
         assert row["tool_calls"] == row["turns"] >= 1 and row["tool_errors"] == row["tool_timeouts"] == 0
+        # Every episode steps: all are of the kind that called the environment, none failed.
+        assert row["reward_with_tool_calls"] == pytest.approx(row["reward"])
+        assert not {"reward_without_tool_calls", "reward_with_tool_failures"} & set(row)
     assert any(r["reward_environment"] > 0 for r in rows), "the environment rewards even-length turns"
     log = (run / "openenv-0.log").read_text()
     port = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", log).group(1)

@@ -267,6 +267,46 @@ def test_only_the_models_tokens_train():
     assert torch.equal(rollouts.Rollout.from_state_dict(rollout.state_dict()).mask, mask)
 
 
+KINDS = ("reward_with_tool_calls", "reward_without_tool_calls", "reward_with_tool_failures")
+
+
+def test_each_kind_of_conversation_logs_its_mean_reward():
+    """Per step: the mean total reward of the conversations that called a tool, of those that called none,
+    and of those with a failed call (error or timeout); a kind the step holds none of logs no key; the
+    checkpoint's round logs the same; a single-turn round logs none of them."""
+    totals = torch.tensor([1.0, 0.5, 0.0, 2.0, -1.0, 3.0], dtype=torch.float64)
+    counts = {  # answered call; none; an error; none; a timeout; two calls, one an error
+        "turns": torch.tensor([2.0, 1, 2, 1, 2, 3]),
+        "tool_calls": torch.tensor([1.0, 0, 1, 0, 1, 2]),
+        "tool_errors": torch.tensor([0.0, 0, 1, 0, 0, 1]),
+        "tool_timeouts": torch.tensor([0.0, 0, 0, 0, 1, 0]),
+    }
+    rollout = rollouts.Rollout(
+        0, torch.zeros(6, dtype=torch.long), torch.ones(6, 4, dtype=torch.long), torch.full((6,), 4),
+        {"format": totals / 2, "total": totals}, totals - totals.mean(), None, None, torch.arange(6),
+        turn_stats=counts,
+    )  # fmt: skip
+    stats = rollouts.StepStats(GrpoRecipeConfig(grpo=GrpoConfig(num_generations=2, max_new_tokens=4)))
+    sums = torch.zeros(3, dtype=torch.float64)
+    logged = stats.metrics(rollout, torch.arange(6), sums, 24)
+    assert logged["reward_with_tool_calls"] == pytest.approx((1.0 + 0.0 - 1.0 + 3.0) / 4)
+    assert logged["reward_without_tool_calls"] == pytest.approx((0.5 + 2.0) / 2)
+    assert logged["reward_with_tool_failures"] == pytest.approx((0.0 - 1.0 + 3.0) / 3)
+    assert logged["tool_calls"] == pytest.approx(5 / 6) and logged["reward_format"] == pytest.approx(5.5 / 12)
+    step = stats.metrics(rollout, torch.tensor([1, 3]), sums, 8)  # no conversation of the step called one
+    assert step["reward_without_tool_calls"] == pytest.approx(1.25) and step["tool_errors"] == 0
+    assert not {"reward_with_tool_calls", "reward_with_tool_failures"} & set(step)
+    step = stats.metrics(rollout, torch.tensor([0, 3]), sums, 8)  # a call, none failed
+    assert (step["reward_with_tool_calls"], step["reward_without_tool_calls"]) == (1.0, 2.0)
+    assert "reward_with_tool_failures" not in step
+    restored = rollouts.Rollout.from_state_dict(rollout.state_dict())
+    again = stats.metrics(restored, torch.arange(6), sums, 24)
+    assert {k: again[k] for k in KINDS} == {k: logged[k] for k in KINDS}
+    rollout.turn_stats = None
+    single = stats.metrics(rollout, torch.arange(6), sums, 24)
+    assert not (set(KINDS) | set(multiturn.STAT_NAMES)) & set(single)
+
+
 @pytest.mark.parametrize(
     "template, written, said",
     [

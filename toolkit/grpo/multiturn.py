@@ -197,6 +197,19 @@ def trajectories(prompts: list[str], answers: list[str], texts: list[str], talks
     ]
 
 
+def rewards_by_kind(totals: torch.Tensor, stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The mean total reward (`totals`, [N]) of the conversations that called a tool, of those that called
+    none, and of those with a call that failed (an error or a timeout), from their counts (`stats`: [N]
+    each); a kind no conversation is of has no key, as a mean of nothing is no number."""
+    called = stats["tool_calls"] > 0
+    kinds = {
+        "reward_with_tool_calls": called,
+        "reward_without_tool_calls": ~called,
+        "reward_with_tool_failures": (stats["tool_errors"] + stats["tool_timeouts"]) > 0,
+    }
+    return {name: float(totals[rows].mean()) for name, rows in kinds.items() if rows.any()}
+
+
 def _one_turn() -> dict:
     return {**dict.fromkeys(STAT_NAMES, 0), "turns": 1}
 

@@ -408,8 +408,10 @@ class StepStats:
         }
         if rollout.teacher_gap is not None:  # the teacher's gap is 0 off the trained tokens
             values["teacher_kl"] = -float(rollout.teacher_gap[rows].sum()) / max(tokens, 1)
-        for name, counts in (rollout.turn_stats or {}).items():
-            values[name] = float(counts[rows].mean())
+        if rollout.turn_stats is not None:
+            counts = {name: count[rows] for name, count in rollout.turn_stats.items()}
+            values.update({name: float(c.mean()) for name, c in counts.items()})
+            values.update(multiturn.rewards_by_kind(rollout.rewards["total"][rows], counts))
         if rollout.engine_gap is not None:
             values["engine_logprob_gap_mean"], values["engine_logprob_gap_max"] = rollout.engine_gap
             values["sync_s"] = rollout.sync_seconds if fresh else 0.0
