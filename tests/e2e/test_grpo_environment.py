@@ -2,13 +2,15 @@
 runs in the recipe, logs its turn and tool counts and the reward of each kind of conversation; DDP x2 and
 FSDP2 x2 give one process's per-step loss and gradient (each conversation's turns are seeded by the
 completion and the turn alone); and a relaunch after a stop inside a round of conversations (two steps a
-round) trains on the saved conversations, giving the uninterrupted run's steps exactly.
+round) trains on the saved conversations, giving the uninterrupted run's steps exactly. The held-out
+evaluation runs whole conversations with the tools, the same on FSDP2 x2 as on one process.
 
 The model is the scripted agent (tests/scripted_agent.py): it answers "7" or opens tool calls and closes
 them with "</tool_call>" (no end token), which the environment answers with an error turn (the call's body
 is not JSON) before the model's next turn. Turn by turn: tests/unit/test_grpo_turns.py.
 """
 
+import json
 import shutil
 from pathlib import Path
 
@@ -16,9 +18,24 @@ import pytest
 import scripted_agent
 from helpers import REPO, run_script, short_grpo_args, train_lines
 
+from toolkit.train.metrics import read_metrics
+
 RECIPE = REPO / "recipes" / "grpo_llm.py"
 CALCULATOR = f"{REPO / 'toolkit' / 'assets' / 'demo' / 'calculator.py'}:calculator"
+TOOLS_DATA = REPO / "toolkit" / "assets" / "demo" / "tools_eval.jsonl"
 STEPS = 3
+
+
+def held_out_rows(folder: Path) -> Path:
+    """Four tool conversations, two of them with "7" as their last assistant turn: the scripted agent's
+    greedy turn is "7" (its turn start's two successors tie, the tie goes to "7"), so before training the
+    held-out conversations score exact match 0.5, no tool call, one turn each, on every layout."""
+    rows = [json.loads(line) for line in TOOLS_DATA.read_text().splitlines()][:4]
+    for row in rows[::2]:
+        row["messages"][-1]["content"] = "7"
+    path = folder / "held.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
 
 
 def run_agent(out: Path, model: Path, processes: int = 0, config: str = "", overrides=()):
@@ -27,8 +44,9 @@ def run_agent(out: Path, model: Path, processes: int = 0, config: str = "", over
         f"model.path={model}",
         "model.method=lora",
         "train.learning_rate=2e-3",
-        f"data.train={REPO / 'toolkit' / 'assets' / 'demo' / 'tools_eval.jsonl'}",
-        "data.eval_fraction=0.05",
+        f"data.train={TOOLS_DATA}",
+        f"data.eval={model.parent / 'held.jsonl'}",
+        "eval.exact_match_samples=4",
         "data.max_length=224",
         "grpo.num_generations=4",
         "grpo.max_new_tokens=128",
@@ -53,6 +71,7 @@ def single(tmp_path_factory):
     """(the scripted agent's folder, one process's output_dir)."""
     folder = tmp_path_factory.mktemp("grpo-agent")
     model = scripted_agent.build(folder / "agent")
+    held_out_rows(folder)
     run_agent(folder / "one", model, overrides=(*ROUNDS, "train.save_every_steps=1"))
     return model, folder / "one"
 
@@ -83,6 +102,22 @@ def test_fsdp2_on_two_processes_matches_one(single, gather):
     overrides = (*ROUNDS, f"grpo.gather_for_generation={str(gather).lower()}")
     run_agent(out, model, processes=2, config="fsdp", overrides=overrides)
     assert_same_steps(train_lines(one), train_lines(out), f"fsdp2 gather={gather}")
+    assert_held_out_conversations(one, out)
+
+
+def assert_held_out_conversations(one: Path, out: Path) -> None:
+    """The held-out conversations with tools (toolkit/grpo/held_out.py), scored before and after training:
+    0.5 exact match before (held_out_rows), and the same scores as one process's after training, generated
+    on sharded processes (in lockstep: every generate call collective)."""
+    scores = ("step", "exact_match", "eval_tool_call_share", "eval_turns")
+    ones, outs = ([[r[k] for k in scores] for r in eval_lines(run)] for run in (one, out))
+    assert ones[0] == outs[0] == [0, 0.5, 0.0, 1.0]
+    assert len(ones) == len(outs) == 2 and ones[1][0] == STEPS and outs[1] == pytest.approx(ones[1])
+    assert 0 <= ones[1][1] <= 1 and 1 <= ones[1][3] <= 3
+
+
+def eval_lines(out: Path) -> list[dict]:
+    return [r for r in read_metrics(out / "metrics.jsonl") if "eval_turns" in r]
 
 
 def test_a_relaunch_after_a_stop_inside_a_round_resumes_exactly(single, tmp_path):
@@ -147,41 +182,3 @@ def test_the_environment_runs_logs_its_counts_and_two_processes_match_one(runs):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), a["step"]
         for key in ("reward", "completion_len", "turns", "tool_calls"):
             assert b[key] == pytest.approx(a[key], rel=1e-6), (a["step"], key)
-
-
-def test_held_out_conversations_are_scored_in_lockstep_on_sharded_processes(tmp_path):
-    """The held-out evaluation with tools (toolkit/grpo/held_out.py) on FSDP2 x2 generating layer by layer
-    (grpo.gather_for_generation=false: every generate call collective): the scripted agent's greedy turn is
-    "7" (its turn start's two successors tie, the tie goes to "7"), so of four held-out tool conversations the
-    two whose last assistant turn is "7" count, as on one process (tests/unit/test_grpo_held_out.py)."""
-    import json
-
-    from toolkit.train.metrics import read_metrics
-
-    model = scripted_agent.build(tmp_path / "agent")
-    tools_data = REPO / "toolkit" / "assets" / "demo" / "tools_eval.jsonl"
-    rows = [json.loads(line) for line in tools_data.read_text().splitlines()]
-    for row in rows[:4:2]:
-        row["messages"][-1]["content"] = "7"
-    (tmp_path / "held.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:4]))
-    out = tmp_path / "fsdp"
-    args = [
-        *short_grpo_args(out, 1, 4, 2),
-        f"model.path={model}",
-        "model.method=lora",
-        f"data.train={tools_data}",
-        f"data.eval={tmp_path / 'held.jsonl'}",
-        "data.max_length=224",
-        "eval.exact_match_samples=4",
-        "grpo.num_generations=2",
-        "grpo.max_new_tokens=64",
-        "grpo.max_turns=3",
-        "grpo.gather_for_generation=false",
-        "grpo.rewards=[exact_answer]",
-        f"grpo.environment.tools=[{CALCULATOR}]",
-    ]
-    run_script(RECIPE, args, out, processes=2, config="fsdp")
-    before, after = [r for r in read_metrics(out / "metrics.jsonl") if "eval_turns" in r]
-    scores = ("step", "exact_match", "eval_tool_call_share", "eval_turns")
-    assert [before[k] for k in scores] == [0, 0.5, 0.0, 1.0]
-    assert after["step"] == 1 and 0 <= after["exact_match"] <= 1 and 1 <= after["eval_turns"] <= 3
