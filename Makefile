@@ -119,10 +119,14 @@ demo-grpo-vllm: install
 		train.overwrite=true model.path=toolkit/assets/tiny-llama-h80 model.adapter=runs/demo-grpo-start-h80 \
 		output_dir=runs/demo-grpo-vllm grpo.generation=vllm $(ARGS)
 
-# Tool-use GRPO on sums longer than the embedded model adds in its head, from an SFT start stopped early
-# (trained first when missing: recipes/configs/demo-agent-start.yaml); then held-out exact match of the start
-# and the result, with the calculator and without it (docs/grpo.md).
+# Tool-use GRPO on sums longer than the embedded model adds in its head, from a start that calls the calculator
+# on only some questions (trained first when missing: recipes/configs/demo-agent-sft.yaml, then
+# demo-agent-start.yaml); then held-out exact match of the start and the result, with the calculator and
+# without it (docs/grpo.md).
 demo-agent: install
+	test -f runs/demo-agent-sft/final/config.json || $(VENV)/bin/accelerate launch \
+		--config_file accelerate_configs/single.yaml recipes/finetune_llm.py \
+		--config recipes/configs/demo-agent-sft.yaml train.overwrite=true
 	test -f runs/demo-agent-start/final/config.json || $(VENV)/bin/accelerate launch \
 		--config_file accelerate_configs/single.yaml recipes/finetune_llm.py \
 		--config recipes/configs/demo-agent-start.yaml train.overwrite=true

@@ -14,7 +14,7 @@ from toolkit.grpo.environment import Environment
 from toolkit.grpo.rewards import load_user_function
 
 DEMO = REPO / "toolkit" / "assets" / "demo"
-FILES = ("agent_train.jsonl", "agent_direct_train.jsonl", "agent_eval.jsonl")
+FILES = ("agent_train.jsonl", "agent_direct_train.jsonl", "agent_eval.jsonl", "agent_no_call_train.jsonl")
 
 
 def script(name):
@@ -43,11 +43,13 @@ def test_the_shipped_agent_data_is_what_its_script_writes(tmp_path):
 
 
 def test_agent_sums_are_too_long_for_the_head_and_held_out():
-    train, direct, held = (rows(name) for name in FILES)
-    assert (len(train), len(direct), len(held)) == (1000, 500, 200)
-    held_sums = {numbers(row) for row in held}
-    assert held_sums.isdisjoint({numbers(row) for row in train + direct})
-    assert all(len(numbers(row)) in (3, 4) and min(numbers(row)) >= 10 for row in train + direct + held)
+    train, direct, held, no_call = (rows(name) for name in FILES)
+    assert (len(train), len(direct), len(held), len(no_call)) == (1000, 500, 200, 1500)
+    trained = [numbers(row) for row in train + direct + no_call]
+    assert len(set(trained)) == len(trained), "no sum is trained twice, in any order"
+    assert {numbers(row) for row in held}.isdisjoint(trained)
+    everything = train + direct + held + no_call
+    assert all(len(numbers(row)) in (3, 4) and min(numbers(row)) >= 10 for row in everything)
     for row in train + held:
         call = row["messages"][1]["tool_calls"][0]["function"]
         assert (
@@ -57,6 +59,9 @@ def test_agent_sums_are_too_long_for_the_head_and_held_out():
         )
         assert row["tools"][0]["function"]["name"] == "calculator"
     assert all("tools" not in row and len(row["messages"]) == 2 for row in direct)
+    for row in no_call:  # the tool listed, the sum answered without calling it
+        assert row["tools"] == train[0]["tools"] and len(row["messages"]) == 2
+        assert row["messages"][1]["content"] == str(sum(numbers(row)))
 
 
 class Scripted(torch.nn.Module):
