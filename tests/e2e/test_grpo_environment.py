@@ -1,9 +1,9 @@
 """recipes/grpo_llm.py with a tool environment (the demo's calculator) on HF generate: the multi-turn rollout
-runs in the recipe, logs its turn and tool counts and the reward of each kind of conversation; DDP x2 and
-FSDP2 x2 give one process's per-step loss and gradient (each conversation's turns are seeded by the
-completion and the turn alone); and a relaunch after a stop inside a round of conversations (two steps a
-round) trains on the saved conversations, giving the uninterrupted run's steps exactly. The held-out
-evaluation runs whole conversations with the tools, the same on FSDP2 x2 as on one process.
+runs in the recipe, logs its turn and tool counts and the reward of each kind of conversation; DDP x2,
+FSDP2 x2 and ZeRO-3 x2 give one process's per-step loss and gradient (each conversation's turns are seeded
+by the completion and the turn alone); and a relaunch after a stop inside a round of conversations (two
+steps a round) trains on the saved conversations, giving the uninterrupted run's steps exactly. The held-out
+evaluation runs whole conversations with the tools, the same sharded as on one process.
 
 The model is the scripted agent (tests/scripted_agent.py): it answers "7" or opens tool calls and closes
 them with "</tool_call>" (no end token), which the environment answers with an error turn (the call's body
@@ -91,18 +91,28 @@ def test_each_kind_of_conversation_logs_its_reward_the_same_on_two_processes(run
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "lockstep"])
-def test_fsdp2_on_two_processes_matches_one(single, gather):
+@pytest.mark.parametrize(
+    ("config", "gather"),
+    [("fsdp", True), ("fsdp", False), ("zero3", True)],
+    ids=["fsdp2-gathered", "fsdp2-lockstep", "zero3"],
+)
+def test_sharded_on_two_processes_matches_one(single, config, gather):
     """FSDP2 gathers the whole model once for a round's turns (grpo.gather_for_generation), or generates
     in lockstep, each layer gathered as it runs and the root's own weights around the round's turns (a
-    round starting after a training step, which sharded them again): the same conversations either way,
-    so the same steps."""
+    round starting after a training step, which sharded them again); ZeRO-3 gathers its partitions for the
+    round, here after an evaluation each step too (whose forward passes without gradients leave partitions
+    fetched: gathered on top of them, generation ran on empty weights): the same conversations every way,
+    so the same steps and the same held-out conversations."""
     model, one = single
-    out = one.parent / f"fsdp2-{gather}"
+    out = one.parent / f"{config}-{gather}"
     overrides = (*ROUNDS, f"grpo.gather_for_generation={str(gather).lower()}")
-    run_agent(out, model, processes=2, config="fsdp", overrides=overrides)
-    assert_same_steps(train_lines(one), train_lines(out), f"fsdp2 gather={gather}")
+    overrides += ("train.eval_every_steps=1",) if config == "zero3" else ()
+    run_agent(out, model, processes=2, config=config, overrides=overrides)
+    assert_same_steps(train_lines(one), train_lines(out), f"{config} gather={gather}")
     assert_held_out_conversations(one, out)
+    if config == "zero3":  # the evaluations between rounds ran
+        evaluated = {r["step"] for r in read_metrics(out / "metrics.jsonl") if "eval_loss" in r}
+        assert {1, 2} <= evaluated, evaluated
 
 
 def assert_held_out_conversations(one: Path, out: Path) -> None:

@@ -202,6 +202,10 @@ def _zero3_gathered(engine):
     would release each layer again after its forward)."""
     import deepspeed
 
+    # A forward pass without gradients (an evaluation's) leaves some partitions fetched and the prefetch
+    # trace mid-way; gathered on top of that, those layers run on empty weights. Every partition is
+    # released first, so the gather starts from one known state.
+    engine.empty_partition_cache()
     offload = engine.optimizer.parameter_offload if hasattr(engine.optimizer, "parameter_offload") else None
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         if offload is None:
