@@ -370,10 +370,6 @@ def validate_teacher(cfg: GrpoRecipeConfig) -> None:
             "grpo.teacher: the teacher scores on the trainer's processes, after HF generate only so far; "
             "set grpo.generation=hf"
         )
-    if cfg.grpo.environment.tools or cfg.grpo.environment.openenv.url or cfg.grpo.environment.openenv.app:
-        raise UserError(
-            "grpo.teacher: distillation scores single-turn completions only so far; drop grpo.environment"
-        )
 
 
 def prompts_per_round(cfg: GrpoRecipeConfig) -> int:

@@ -13,6 +13,11 @@ this drops (a token's effect on the later tokens' gaps) is what makes the summed
 per-token form is the one on-policy distillation is usually run with. A teacher alone (no rewards) is
 plain distillation on the policy's own samples; with rewards the teacher shapes every token while the
 reward still says which whole answers were right.
+
+Over a multi-turn conversation (grpo.environment) the teacher reads what the policy read: the prompt and
+every turn, the environment's tool results and user turns included, in one forward pass per micro-batch
+(the same micro-batches the old log-probs and the reference are scored on). Only the model's own tokens
+are targets there, so the environment's tokens get no teacher term and stay out of teacher_kl.
 """
 
 from __future__ import annotations
@@ -111,8 +116,9 @@ class Teacher:
 
 def score(run, model, rollout, prompts, cfg, pad_id: int, teacher: Teacher | None) -> None:
     """Collective: set `rollout.teacher_gap`, the teacher's log-prob minus the policy's of every sampled
-    token, [N, max_new_tokens] (0 past each completion and on tokens that are not the model's); nothing
-    without a teacher."""
+    token, [N, max_new_tokens]; nothing without a teacher. It is 0 past each completion and on a
+    conversation's environment tokens: the round's micro-batches make those no target (rollout.mask), so
+    both scorings give them 0 while still reading them as context."""
     if teacher is None:
         return
     policy = rollout.old_logps
