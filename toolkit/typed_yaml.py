@@ -88,38 +88,56 @@ def _dataclass_type(cls, f):
     return hint if dataclasses.is_dataclass(hint) else None
 
 
-def build(cls, raw: dict, prefix: str, source: str):
-    """An instance of dataclass `cls` from `raw`; a wrong type or an unknown key raises naming it."""
+@dataclasses.dataclass(frozen=True)
+class Sources:
+    """Where a config's values came from, for naming it in an error: its file, but for the dotted keys the
+    command line set (and every key below them)."""
+
+    file: str
+    overridden: frozenset[str] = frozenset()
+
+    def of(self, key: str) -> str:
+        """The source of `key` (dotted, list items as `[i]`)."""
+        parts = key.split("[")[0].split(".")
+        set_here = any(".".join(parts[:n]) in self.overridden for n in range(1, len(parts) + 1))
+        return "command line" if set_here else self.file
+
+
+def build(cls, raw: dict, prefix: str, sources: Sources):
+    """An instance of dataclass `cls` from `raw`; a wrong type or an unknown key raises naming it and where
+    it was set."""
     if not isinstance(raw, dict):
-        raise UserError(f"{source}: {prefix.rstrip('.')} must be a mapping, got {type(raw).__name__}")
+        section = prefix.rstrip(".")
+        raise UserError(f"{sources.of(section)}: {section} must be a mapping, got {type(raw).__name__}")
     names = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     for key in raw:
         if key not in names:
-            raise UserError(f"{source}: unknown key {prefix}{key}{_suggest(key, names, prefix)}")
+            where = sources.of(prefix + key)
+            raise UserError(f"{where}: unknown key {prefix}{key}{_suggest(key, names, prefix)}")
     values = {}
     for name, value in raw.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            values[name] = build(hint, value if value is not None else {}, f"{prefix}{name}.", source)
+            values[name] = build(hint, value if value is not None else {}, f"{prefix}{name}.", sources)
         else:
-            values[name] = _coerce(value, hint, f"{prefix}{name}", source)
+            values[name] = _coerce(value, hint, f"{prefix}{name}", sources)
     return cls(**values)
 
 
 BOOL_WORDS = {False: ("no", "off", "false"), True: ("yes", "on", "true")}
 
 
-def _coerce(value, hint, key: str, source: str):
+def _coerce(value, hint, key: str, sources: Sources):
     """Return `value` as type `hint`, or raise naming the key; only numbers widen to floats."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(hint):
             try:
-                return _coerce(value, option, key, source)
+                return _coerce(value, option, key, sources)
             except UserError:
                 continue
-        raise UserError(f"{source}: {key} has the wrong type: {value!r} is not {_type_name(hint)}")
+        raise _wrong_type(value, hint, key, sources)
     if hint is type(None):
         if value is None:
             return None
@@ -130,11 +148,11 @@ def _coerce(value, hint, key: str, source: str):
             if spelled:
                 return spelled[0]
         # The type of its words; which words are allowed is checked with every other declared bound.
-        return _coerce(value, type(words[0]), key, source)
+        return _coerce(value, type(words[0]), key, sources)
     elif origin is list:
         if isinstance(value, list):
             (item,) = typing.get_args(hint)
-            return [_coerce(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
+            return [_coerce(v, item, f"{key}[{i}]", sources) for i, v in enumerate(value)]
     elif hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     elif hint is float and isinstance(value, str) and _is_number(value):
@@ -143,7 +161,11 @@ def _coerce(value, hint, key: str, source: str):
         return str(value)
     elif isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
         return value
-    raise UserError(f"{source}: {key} has the wrong type: {value!r} is not {_type_name(hint)}")
+    raise _wrong_type(value, hint, key, sources)
+
+
+def _wrong_type(value, hint, key: str, sources: Sources) -> UserError:
+    return UserError(f"{sources.of(key)}: {key} has the wrong type: {value!r} is not {_type_name(hint)}")
 
 
 def _is_number(text: str) -> bool:

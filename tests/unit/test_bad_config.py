@@ -59,7 +59,7 @@ def test_out_of_range_value_is_one_line_and_nothing_is_written(recipe, tmp_path,
     captured = capsys.readouterr()
     assert code == 2
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("finetune_llm: error: ") and message in lines[0], lines
+    assert len(lines) == 1 and lines[0].startswith(f"finetune_llm: error: command line: {message}"), lines
     assert "Traceback" not in captured.err
     assert not out.exists() and list(tmp_path.iterdir()) == []
 

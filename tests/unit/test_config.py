@@ -93,6 +93,36 @@ def test_bad_config_names_the_key(tmp_path, text, overrides, message):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("text", "overrides", "message"),
+    [
+        ("train:\n  bogus: 1\n", [], "FILE: unknown key train.bogus"),
+        ("", ["train.bogus=1"], "command line: unknown key train.bogus"),
+        ("train:\n  max_steps: abc\n", [], "FILE: train.max_steps has the wrong type: 'abc' is not int"),
+        ("", ["train.max_steps=abc"], "command line: train.max_steps has the wrong type: 'abc' is not int"),
+        ("train:\n  max_steps: 0\n", [], "FILE: train.max_steps: must be positive, got 0"),
+        ("", ["train.max_steps=0"], "command line: train.max_steps: must be positive, got 0"),
+        ("", ["train.adam_betas=[0.9, 1.5]"], "command line: train.adam_betas: item 1: must be in [0, 1)"),
+        ("", ["train.adam_betas=[0.9, x]"], "command line: train.adam_betas[1] has the wrong type"),
+        ("", ["train={bogus: 1}"], "command line: unknown key train.bogus"),
+        ("", ["model=lora"], "command line: model must be a mapping, got str"),
+        # The command line set another key of the section: the mistake is still the file's.
+        ("train:\n  bogus: 1\n", ["train.max_steps=5"], "FILE: unknown key train.bogus"),
+        ("train:\n  max_steps: 0\n", ["train.learning_rate=0.1"], "FILE: train.max_steps: must be positive"),
+    ],
+)
+def test_a_refused_key_names_where_it_was_set(tmp_path, text, overrides, message):
+    path = write(tmp_path, text)
+    with pytest.raises(UserError) as info:
+        load_config(path, overrides)
+    assert str(info.value).startswith(message.replace("FILE", str(path)))
+
+
+def test_a_bad_file_value_the_command_line_replaces_is_no_error(tmp_path):
+    cfg = load_config(write(tmp_path, "train:\n  max_steps: abc\n"), ["train.max_steps=5"])
+    assert cfg.train.max_steps == 5
+
+
 def test_missing_config_file(tmp_path):
     with pytest.raises(UserError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")

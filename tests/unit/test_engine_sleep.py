@@ -199,7 +199,9 @@ def test_sleep_is_on_by_default_only_on_a_gpu_the_engine_shares_with_training():
     assert level(["grpo.vllm.host=0.0.0.0"]) == 0
     assert level(["grpo.vllm.sleep=false"]) == 0
     assert level(["grpo.vllm.gpus=2,3", "grpo.vllm.sleep=true"]) == 1
-    assert sleep_level(load_grpo_config(None, ["grpo.vllm.sleep=true"]), True) == 0  # HF generate
+    assert sleep_level(load_grpo_config(None, []), True) == 0  # HF generate: no engine to sleep
+    with pytest.raises(UserError, match="grpo.vllm.sleep: only applies with grpo.generation: vllm"):
+        load_grpo_config(None, ["grpo.vllm.sleep=true"])
 
 
 @pytest.mark.parametrize(

@@ -68,6 +68,37 @@ def test_bad_grpo_settings_name_the_key(overrides, message):
         load_grpo_config(None, ["model.adapter=null", *overrides])
 
 
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "grpo.vllm.gpus=2,3",
+        "grpo.vllm.url=http://127.0.0.1:8000",
+        "grpo.vllm.sleep=true",
+        "grpo.vllm.sleep=false",
+        "grpo.vllm.kv_cache_gb=4",
+        "grpo.vllm.host=0.0.0.0",
+    ],
+)
+def test_an_engine_setting_is_refused_while_hf_generates(setting):
+    key = setting.partition("=")[0]
+    with pytest.raises(UserError) as info:
+        load_grpo_config(None, ["model.adapter=null", setting])
+    assert str(info.value) == (
+        f"{key}: only applies with grpo.generation: vllm (it is hf); drop it or set grpo.generation=vllm"
+    )
+    load_grpo_config(None, ["model.adapter=null", "grpo.generation=vllm", setting])  # the engine reads it
+
+
+def test_engine_settings_spelled_at_their_defaults_pass_while_hf_generates():
+    defaults = [
+        "grpo.vllm.host=127.0.0.1",
+        "grpo.vllm.port=0",
+        "grpo.vllm.start_timeout_s=600",
+        "grpo.vllm.url=null",
+    ]
+    assert load_grpo_config(None, defaults).grpo.generation == "hf"
+
+
 def test_the_last_assistant_turn_is_the_answer():
     row = {"input_ids": [1, 2, 3, 4, 5, 6, 7, 8], "labels": [IGNORE, IGNORE, 3, IGNORE, IGNORE, 6, 7, IGNORE]}
     assert prompt_sets.last_turn(row) == ([1, 2, 3, 4, 5], [6, 7])

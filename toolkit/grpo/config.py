@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -214,6 +214,8 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
         )
     if grpo.generation == "vllm":
         validate_engine(cfg)
+    else:
+        refuse_unused_engine_settings(grpo)
     if grpo.teacher:
         validate_teacher(cfg)
     user_rewards = [name for name in grpo.rewards if ":" in name and not scalar.saved_scalar(name)]
@@ -248,6 +250,17 @@ def validate_engine(cfg: GrpoRecipeConfig) -> None:
         raise UserError(
             "grpo.generation=vllm: lora.use_dora adapters are not loaded by the engine; turn it off"
         )
+
+
+def refuse_unused_engine_settings(grpo: GrpoConfig) -> None:
+    """A grpo.vllm key set away from its default while HF generate samples: nothing would read it."""
+    defaults = VllmConfig()
+    for setting in fields(VllmConfig):
+        if getattr(grpo.vllm, setting.name) != getattr(defaults, setting.name):
+            raise UserError(
+                f"grpo.vllm.{setting.name}: only applies with grpo.generation: vllm (it is "
+                f"{grpo.generation}); drop it or set grpo.generation=vllm"
+            )
 
 
 def validate_placement(cfg: GrpoRecipeConfig) -> None:
