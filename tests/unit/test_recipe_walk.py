@@ -27,6 +27,12 @@ def project_module(frame) -> str | None:
     return str(Path(name).relative_to(REPO)) if inside else None
 
 
+def importing(frame, caller) -> bool:
+    """A module's body running as it is first imported: whether it is depends on which tests ran before in
+    the same process, so it is not part of the walk."""
+    return "<module>" in (frame.f_code.co_name, caller.f_code.co_name)
+
+
 def walk(recipe, out: Path) -> list[tuple[str, str]]:
     """(caller module, callee module) of every call between two project modules, in order."""
     calls = []
@@ -36,7 +42,12 @@ def walk(recipe, out: Path) -> list[tuple[str, str]]:
         caller = frame.f_back
         while callee and caller is not None and project_module(caller) is None:
             caller = caller.f_back
-        if callee and caller is not None and project_module(caller) != callee:
+        if (
+            callee
+            and caller is not None
+            and project_module(caller) != callee
+            and not importing(frame, caller)
+        ):
             calls.append((project_module(caller), callee))
 
     sys.setprofile(profile)
