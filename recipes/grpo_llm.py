@@ -58,7 +58,7 @@ def train(run: Run, cfg, engine, environment) -> int:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     reference = grpo_loss.Reference.build(accelerator, model, cfg, run.features)  # None when grpo.beta is 0
     teacher = teachers.Teacher.build(accelerator, cfg, run.features)  # None without grpo.teacher
-    # With tools, exact match scores whole held-out conversations' final answers (grpo/held_out.py).
+    # With an environment, whole held-out conversations are scored (grpo/held_out.py), not first turns.
     conversations = held_out.ConversationEval.build(accelerator, cfg, tokenizer, eval_set, environment)
     evaluator = evaluate.Evaluator(
         accelerator, model, tokenizer, eval_loader, eval_set, cfg.eval, run.log, conversations=conversations

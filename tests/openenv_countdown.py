@@ -1,7 +1,8 @@
 """A tiny OpenEnv environment for the tests (openenv-core's server): an episode lasts 2 or 3 steps (its seed
 chooses), each step answers how many characters the message had and rewards a message of even length.
 A message with "boom" makes the step raise; one with "sleep" makes it take 3 s. Serve it with
-`uvicorn openenv_countdown:app` (from tests/) or in a thread; `COUNTS` tallies what this process served."""
+`uvicorn openenv_countdown:app` (from tests/) or in a thread; `COUNTS` tallies what this process served,
+`CLOSED` the sessions it closed."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from openenv.core.env_server import Environment, create_app
 from openenv.core.env_server.types import Action, Observation, State
 
 COUNTS: Counter = Counter()
-"""Requests served by this process, by kind (reset, step), and the seeds and prompts resets got."""
+"""Requests served by this process, by kind (reset, step)."""
+CLOSED: Counter = Counter()
+"""Sessions closed by this process (sessions), counted when the server ends them."""
 SEEDS: list = []
+"""The seeds and prompts resets got."""
 
 
 class Say(Action):
@@ -48,6 +52,9 @@ class Countdown(Environment):
         text = f"you wrote {len(action.message)} characters; {self.left} left"
         reward = float(len(action.message) % 2 == 0)
         return Heard(text=text, left=self.left, reward=reward, done=self.left <= 0)
+
+    def close(self) -> None:
+        CLOSED["sessions"] += 1
 
     @property
     def state(self) -> State:

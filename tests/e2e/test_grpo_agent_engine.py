@@ -7,7 +7,8 @@ engine's log-probs sit on the model's tokens only. A trajectory reward counts ea
 The same engine then samples runs whose environment is OpenEnv (tests/openenv_countdown.py, served by ftkit),
 on one process and on DDP x2: the main process steps the sessions between turns, so both give the same
 rounds; the observations are masked user turns (after the template's end of turn where the model's turn
-ended at its close), the episodes' rewards logged.
+ended at its close), the episodes' rewards logged; the held-out episodes (HF generate on every process, the
+sessions on the main one) score the same on both, and process 1's server is never asked for a session.
 
 These need .venv-vllm (`make install-vllm`) and skip, saying so, where it is missing.
 """
@@ -23,6 +24,7 @@ from transformers import AutoTokenizer
 from toolkit.checkpoint import read_recipe_state
 from toolkit.engine.server import ENGINE_VENV, Engine, ServeSpec
 from toolkit.grpo import openenv
+from toolkit.train.metrics import read_metrics
 
 pytestmark = pytest.mark.skipif(
     not (ENGINE_VENV / ".installed").is_file(),
@@ -34,6 +36,7 @@ CALCULATOR = f"{REPO / 'toolkit' / 'assets' / 'demo' / 'calculator.py'}:calculat
 COUNTDOWN = [
     f"grpo.environment.openenv.app={REPO / 'tests' / 'openenv_countdown.py'}:app",
     "grpo.environment.openenv.observation_field=text",
+    "eval.exact_match_samples=4",
 ]
 STEPS, BUDGET, LORA_RANK = 2, 128, 8
 REWARDS = """
@@ -164,6 +167,22 @@ def test_openenv_on_the_engine_steps_every_turn_and_masks_the_observations(runs)
     log = (run / "openenv-0.log").read_text()
     port = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", log).group(1)
     assert openenv._unhealthy(f"http://127.0.0.1:{port}", 2), "the server stops with the run"
+
+
+def test_the_held_out_episodes_score_alike_on_one_process_and_ddp_with_the_main_processs_sessions(runs):
+    _, _, _, (run, ddp) = runs
+    keys = ("eval_reward_environment", "eval_turns", "eval_environment_errors", "exact_match")
+    scored = [
+        [r for r in read_metrics(r / "metrics.jsonl") if "eval_reward_environment" in r] for r in (run, ddp)
+    ]
+    assert [r["step"] for r in scored[0]] == [0, STEPS]
+    for one, two in zip(*scored, strict=True):
+        assert {k: two[k] for k in keys} == {k: one[k] for k in keys}
+        assert one["eval_environment_errors"] == 0 and 1 <= one["eval_turns"] <= 3
+    assert any(r["eval_turns"] > 1 for r in scored[0]), "the held-out episodes last several turns"
+    # The main process held every session: the rounds' (the engine's) and the held-out episodes'.
+    sessions = [(ddp / f"openenv-{rank}.log").read_text().count("WebSocket /ws") for rank in (0, 1)]
+    assert sessions[0] > 0 and sessions[1] == 0
 
 
 def segments(tokens: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:

@@ -1,6 +1,7 @@
 """recipes/grpo_llm.py with an OpenEnv environment ftkit serves for the run (tests/openenv_countdown.py): the
-server starts beside the run, the conversations' rewards join the total and their steps are logged, and the
-server is gone when the run ends. The conversations themselves (several turns, masks, seeds, failures) are
+server starts beside the run, the conversations' rewards join the total and their steps are logged, the
+held-out evaluation plays whole episodes before and after training, and the server is gone when the run
+ends. The conversations themselves (several turns, masks, seeds, failures) are
 tested on the embedded model in tests/unit/test_grpo_openenv.py."""
 
 import re
@@ -8,11 +9,14 @@ import re
 import pytest
 from helpers import REPO, run_script, short_grpo_args, train_lines
 
+from toolkit.train.metrics import read_metrics
+
 pytest.importorskip("openenv", reason="openenv-core is not installed (pip install 'ftkit[openenv]')")
 
 from toolkit.grpo import openenv  # noqa: E402
 
 STEPS = 2
+HELD_OUT = 4
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +34,13 @@ def run(tmp_path_factory):
         "grpo.max_turns=3",
         f"grpo.environment.openenv.app={REPO / 'tests' / 'openenv_countdown.py'}:app",
         "grpo.environment.openenv.observation_field=text",
+        f"eval.exact_match_samples={HELD_OUT}",
     ]
-    run_script(REPO / "recipes" / "grpo_llm.py", args, out)
-    return out
+    return out, run_script(REPO / "recipes" / "grpo_llm.py", args, out).stdout
 
 
 def test_the_recipe_serves_the_environment_adds_its_rewards_and_stops_it(run):
+    run, _ = run
     rows = train_lines(run)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for row in rows:
@@ -48,3 +53,19 @@ def test_the_recipe_serves_the_environment_adds_its_rewards_and_stops_it(run):
     log = (run / "openenv-0.log").read_text()
     port = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", log).group(1)
     assert openenv._unhealthy(f"http://127.0.0.1:{port}", 2), "the server stops with the run"
+
+
+def test_the_held_out_evaluation_plays_episodes_before_and_after(run):
+    run, stdout = run
+    before, after = [r for r in read_metrics(run / "metrics.jsonl") if "eval_reward_environment" in r]
+    assert (before["step"], after["step"]) == (0, STEPS)
+    for scores in (before, after):
+        # Each of the HELD_OUT conversations steps its episode 1 to grpo.max_turns times, each step
+        # rewarded 0 or 1, and none fails; the rows' last assistant turns are the references.
+        assert 1 <= scores["eval_turns"] <= 3 and scores["eval_environment_errors"] == 0
+        assert 0 <= scores["eval_reward_environment"] <= scores["eval_turns"]
+        assert scores["eval_reward_environment"] * HELD_OUT == pytest.approx(
+            round(scores["eval_reward_environment"] * HELD_OUT)
+        )
+        assert 0 <= scores["exact_match"] <= 1
+    assert "result: held-out exact match " in stdout

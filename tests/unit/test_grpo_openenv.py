@@ -1,6 +1,7 @@
 """Multi-turn GRPO over an OpenEnv environment served on localhost (tests/openenv_countdown.py): the embedded
 model's conversations with it, each reset with its seed and stopping by itself, a bounded number of
-requests, the environment's text masked, its rewards summed; failures as turns; the server ftkit starts."""
+requests, the environment's text masked, its rewards summed; failures as turns; the server ftkit starts.
+The held-out evaluation's episodes: tests/unit/test_grpo_openenv_held_out.py."""
 
 from __future__ import annotations
 
@@ -36,16 +37,26 @@ MAX_TURNS = 4
 @pytest.fixture(scope="module")
 def url():
     """The countdown environment on a free port of 127.0.0.1, in a thread of this process."""
+    address, stop = serve(countdown.app)
+    yield address
+    stop()
+
+
+def serve(app):
+    """`app` on a free port of 127.0.0.1, in a thread of this process: (its url, a stop())."""
     port = free_port("127.0.0.1")
-    server = uvicorn.Server(uvicorn.Config(countdown.app, host="127.0.0.1", port=port, log_level="critical"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+
+    def stop():
+        server.should_exit = True
+        thread.join(10)
+
+    return f"http://127.0.0.1:{port}", stop
 
 
 @pytest.fixture(scope="module")

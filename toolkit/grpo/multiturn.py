@@ -113,9 +113,21 @@ def greedy_conversations(
     return _turns(model, prompts, None, grpo, tokenizer, synced, ends, answer)
 
 
-def _turns(policy, prompts, seeds, grpo, tokenizer, synced, ends, answer) -> list[Conversation]:
-    """The conversations, turn by turn: each open one's next model turn, then `answer` ends or continues it.
-    Sharded models generate in lockstep, so every process takes every turn."""
+def greedy_episodes(
+    accelerator, model, tokenizer, prompts: list[list[int]], seeds: list[int], environment, grpo, synced: bool
+) -> list[Conversation]:
+    """Collective: each prompt's conversation with an OpenEnv environment decoded greedily, as
+    `greedy_conversations` decodes tool conversations, each session reset with its seed; the main process
+    steps the sessions and every process continues from its conversations (`OpenEnv.held_out_episodes`)."""
+    ends = TurnEnds.of(tokenizer)
+    with environment.held_out_episodes(accelerator, prompts, seeds, grpo, tokenizer, ends) as (answer, share):
+        return _turns(model, prompts, None, grpo, tokenizer, synced, ends, answer, share)
+
+
+def _turns(policy, prompts, seeds, grpo, tokenizer, synced, ends, answer, share=None) -> list[Conversation]:
+    """The conversations, turn by turn: each open one's next model turn, then `answer` ends or continues it,
+    and `share` (when given) returns the conversations every process continues from. Sharded models
+    generate in lockstep, so every process takes every turn."""
     talks = [Conversation() for _ in prompts]
     for turn in range(grpo.max_turns):
         active = [i for i, talk in enumerate(talks) if not talk.done]
@@ -124,6 +136,8 @@ def _turns(policy, prompts, seeds, grpo, tokenizer, synced, ends, answer) -> lis
         sampled = _sample_turn(policy, prompts, seeds, talks, active, turn, grpo, tokenizer, synced, ends)
         for i, tokens in zip(active, sampled, strict=True):
             answer(i, talks[i], tokens, turn)
+        if share is not None:
+            talks = share(talks)
     return talks
 
 

@@ -5,7 +5,9 @@ completion's seed (and the prompt's text, for an environment whose reset takes `
 one step, the turn's text the action; the observation is the next user turn, masked like any environment
 text; the steps' rewards add up to the conversation's reward. The sessions are held by the process that
 samples the conversations: each process its share with HF generate, the main process the whole round with
-the vLLM engine (grpo/multiturn.py answers both through `OpenEnv.episodes`).
+the vLLM engine (grpo/multiturn.py answers both through `OpenEnv.episodes`); the held-out conversations,
+which every process decodes, by the main process alone, which hands its conversations to the others after
+each turn (`OpenEnv.held_out_episodes`).
 
 Requests are bounded: one reset and at most grpo.max_turns steps per conversation, each with a timeout. A
 server that cannot be reached at start is one line; one that fails mid-run (an error it reports, a timeout,
@@ -30,6 +32,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from accelerate.utils import broadcast_object_list
+
+from toolkit.distributed import agreed_error
 from toolkit.errors import UserError
 from toolkit.grpo.template_turns import appended
 
@@ -84,8 +89,18 @@ class Session:
         except TimeoutError:
             return self._lose(f"error: the environment did not answer within {self.timeout_s:g} s", "timeout")
         except Exception as exc:  # a closed connection, a broken pipe: the session is gone
-            return self._lose(f"error: the environment's session ended ({type(exc).__name__}: {exc})")
+            raw = self._last_word()
+            if raw is None:
+                return self._lose(f"error: the environment's session ended ({type(exc).__name__}: {exc})")
         return read_reply(raw)
+
+    def _last_word(self):
+        """What a server that closed the connection sent before it (a refusal for want of sessions comes
+        so, and may close before the request is even sent), or None."""
+        try:
+            return self.socket.recv(timeout=0)
+        except Exception:
+            return None
 
     def _lose(self, text: str, kind: str = "error") -> Reply:
         self.lost = text
@@ -173,6 +188,41 @@ class OpenEnv:
             for session in sessions:
                 session.close()
             self.requests += sum(session.requests for session in sessions)
+
+    @contextlib.contextmanager
+    def held_out_episodes(self, accelerator, prompts, seeds, grpo, tokenizer, ends):
+        """(answer, share) for the held-out conversations, which every process decodes alike: the main
+        process alone holds their sessions and answers their turns, and share(talks), called by every
+        process after each turn, returns the main process's conversations, so each request is sent once and
+        every process continues from the same observations. An error that stops the main process (a full
+        server) is one line on every process, at the next share."""
+        error = ""
+        with contextlib.ExitStack() as stack:
+            answered = None
+            if accelerator.is_main_process:
+                try:
+                    answered = stack.enter_context(self.episodes(prompts, seeds, grpo, tokenizer, ends))
+                except UserError as exc:
+                    error = str(exc)
+
+            def answer(index, talk, tokens, turn):
+                nonlocal error
+                if answered is None or error:
+                    return
+                try:
+                    answered(index, talk, tokens, turn)
+                except UserError as exc:
+                    error = str(exc)
+
+            def share(talks):
+                problem = agreed_error(accelerator, error)
+                if problem:
+                    raise UserError(problem)
+                if accelerator.num_processes > 1:
+                    talks = broadcast_object_list([talks], from_process=0)[0]
+                return talks
+
+            yield answer, share
 
     def _answer(self, session, talk, tokens, turn, grpo, tokenizer, ends, logps=None) -> None:
         """The model's turn added to `talk` (with the engine's log-probs of its tokens when it sampled them)

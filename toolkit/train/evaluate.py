@@ -46,8 +46,8 @@ class Evaluator:
         self.images = images
         """A vision-language model's data.ImageInputs (rows' images to pixels), else None."""
         self.conversations = conversations
-        """A run with tools: its held-out conversations (grpo/held_out.py's ConversationEval), whose
-        `measure(model)` gives exact match on the final answer in place of the first turn's; else None."""
+        """A GRPO run with an environment: its held-out conversations (grpo/held_out.py's ConversationEval),
+        whose `measure(model)` scores whole conversations in place of the first turn; else None."""
         self.shown: dict[str, dict] = {}
         """What each `report` measured, by its label ("before", "after"): the run's closing lines read it."""
 
