@@ -2,7 +2,9 @@
 size (32) vLLM's CPU attention serves: LoRA with its adapter hot-loaded each round and full fine-tuning with
 its weights reloaded each round, each on one process with an engine ftkit starts itself and on ZeRO-3 x2
 (LoRA: with an engine the test started, grpo.vllm.url), the same per-step loss; the engine's
-log-probabilities against the trainer's; resume mid-round; the refusal of a model it cannot serve.
+log-probabilities against the trainer's; resume mid-round; the refusal of a model it cannot serve. The LoRA
+runs distill on-policy from a perturbed copy of the model (grpo.teacher) beside the reward, so the teacher's
+scoring of the engine's samples is in every LoRA comparison.
 
 These need .venv-vllm (`make install-vllm`) and skip, saying so, where it is missing; `make test-vllm` runs
 them. Rewards: whether a completion holds an "s" (most of the bare model's random completions do, not all),
@@ -17,7 +19,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from helpers import REPO, run_script, short_grpo_args, train_lines
+from transformers import AutoModelForCausalLM
 
 from toolkit.engine import client
 from toolkit.engine.server import ENGINE_VENV, Engine, ServeSpec
@@ -64,6 +68,25 @@ def run_args(out, *overrides: str, method: str = "lora") -> list[str]:
 
 
 @pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> list[str]:
+    """The LoRA runs' grpo.teacher: the served model, every weight moved by 3 of its tensor's stds of noise
+    (its reverse KL from the model: about 0.3 a token), its tokenizer kept."""
+    folder = tmp_path_factory.mktemp("teacher") / "model"
+    shutil.copytree(MODEL, folder)
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    noise = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=noise) * p.std() * 3)
+    model.save_pretrained(folder)
+    return [f"grpo.teacher={folder}"]
+
+
+def distilled(method: str, request) -> list[str]:
+    return request.getfixturevalue("teacher") if method == "lora" else []
+
+
+@pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """One engine for the runs that connect to one (grpo.vllm.url), started the way ftkit starts its own."""
     log = tmp_path_factory.mktemp("engine") / "vllm.log"
@@ -79,7 +102,8 @@ def engine(tmp_path_factory):
 def own(request, tmp_path_factory):
     """One process, the engine started by the run itself: (method, output_dir, result)."""
     out = tmp_path_factory.mktemp(f"grpo-engine-{request.param}") / "run"
-    return request.param, out, run_script(RECIPE, run_args(out, method=request.param), out)
+    overrides = distilled(request.param, request)
+    return request.param, out, run_script(RECIPE, run_args(out, *overrides, method=request.param), out)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +113,8 @@ def zero3(own, request, tmp_path_factory):
     method = own[0]
     out = tmp_path_factory.mktemp(f"grpo-engine-zero3-{method}") / "run"
     shared = [f"grpo.vllm.url={request.getfixturevalue('engine').url}"] if method == "lora" else []
-    return out, run_script(RECIPE, run_args(out, *shared, method=method), out, 2, "zero3")
+    overrides = [*shared, *distilled(method, request)]
+    return out, run_script(RECIPE, run_args(out, *overrides, method=method), out, 2, "zero3")
 
 
 def test_the_run_starts_its_engine_says_where_and_stops_it(own):
@@ -105,7 +130,7 @@ def test_the_run_starts_its_engine_says_where_and_stops_it(own):
 
 
 def test_trains_on_the_engines_samples_with_the_weights_synced_each_round(own):
-    _, out, _ = own
+    method, out, _ = own
     lines = train_lines(out)
     assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
     assert [r["sync_s"] > 0 for r in lines] == [True, False, True, False]  # rounds start at steps 1 and 3
@@ -115,6 +140,9 @@ def test_trains_on_the_engines_samples_with_the_weights_synced_each_round(own):
     # Round 2 samples from the weights trained in round 1: an unsynced engine would sample from the base.
     for r in lines:
         assert r["engine_logprob_gap_mean"] < GAP_MEAN and r["engine_logprob_gap_max"] < GAP_MAX, r
+    # LoRA: the teacher scored the engine's samples, each step's reverse-KL estimate logged.
+    kls = [r.get("teacher_kl") for r in lines]
+    assert all(math.isfinite(kl) and kl > 0 for kl in kls) if method == "lora" else kls == [None] * STEPS, kls
 
 
 def test_zero3_on_two_processes_gets_the_same_steps(own, zero3):
@@ -129,6 +157,7 @@ def test_zero3_on_two_processes_gets_the_same_steps(own, zero3):
         for key in ("reward", "completion_len", "advantage_std"):
             assert b[key] == pytest.approx(a[key], rel=1e-6), (a["step"], key)
         assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=1e-6), a["step"]
+        assert b.get("teacher_kl", 0) == pytest.approx(a.get("teacher_kl", 0), rel=1e-3, abs=1e-6), a["step"]
         assert b["engine_logprob_gap_max"] < GAP_MAX
 
 
@@ -144,12 +173,13 @@ def test_a_relaunch_after_a_stop_mid_round_resumes_exactly(own, request, tmp_pat
         if int(later.name[5:]) > 1:
             shutil.rmtree(later)
     shutil.rmtree(copy / "final")
-    result = run_script(RECIPE, run_args(copy, f"grpo.vllm.url={engine.url}"), copy)
+    overrides = [f"grpo.vllm.url={engine.url}", *distilled(own[0], request)]
+    result = run_script(RECIPE, run_args(copy, *overrides), copy)
     assert "resum" in result.stdout and "engine: vLLM at http://" in result.stdout  # it sampled round 2
     expected, got = train_lines(own[1]), train_lines(copy)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for a, b in zip(expected, got, strict=True):
-        for key in ("loss", "reward", "kl", "grad_norm"):
+        for key in ("loss", "reward", "kl", "grad_norm", "teacher_kl"):
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key)
 
 

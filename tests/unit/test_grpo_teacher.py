@@ -156,11 +156,11 @@ def test_the_gap_survives_the_checkpoint_form():
     "overrides, message",
     [
         (["grpo.rewards=[]"], "grpo.rewards: name at least one reward function, or a grpo.teacher"),
-        (
-            ["grpo.teacher=toolkit/assets/tiny-llama", "grpo.generation=vllm"],
-            "grpo.teacher: the teacher scores",
-        ),
         (["grpo.teacher=toolkit/assets/tiny-llama", "grpo.teacher_weight=0"], "grpo.teacher_weight"),
+        (
+            ["grpo.teacher=toolkit/assets/tiny-llama", "grpo.generation=vllm", "grpo.teacher_weight=0"],
+            "grpo.teacher_weight",
+        ),
     ],
 )
 def test_bad_teacher_settings_name_the_key(overrides, message):

@@ -216,8 +216,6 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
         validate_engine(cfg)
     else:
         refuse_unused_engine_settings(grpo)
-    if grpo.teacher:
-        validate_teacher(cfg)
     user_rewards = [name for name in grpo.rewards if ":" in name and not scalar.saved_scalar(name)]
     if user_rewards:
         from toolkit.grpo.rewards import load_user_function  # imports the user's code: only when named
@@ -373,16 +371,6 @@ def check_engine_environment(cfg: GrpoRecipeConfig) -> None:
 
         server.engine_python(server.ENGINE_VENV)
         check_engine_machine(cfg, server.has_gpu(), dict(os.environ))
-
-
-def validate_teacher(cfg: GrpoRecipeConfig) -> None:
-    """What distillation does not do yet, refused in one line before anything loads (the teacher's folder
-    and tokenizer are checked by grpo/teacher.py before the run starts)."""
-    if cfg.grpo.generation == "vllm":
-        raise UserError(
-            "grpo.teacher: the teacher scores on the trainer's processes, after HF generate only so far; "
-            "set grpo.generation=hf"
-        )
 
 
 def prompts_per_round(cfg: GrpoRecipeConfig) -> int:
