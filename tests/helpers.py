@@ -755,3 +755,26 @@ def _text_row(layout: str, question: str, answer: str) -> dict:
     if layout in ("trl.jsonl", "openai.jsonl"):
         return {"messages": _chat([{"type": "text", "text": question}], answer)}
     return {"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
+
+
+class OneProcess:
+    """What a GRPO round, its scoring and the engine sampler ask of an Accelerator, for one process."""
+
+    process_index, num_processes, device, is_main_process = 0, 1, "cpu", True
+
+    class state:
+        device_mesh = None
+
+    def gather(self, tensor):
+        return tensor
+
+
+def trained_runs(talk) -> list[tuple[int, list[int]]]:
+    """A conversation as runs of (trained, token ids): the model's turns, the environment's between them."""
+    runs = []
+    for token, trained in zip(talk.tokens, talk.trained, strict=True):
+        if runs and runs[-1][0] == trained:
+            runs[-1][1].append(token)
+        else:
+            runs.append((trained, [token]))
+    return runs

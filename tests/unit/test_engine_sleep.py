@@ -19,6 +19,15 @@ from toolkit.grpo.config import check_engine_machine, load_grpo_config, sleep_le
 from toolkit.grpo.engine import EngineSampler
 
 ENGINE = ["model.adapter=null", "grpo.generation=vllm", "grpo.max_new_tokens=4", "train.max_steps=3"]
+# A LoRA round after the first, asleep since the last: wake, swap the adapter, generate, sleep.
+LORA_ROUND = [
+    "/wake_up",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/v1/completions",
+    "/v1/completions",
+    "/sleep?level=1",
+]
 
 
 class Noted(http.server.BaseHTTPRequestHandler):
@@ -91,15 +100,7 @@ def test_a_lora_round_wakes_the_engine_syncs_generates_then_sleeps_at_level_1(
     first, second, third = rounds(sampler, calls, 3)
     # The engine starts awake: the first round has nothing to wake.
     assert first == ["/v1/load_lora_adapter", "/v1/completions", "/v1/completions", "/sleep?level=1"]
-    expected = [
-        "/wake_up",
-        "/v1/load_lora_adapter",
-        "/v1/unload_lora_adapter",
-        "/v1/completions",
-        "/v1/completions",
-        "/sleep?level=1",
-    ]
-    assert second == expected and third == expected
+    assert second == LORA_ROUND and third == LORA_ROUND
     wake_s, sleep_s = sampler.rest_seconds()
     assert wake_s > 0 and sleep_s > 0
 
@@ -145,14 +146,7 @@ def test_multi_turn_rounds_sleep_after_their_last_turn(fake_engine, monkeypatch,
             sampler, None, [[1], [2]], [0, 1], sampler.cfg, None, None, 0
         )
         assert len(talks) == 2
-    assert [call.split("?")[0] if "lora" in call else call for call in calls] == [
-        "/wake_up",
-        "/v1/load_lora_adapter",
-        "/v1/unload_lora_adapter",
-        "/v1/completions",
-        "/v1/completions",
-        "/sleep?level=1",
-    ]
+    assert [call.split("?")[0] if "lora" in call else call for call in calls] == LORA_ROUND
 
 
 def test_the_server_gets_sleep_mode_its_development_endpoints_and_its_own_gpus():

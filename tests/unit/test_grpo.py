@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import micro_llama
+from helpers import OneProcess, micro_llama
 
 from toolkit.data.encode import IGNORE
 from toolkit.errors import UserError
@@ -354,18 +354,6 @@ def test_a_full_fine_tune_from_a_start_adapter_trains_every_weight(tmp_path):
     spec = ModelConfig(path=str(tmp_path / "base"), method="full", adapter=str(tmp_path / "sft"))
     model = load_model(spec, None, 0)
     assert all(p.requires_grad for p in model.parameters())
-
-
-class OneProcess:
-    """What `rollout.scored` asks of an Accelerator, for one process."""
-
-    process_index, num_processes, device = 0, 1, "cpu"
-
-    class state:
-        device_mesh = None
-
-    def gather(self, tensor):
-        return tensor
 
 
 def test_a_rounds_log_probs_are_scored_whatever_its_completions_lengths():

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, trained_runs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 countdown = pytest.importorskip(
@@ -150,17 +150,6 @@ def fake_engine(monkeypatch, model, tokenizer):
     return engine, payloads
 
 
-def spans(talk) -> list[tuple[int, list[int]]]:
-    """The conversation as runs of (trained, token ids)."""
-    runs = []
-    for token, trained in zip(talk.tokens, talk.trained, strict=True):
-        if runs and runs[-1][0] == trained:
-            runs[-1][1].append(token)
-        else:
-            runs.append((trained, [token]))
-    return runs
-
-
 def test_the_embedded_model_plays_an_episode_per_conversation_and_each_stops_by_itself(url, model, tokenizer):
     seeds = [10, 11, 12, 13]
     countdown.SEEDS.clear()
@@ -176,7 +165,7 @@ def test_the_embedded_model_plays_an_episode_per_conversation_and_each_stops_by_
     for seed, talk in zip(seeds, talks, strict=True):
         episode = 2 + seed % 2  # the countdown's length for this seed
         assert talk.done and talk.stats["turns"] <= episode, "a finished episode gets no further turn"
-        runs = spans(talk)
+        runs = trained_runs(talk)
         model_turns = [tokenizer.decode(ids, skip_special_tokens=True) for trained, ids in runs if trained]
         said = [tokenizer.decode(ids) for trained, ids in runs if not trained]
         assert len(model_turns) == talk.stats["turns"] and runs[0][0] == 1
@@ -251,7 +240,9 @@ def test_an_error_a_timeout_and_a_lost_session_are_turns_the_model_reads(
     scripted(monkeypatch, tokenizer, ["boom", "sleep", "abc", "abcd"])
     engine = fake_engine(monkeypatch, None, tokenizer)[0] if on_engine else None
     (talk,), served, requests = talk_with(url, None, tokenizer, [11], engine, request_timeout_s=0.5)
-    said = [tokenizer.decode(ids, skip_special_tokens=True) for trained, ids in spans(talk) if not trained]
+    said = [
+        tokenizer.decode(ids, skip_special_tokens=True) for trained, ids in trained_runs(talk) if not trained
+    ]
     assert len(said) == 3 and "error: the environment refused: the countdown exploded" in said[0]
     assert "error: the environment did not answer within 0.5 s" in said[1]
     assert "error: the environment did not answer within 0.5 s" in said[2], "a lost session sends nothing"
@@ -266,7 +257,7 @@ def test_a_turn_ended_at_a_tool_calls_close_gets_the_templates_end_of_turn_maske
     scripted(monkeypatch, tokenizer, ['<tool_call>{"name": "x"}</tool_call>', "ab"])
     engine = fake_engine(monkeypatch, None, tokenizer)[0] if on_engine else None
     (talk,), served, _ = talk_with(url, None, tokenizer, [10], engine)
-    runs = spans(talk)
+    runs = trained_runs(talk)
     assert [trained for trained, _ in runs] == [1, 0, 1] and served == {"reset": 1, "step": 2}
     assert tokenizer.decode(runs[0][1]).endswith(TOOL_CALL_CLOSE)
     assert tokenizer.decode(runs[1][1]) == (

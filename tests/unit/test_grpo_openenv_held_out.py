@@ -11,7 +11,8 @@ import time
 
 import pytest
 import test_grpo_openenv as served
-from test_grpo_openenv import Run, countdown, prompts, recipe, serve, spans
+from helpers import trained_runs
+from test_grpo_openenv import Run, countdown, prompts, recipe, serve
 
 from toolkit.errors import UserError
 from toolkit.grpo import held_out, multiturn, openenv, sampling
@@ -73,7 +74,9 @@ def test_the_held_out_episodes_are_greedy_reset_by_row_scored_and_the_same_every
         )
         assert talk.tokens[: len(first)] == first and talk.trained[: len(first)] == [1] * len(first)
         assert talk.done and talk.stats["turns"] == 2 + seed % 2
-        model_turns = [tokenizer.decode(ids, skip_special_tokens=True) for kept, ids in spans(talk) if kept]
+        model_turns = [
+            tokenizer.decode(ids, skip_special_tokens=True) for kept, ids in trained_runs(talk) if kept
+        ]
         assert talk.reward == sum(float(len(text) % 2 == 0) for text in model_turns)
     assert {2, 3} <= set(turns)
     # The scores: the summed rewards and turns per conversation; no exact match without references.

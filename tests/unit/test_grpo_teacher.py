@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import REPO, load_recipe, micro_llama
+from helpers import REPO, OneProcess, load_recipe, micro_llama
 from transformers import AutoTokenizer
 
 from toolkit.errors import UserError
@@ -19,18 +19,6 @@ from toolkit.grpo import teacher as teachers
 from toolkit.grpo.config import GrpoConfig, GrpoRecipeConfig, load_grpo_config
 
 TINY = REPO / "toolkit" / "assets" / "tiny-llama"
-
-
-class OneProcess:
-    """What `rollout.scored` asks of an Accelerator, for one process."""
-
-    process_index, num_processes, device = 0, 1, "cpu"
-
-    class state:
-        device_mesh = None
-
-    def gather(self, tensor):
-        return tensor
 
 
 class Run:

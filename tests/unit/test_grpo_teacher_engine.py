@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import REPO, micro_llama
+from helpers import REPO, OneProcess, micro_llama
 
 from toolkit.engine import client
 from toolkit.grpo import engine as engine_module
@@ -35,18 +35,6 @@ DISTILL = [
     "train.global_batch_size=8",
     "train.micro_batch_size=4",
 ]
-
-
-class OneProcess:
-    """What a round, its scoring and the engine sampler ask of an Accelerator, for one process."""
-
-    process_index, num_processes, device, is_main_process = 0, 1, "cpu", True
-
-    class state:
-        device_mesh = None
-
-    def gather(self, tensor):
-        return tensor
 
 
 RUN = SimpleNamespace(accelerator=OneProcess())

@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import scripted_agent
 import torch
-from helpers import REPO, load_recipe
+from helpers import REPO, load_recipe, trained_runs
 from test_agent_data import LLAMA31
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -85,17 +85,6 @@ def agent_prompt(tokenizer) -> list[int]:
     )
 
 
-def segments(talk) -> list[tuple[int, list[int]]]:
-    """(trained, tokens) runs of a conversation: the model's turns and the environment's between them."""
-    runs = []
-    for token, trained in zip(talk.tokens, talk.trained, strict=True):
-        if runs and runs[-1][0] == trained:
-            runs[-1][1].append(token)
-        else:
-            runs.append((trained, [token]))
-    return runs
-
-
 def hf_conversations(monkeypatch, model, tokenizer, seeds):
     monkeypatch.setattr(sampling, "generating", lambda *a: contextlib.nullcontext((model, False)))
     cfg = GrpoRecipeConfig(grpo=GrpoConfig(max_new_tokens=BUDGET, max_turns=3))
@@ -121,7 +110,7 @@ def test_a_turn_ends_at_its_tool_calls_close_and_the_environment_answers_there(m
     seeds, talks = SEEDS, sampled
     closes, answered = 0, 0
     for talk in talks:
-        runs = segments(talk)
+        runs = trained_runs(talk)
         assert [trained for trained, _ in runs] == [1, 0] * (len(runs) // 2) + [1] * (len(runs) % 2)
         assert talk.stats["turns"] == (len(runs) + 1) // 2
         for k, (trained, tokens) in enumerate(runs):
