@@ -109,3 +109,14 @@ def test_plan_options_are_checked_by_the_same_declarations(capsys, options, mess
     code = cli.main(["plan", "--model", str(REPO / "toolkit" / "assets" / "tiny-llama"), *options])
     assert code == 2
     assert capsys.readouterr().err.strip() == message
+
+
+@pytest.mark.parametrize("key", ["model.path", "model.adapter"])
+def test_a_missing_model_folder_is_one_line_and_nothing_is_written(recipe, tmp_path, capsys, key):
+    """A model (or adapter) folder a run names but that does not exist yet, such as an earlier stage's
+    output, stops the recipe before it claims output_dir."""
+    out, missing = tmp_path / "run", tmp_path / "earlier" / "final"
+    code = run_main(recipe.main, [f"output_dir={out}", f"{key}={missing}"], "finetune_llm")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"finetune_llm: error: {key}: {missing} does not exist"], err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
