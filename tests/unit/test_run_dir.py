@@ -58,7 +58,8 @@ def test_output_dir_dot_in_a_repository_is_never_touched(recipe, capsys, tmp_pat
     (repo / "config.yaml").write_text("mine: true\n")
     before = tree(repo)
     monkeypatch.chdir(repo)
-    code, line = edge(recipe, capsys, "output_dir=.", "train.overwrite=true")
+    model = f"model.path={REPO / 'toolkit' / 'assets' / 'tiny-llama'}"  # the repository's, from elsewhere
+    code, line = edge(recipe, capsys, "output_dir=.", "train.overwrite=true", model)
     assert code == 2 and "output_dir: . is not empty and was not created by ftkit" in line
     assert tree(repo) == before  # not even a lock file
 
