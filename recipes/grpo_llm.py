@@ -86,13 +86,13 @@ def train(run: Run, cfg, engine, environment) -> int:
         completion_tokens, step_tokens = rollouts.step_counts(rollout, rows, prompts)
         normaliser = grpo_loss.normaliser(cfg.grpo, len(rows), completion_tokens)
         scale = loss.backward_scale(normaliser, run.grad_accum, run.gradient_ranks)
-        sums = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+        sums = torch.zeros(grpo_loss.SUMMED_TERMS, dtype=torch.float64, device=accelerator.device)
         micro_batches = rollout.micro_batches(
             rows, prompts, cfg, tokenizer.pad_token_id, rank, world, accelerator.device
         )
         for batch in micro_batches:
             with accelerator.accumulate(model), run.micro_batch() as router:
-                logps = grpo_loss.completion_logps(model, batch)
+                logps = grpo_loss.completion_logps(model, batch, cfg.grpo.temperature)
                 terms = grpo_loss.micro_terms(cfg.grpo, logps, batch)
                 accelerator.backward(terms["objective"] * scale + router.loss(batch["attention_mask"]))
                 sums += torch.stack([t.detach().double() for t in terms.values()])

@@ -237,7 +237,7 @@ def _step_gradient(model, rollout, prompts, cfg, micro: int, world: int) -> torc
     model.zero_grad()
     for rank in range(world):
         for batch in rollout.micro_batches(rows, prompts, recipe, 0, rank, world, "cpu"):
-            terms = grpo_loss.micro_terms(cfg, grpo_loss.completion_logps(model, batch), batch)
+            terms = grpo_loss.micro_terms(cfg, grpo_loss.completion_logps(model, batch, 1.0), batch)
             (terms["objective"] * scale / accum / world).backward()
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).clone()
 
@@ -261,7 +261,7 @@ def test_loss_variants_normalise_as_documented():
     recipe = GrpoRecipeConfig()
     recipe.train.global_batch_size = recipe.train.micro_batch_size = 4
     (batch,) = rollout.micro_batches(torch.arange(4), prompts, recipe, 0, 0, 1, "cpu")
-    logps = grpo_loss.completion_logps(model, batch)
+    logps = grpo_loss.completion_logps(model, batch, 1.0)
     lengths, advantages = rollout.lengths.double(), rollout.advantages
     for loss, expected in [
         ("grpo", -advantages.sum()),
@@ -282,7 +282,7 @@ def test_engine_samples_are_weighted_by_the_trainers_probability_over_the_engine
     recipe = GrpoRecipeConfig()
     recipe.train.global_batch_size = recipe.train.micro_batch_size = 4
     (plain,) = rollout.micro_batches(torch.arange(4), prompts, recipe, 0, 0, 1, "cpu")
-    logps = grpo_loss.completion_logps(model, plain).detach()
+    logps = grpo_loss.completion_logps(model, plain, 1.0).detach()
     shift = torch.tensor([4.0, 0.5, 1.0, 1.0], dtype=torch.float64).log()[:, None]
     rollout.engine_logps = torch.zeros(4, rollout.completions.size(1), dtype=torch.float64)
     rollout.engine_logps[:, : logps.size(1)] = logps - shift
@@ -294,11 +294,47 @@ def test_engine_samples_are_weighted_by_the_trainers_probability_over_the_engine
         (0.0, -(advantages * lengths).sum()),
     ]:
         cfg = GrpoConfig(loss="dapo", max_new_tokens=6, engine_is_cap=cap)
-        terms = grpo_loss.micro_terms(cfg, grpo_loss.completion_logps(model, batch), batch)
+        terms = grpo_loss.micro_terms(cfg, grpo_loss.completion_logps(model, batch, 1.0), batch)
         assert float(terms["objective"].detach()) == pytest.approx(float(expected), rel=1e-9), cap
     assert torch.equal(
         rollouts.Rollout.from_state_dict(rollout.state_dict()).engine_logps, rollout.engine_logps
     )
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_engine_importance_weights_per_level_and_mode_are_the_documented_formulas(level, mode):
+    """docs/grpo.md's table: per-token ratios 4, 0.25, 1.5 and 1 per completion, cap 2; a completion's
+    sequence weight is its ratio to the power of its length. The logged sums are of the raw weights and of
+    the tokens truncated or masked."""
+    model = micro_llama().double()
+    rollout, prompts = _rollout(4, seed=3)
+    rollout.old_logps = None
+    recipe = GrpoRecipeConfig()
+    recipe.train.global_batch_size = recipe.train.micro_batch_size = 4
+    (plain,) = rollout.micro_batches(torch.arange(4), prompts, recipe, 0, 0, 1, "cpu")
+    logps = grpo_loss.completion_logps(model, plain, 1.0).detach()
+    ratios = torch.tensor([4.0, 0.25, 1.5, 1.0], dtype=torch.float64)
+    rollout.engine_logps = torch.zeros(4, rollout.completions.size(1), dtype=torch.float64)
+    rollout.engine_logps[:, : logps.size(1)] = logps - ratios.log()[:, None]
+    (batch,) = rollout.micro_batches(torch.arange(4), prompts, recipe, 0, 0, 1, "cpu")
+    lengths, advantages = rollout.lengths.double(), rollout.advantages
+    raw = ratios**lengths if level == "sequence" else ratios
+    outside = (raw > 2) | (raw < 0.5) if mode == "mask" else raw > 2
+    applied = raw.masked_fill(outside, 0.0) if mode == "mask" else raw.clamp(max=2.0)
+    cfg = GrpoConfig(loss="dapo", max_new_tokens=6, engine_is_cap=2.0, engine_is_level=level)
+    cfg.engine_is_mode = mode
+    terms = grpo_loss.micro_terms(cfg, grpo_loss.completion_logps(model, batch, 1.0), batch)
+    expected = -(advantages * lengths * applied).sum()
+    assert float(terms["objective"].detach()) == pytest.approx(float(expected), rel=1e-9)
+    assert float(terms["engine_is_weight"]) == pytest.approx(float((raw * lengths).sum()), rel=1e-9)
+    assert float(terms["engine_is_outside"]) == float((outside.double() * lengths).sum())
+    assert bool(outside.any()) and not bool(outside.all())  # both sides of the cap are exercised
+
+
+def test_async_rounds_without_an_importance_cap_are_refused():
+    with pytest.raises(UserError, match="grpo.async_rounds: 1 trains on samples of weights one round old"):
+        load_grpo_config(None, ["grpo.generation=vllm", "grpo.async_rounds=1", "grpo.engine_is_cap=0"])
 
 
 def test_completion_log_probs_are_the_models_own():
@@ -307,7 +343,7 @@ def test_completion_log_probs_are_the_models_own():
     recipe = GrpoRecipeConfig()
     recipe.train.global_batch_size = recipe.train.micro_batch_size = 3
     (batch,) = rollout.micro_batches(torch.arange(3), prompts, recipe, 0, 0, 1, "cpu")
-    got = grpo_loss.completion_logps(model, batch).detach()
+    got = grpo_loss.completion_logps(model, batch, 1.0).detach()
     for row in range(3):
         prompt = prompts.ids[int(rollout.prompt[row])]
         tokens = rollout.completions[row, : rollout.lengths[row]].tolist()
@@ -370,7 +406,7 @@ def test_a_rounds_log_probs_are_scored_whatever_its_completions_lengths():
     assert table.shape == (8, 6)
     recipe.train.micro_batch_size = 8
     (whole,) = rollout.micro_batches(torch.arange(8), prompts, recipe, 0, 0, 1, "cpu")
-    expected = grpo_loss.completion_logps(model, whole).detach()
+    expected = grpo_loss.completion_logps(model, whole, 1.0).detach()
     assert torch.allclose(table[:, : expected.size(1)], expected, rtol=1e-12)
     assert torch.all(table[:, expected.size(1) :] == 0)
 

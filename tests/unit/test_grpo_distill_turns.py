@@ -147,7 +147,7 @@ def test_teacher_kl_averages_over_the_models_tokens_alone(agent, round_of_talks)
     rows = torch.arange(len(rollout.prompt))
     trained, _ = rollouts.step_counts(rollout, rows, prompts)
     assert trained == int(rollout.mask.sum()) < int(rollout.lengths.sum())
-    logged = rollouts.StepStats(recipe).metrics(rollout, rows, torch.zeros(3, dtype=torch.float64), trained)
+    logged = rollouts.StepStats(recipe).metrics(rollout, rows, torch.zeros(5, dtype=torch.float64), trained)
     model_tokens = rollout.mask == 1
     assert logged["teacher_kl"] == pytest.approx(-float(expected[model_tokens].mean()), rel=1e-9)
     restored = rollouts.Rollout.from_state_dict(rollout.state_dict())  # what a checkpoint keeps of the round

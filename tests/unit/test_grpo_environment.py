@@ -251,7 +251,7 @@ def test_only_the_models_tokens_train():
     (batch,) = rollout.micro_batches(torch.arange(2), prompts, recipe, 0, 0, 1, "cpu")
     assert batch["labels"][0, 3:9].tolist() == [10, 11, IGNORE, IGNORE, 14, 15]
     assert batch["labels"][1, 3:7].tolist() == [20, IGNORE, IGNORE, 23]
-    logps = grpo_loss.completion_logps(micro_llama().double(), batch).detach().requires_grad_()
+    logps = grpo_loss.completion_logps(micro_llama().double(), batch, 1.0).detach().requires_grad_()
     terms = grpo_loss.micro_terms(recipe.grpo, logps, batch)
     terms["objective"].backward()
     trained = logps.grad != 0
@@ -287,7 +287,7 @@ def test_each_kind_of_conversation_logs_its_mean_reward():
         turn_stats=counts,
     )  # fmt: skip
     stats = rollouts.StepStats(GrpoRecipeConfig(grpo=GrpoConfig(num_generations=2, max_new_tokens=4)))
-    sums = torch.zeros(3, dtype=torch.float64)
+    sums = torch.zeros(grpo_loss.SUMMED_TERMS, dtype=torch.float64)
     logged = stats.metrics(rollout, torch.arange(6), sums, 24)
     assert logged["reward_with_tool_calls"] == pytest.approx((1.0 + 0.0 - 1.0 + 3.0) / 4)
     assert logged["reward_without_tool_calls"] == pytest.approx((0.5 + 2.0) / 2)

@@ -61,7 +61,7 @@ def _token_gradient(model, rollout, prompts, cfg) -> torch.Tensor:
     """d(loss)/d(policy log-prob) of every completion token, the round trained in one micro-batch."""
     recipe = _recipe(len(rollout.prompt), len(rollout.prompt))
     (batch,) = rollout.micro_batches(torch.arange(len(rollout.prompt)), prompts, recipe, 0, 0, 1, "cpu")
-    logps = grpo_loss.completion_logps(model, batch).detach().requires_grad_()
+    logps = grpo_loss.completion_logps(model, batch, 1.0).detach().requires_grad_()
     grpo_loss.micro_terms(cfg, logps, batch)["objective"].backward()
     return logps.grad
 
@@ -128,7 +128,9 @@ def test_the_logged_signal_estimates_the_reverse_kl_on_the_policys_samples():
     assert abs(estimate - reverse) < 4 * spread < abs(forward - reverse), (estimate, reverse, forward)
     stats = rollouts.StepStats(_recipe(rows, 500))
     rollout.generation_seconds = 0.0
-    logged = stats.metrics(rollout, torch.arange(rows), torch.zeros(3, dtype=torch.float64), rows)
+    logged = stats.metrics(
+        rollout, torch.arange(rows), torch.zeros(grpo_loss.SUMMED_TERMS, dtype=torch.float64), rows
+    )
     assert logged["teacher_kl"] == pytest.approx(estimate, rel=1e-12)
 
 

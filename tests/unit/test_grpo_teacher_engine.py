@@ -148,7 +148,7 @@ def test_the_teacher_term_goes_through_the_truncated_importance_weight(engine):
     whole.train.micro_batch_size = len(rollout.prompt)
     rows = torch.arange(len(rollout.prompt))
     (batch,) = rollout.micro_batches(rows, PROMPTS, whole, 0, 0, 1, "cpu")
-    logps = grpo_loss.completion_logps(policy, batch).detach().requires_grad_()
+    logps = grpo_loss.completion_logps(policy, batch, 1.0).detach().requires_grad_()
     grpo_loss.micro_terms(cfg.grpo, logps, batch)["objective"].backward()
     columns = logps.size(1)
     inside = (torch.arange(columns) < rollout.lengths[:, None]).double()

@@ -20,7 +20,8 @@ class Completion:
     tokens: list[int]
     """Sampled token ids, the end token included when one was sampled."""
     logps: list[float]
-    """The engine's log-probability of each sampled token (raw logits, before temperature)."""
+    """The engine's log-probability of each sampled token under the distribution it drew it from (after
+    temperature, top-k and top-p: vLLM's processed log-probs)."""
 
 
 def healthy(url: str) -> bool:

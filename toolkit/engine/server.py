@@ -84,8 +84,9 @@ def serve_command(python: Path, spec: ServeSpec, host: str, port: int) -> list[s
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model]
     command += ["--served-model-name", BASE_NAME, "--host", host, "--port", str(port)]
     command += ["--dtype", spec.dtype, "--max-model-len", str(spec.max_model_len)]
-    # The request says how to sample; the checkpoint's generation_config.json must not change it.
-    command += ["--generation-config", "vllm", "--logprobs-mode", "raw_logprobs", "--disable-log-stats"]
+    # The request says how to sample; the checkpoint's generation_config.json must not change it. The
+    # log-probs are of the distribution sampled from (after temperature), the one the trainer scores.
+    command += ["--generation-config", "vllm", "--logprobs-mode", "processed_logprobs", "--disable-log-stats"]
     if spec.lora_rank:
         rank = next((r for r in LORA_RANKS if r >= spec.lora_rank), None)
         if rank is None:

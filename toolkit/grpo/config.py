@@ -16,6 +16,8 @@ DEMO_GRPO_CONFIG = Path(__file__).resolve().parents[1] / "assets" / "demo-grpo.y
 
 GrpoLoss = Literal["grpo", "dr_grpo", "dapo"]
 Generation = Literal["hf", "vllm"]
+ImportanceLevel = Literal["token", "sequence"]
+ImportanceMode = Literal["truncate", "mask"]
 RewardScaling = Literal["group", "batch", "none"]
 BUILT_IN_REWARDS = ("exact_answer", "format", "length")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -134,6 +136,12 @@ class GrpoConfig:
     engine_is_cap: NonNegativeFloat = 2.0
     """grpo.generation=vllm: each token's policy term weighted by the trainer's probability of it over the
     engine's, truncated at this (truncated importance sampling against their mismatch; 0: off)."""
+    engine_is_level: ImportanceLevel = "token"
+    """grpo.generation=vllm: the importance weight of each token (token) or one per completion, the product
+    of its tokens' ratios (sequence)."""
+    engine_is_mode: ImportanceMode = "truncate"
+    """grpo.generation=vllm: a weight above grpo.engine_is_cap counts as the cap (truncate) | a weight
+    outside [1 / cap, cap] drops its token (or completion) from the policy term (mask)."""
     async_rounds: Annotated[int, Range(low=0, high=1)] = 0
     """grpo.generation=vllm: 1 samples round k+1 on the engine while round k trains, with the weights
     synced before round k (one round stale, corrected by grpo.engine_is_cap); 0: each round waits."""
@@ -207,6 +215,11 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
         raise UserError(
             "grpo.async_rounds: 1 needs grpo.generation=vllm (HF generate runs on the training processes: "
             "there is nothing to overlap with)"
+        )
+    if grpo.async_rounds and grpo.engine_is_cap == 0:
+        raise UserError(
+            "grpo.async_rounds: 1 trains on samples of weights one round old, which grpo.engine_is_cap "
+            "corrects; with grpo.engine_is_cap 0 nothing would: set a cap (2.0) or grpo.async_rounds 0"
         )
     if grpo.async_rounds and (grpo.environment.tools or served):
         raise UserError(

@@ -6,7 +6,8 @@ d = reference log-prob - policy log-prob. A step's loss normalises the sum over 
 grpo divides each completion's sum by its length and the total by the step's completions; dr_grpo divides
 by completions x max_new_tokens; dapo by the step's completion tokens. The recipe scales each micro-batch's
 sum by those global counts, so the split into micro-batches and processes leaves the gradient as is.
-Completions a vLLM engine sampled weight each token's policy term by min(trainer / engine probability, cap).
+Completions a vLLM engine sampled weight each token's policy term by their importance weight, trainer over
+engine probability: per token or per completion, truncated at a cap or masked outside it (`engine_weights`).
 With grpo.teacher each token's advantage also holds teacher_weight x (teacher - policy log-prob), the
 per-token reverse-KL signal of on-policy distillation (grpo/teacher.py).
 """
@@ -21,14 +22,15 @@ from toolkit.preference.reference import adapter_off, frozen, load_separate
 from toolkit.train import head
 
 
-def completion_logps(model, batch: dict) -> torch.Tensor:
-    """Log-prob of each completion token, [rows, max_new_tokens] (0 past a completion's length); through
-    the chunked head when the model has one."""
+def completion_logps(model, batch: dict, temperature: float) -> torch.Tensor:
+    """Log-prob of each completion token under softmax(logits / temperature), the distribution the
+    completions were sampled from, [rows, max_new_tokens] (0 past a completion's length); through the
+    chunked head when the model has one."""
     if head.chunked_head(model) is not None:
-        logps = head.target_logps(model, batch)
+        logps = head.target_logps(model, batch, temperature=temperature)
     else:
         logits = model(**model_inputs(batch)).logits[:, :-1]
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
         targets = batch["labels"][:, 1:]
         picked = logits.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
         logps = picked.masked_fill(targets == IGNORE, 0.0)
@@ -65,11 +67,15 @@ def micro_terms(cfg, logps: torch.Tensor, batch: dict) -> dict[str, torch.Tensor
     ratio = torch.exp(logps - old)
     low, high = 1 - cfg.epsilon, 1 + (cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon)
     per_token = -torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
+    weight_sum = outside = torch.zeros((), dtype=logps.dtype, device=logps.device)
     if cfg.engine_is_cap > 0 and batch.get("engine_logps") is not None:
         # The engine sampled the tokens, not the trainer's weights: each token's policy term is weighted by
-        # their probabilities' ratio, truncated (TIS), so a token the engine oversampled counts less.
+        # their probabilities' ratio, truncated (TIS) or masked, so a token the engine oversampled counts
+        # less.
         sampled_by = batch["engine_logps"][:, :columns].to(logps.dtype)
-        per_token = per_token * torch.exp(old - sampled_by).clamp(max=cfg.engine_is_cap)
+        weight, raw, dropped = engine_weights(cfg, (old - sampled_by) * mask)
+        per_token = per_token * weight
+        weight_sum, outside = (raw * mask).sum(), (dropped.to(mask.dtype) * mask).sum()
     kl = torch.zeros_like(per_token)
     if cfg.beta > 0:
         gap = batch["ref_logps"][:, :columns].to(logps.dtype) - logps
@@ -87,7 +93,28 @@ def micro_terms(cfg, logps: torch.Tensor, batch: dict) -> dict[str, torch.Tensor
         "objective": objective,
         "kl_sum": (kl.detach() * mask).sum(),
         "clipped": (clipped.float() * mask).sum(),
+        "engine_is_weight": weight_sum,
+        "engine_is_outside": outside,
     }
+
+
+# The per-micro-batch sums `micro_terms` returns, in order: what a step adds up over its micro-batches.
+SUMMED_TERMS = 5
+
+
+def engine_weights(cfg, log_ratio: torch.Tensor):
+    """(applied weight, raw weight, whether truncated or masked), [rows, columns], from each trained token's
+    log(p_trainer / p_engine) (0 off the trained tokens). grpo.engine_is_level sequence gives every token
+    of a completion the product of its tokens' ratios; grpo.engine_is_mode truncate caps a weight at
+    grpo.engine_is_cap, mask zeroes one outside [1 / cap, cap]."""
+    if cfg.engine_is_level == "sequence":
+        log_ratio = log_ratio.sum(1, keepdim=True).expand_as(log_ratio)
+    raw = torch.exp(log_ratio)
+    cap = cfg.engine_is_cap
+    if cfg.engine_is_mode == "mask":
+        dropped = (raw > cap) | (raw < 1 / cap)
+        return raw.masked_fill(dropped, 0.0), raw, dropped
+    return raw.clamp(max=cap), raw, raw > cap
 
 
 def normaliser(cfg, completions: int, tokens: int) -> int:
@@ -110,9 +137,9 @@ class Reference:
         separate = load_separate(accelerator, cfg, features, path, "grpo.reference_model") if path else None
         return cls(accelerator, model, separate)
 
-    def logps(self, batch: dict) -> torch.Tensor:
+    def logps(self, batch: dict, temperature: float) -> torch.Tensor:
         if self.separate is not None:
             with frozen(self.separate):
-                return completion_logps(self.separate, batch)
+                return completion_logps(self.separate, batch, temperature)
         with frozen(self.model), adapter_off(self.accelerator, self.model):
-            return completion_logps(self.model, batch)
+            return completion_logps(self.model, batch, temperature)

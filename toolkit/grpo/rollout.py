@@ -67,6 +67,9 @@ class Rollout:
     """Engine rounds: rounds trained between the weights that sampled it and those it trains from."""
     times: torch.Tensor | None = None
     """Engine rounds: unix times its generation started and ended and its training started, [3]."""
+    policy_logps: torch.Tensor | None = None
+    """The trainer's log-probs of the round's tokens as it starts training, when scored for the engine's
+    gap but not kept as old_logps: the teacher's gap reuses them (not part of a checkpoint: the gap is)."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors only (safetensors in a checkpoint): what resuming mid-round needs."""
@@ -243,7 +246,9 @@ def generate(
         # engine's (its weights one round older with grpo.async_rounds) is what the loss's TIS corrects.
         own = rollout.old_logps
         if own is None:
-            own = scored(run, model, rollout, prompts, cfg, tokenizer.pad_token_id, None)
+            own = rollout.policy_logps = scored(
+                run, model, rollout, prompts, cfg, tokenizer.pad_token_id, None
+            )
         rollout.engine_gap = logprob_gap(engine_logps, own, rollout.lengths, rollout.mask)
         rollout.times = times if sampled is not None else None
     rollout.generation_seconds = time.perf_counter() - started
@@ -338,7 +343,12 @@ def scored(run, model, rollout: Rollout, prompts, cfg, pad_id: int, reference) -
     tables = [torch.zeros(0, width, dtype=torch.float64)]
     for batch in rollout.micro_batches(rows, prompts, cfg, pad_id, rank, world, accelerator.device):
         with torch.no_grad():
-            logps = reference.logps(batch) if reference is not None else completion_logps(model, batch)
+            temperature = cfg.grpo.temperature  # every log-prob is of the distribution sampled from
+            logps = (
+                reference.logps(batch, temperature)
+                if reference is not None
+                else completion_logps(model, batch, temperature)
+            )
         # A micro-batch is as wide as its longest completion; the round's table is max_new_tokens wide.
         tables.append(torch.nn.functional.pad(logps.double().cpu(), (0, width - logps.size(1))))
     gathered = gather_shares(accelerator, torch.cat(tables))  # the processes' shares in rank order
@@ -383,8 +393,9 @@ class StepStats:
         self.counted_round = None
 
     def metrics(self, rollout: Rollout, rows: torch.Tensor, sums: torch.Tensor, tokens: int) -> dict:
-        """`sums`: the step's (objective, KL, clipped tokens) summed over every process."""
-        objective, kl, clipped = sums.tolist()
+        """`sums`: the step's (objective, KL, clipped tokens, engine importance weight, tokens it truncated
+        or masked) summed over every process."""
+        objective, kl, clipped, is_weight, is_outside = sums.tolist()
         fresh = self.counted_round != rollout.round_index
         self.counted_round = rollout.round_index
         generated = rollout.generation_seconds if fresh else 0.0
@@ -416,6 +427,9 @@ class StepStats:
             values["engine_logprob_gap_mean"], values["engine_logprob_gap_max"] = rollout.engine_gap
             values["sync_s"] = rollout.sync_seconds if fresh else 0.0
             values["staleness"] = rollout.staleness
+            if self.cfg.grpo.engine_is_cap > 0:
+                values["engine_is_weight_mean"] = is_weight / max(tokens, 1)
+                values["engine_is_truncated_frac"] = is_outside / max(tokens, 1)
         if rollout.rest_seconds is not None:
             values["wake_s"], values["sleep_s"] = rollout.rest_seconds if fresh else (0.0, 0.0)
         if rollout.times is not None:  # unix times: the round's overlap with the one before is read from them

@@ -45,10 +45,15 @@ class SeededSampling(LogitsProcessor):
         if top_p < 1.0:
             self.warpers.append(TopPLogitsWarper(top_p))
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    def processed(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The logits of the distribution a row's next token is drawn from: tempered, then truncated."""
         scores = scores.float() / self.temperature
         for warper in self.warpers:
             scores = warper(input_ids, scores)
+        return scores
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = self.processed(input_ids, scores)
         position = input_ids.size(1) - self.prompt_width
         uniform = counter_uniform(self.seeds.to(scores.device), position, scores.size(-1))
         return scores + (-torch.log(-torch.log(uniform))).to(scores.dtype)

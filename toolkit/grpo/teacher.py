@@ -109,9 +109,9 @@ class Teacher:
         base, adapter = teacher_parts(cfg.grpo.teacher)
         return cls(load_separate(accelerator, cfg, features, base, KEY, adapter=adapter))
 
-    def logps(self, batch: dict) -> torch.Tensor:
+    def logps(self, batch: dict, temperature: float) -> torch.Tensor:
         with frozen(self.model):
-            return completion_logps(self.model, batch)
+            return completion_logps(self.model, batch, temperature)
 
 
 def score(run, model, rollout, prompts, cfg, pad_id: int, teacher: Teacher | None) -> None:
@@ -121,7 +121,7 @@ def score(run, model, rollout, prompts, cfg, pad_id: int, teacher: Teacher | Non
     both scorings give them 0 while still reading them as context."""
     if teacher is None:
         return
-    policy = rollout.old_logps
-    if policy is None:
+    policy = rollout.old_logps if rollout.old_logps is not None else rollout.policy_logps
+    if policy is None:  # HF generate, one step a round: the policy is scored here only
         policy = scored(run, model, rollout, prompts, cfg, pad_id, None)
     rollout.teacher_gap = scored(run, model, rollout, prompts, cfg, pad_id, teacher) - policy

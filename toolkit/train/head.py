@@ -16,6 +16,7 @@ it unsharded there, and DDP sees every parameter used in its own forward.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,7 @@ class TargetHead(nn.Linear):
             self.chunk_tokens,
             self.uniform,
             self.shape,
-            self.fused,
+            self.fused if self.shape.temperature == 1.0 else None,  # compiled for untempered logits
         )
 
 
@@ -109,6 +110,9 @@ class LogitShape:
         self.config = config
         self.scale = 1.0 / scaling
         self.softcap = softcap
+        # A sampling temperature the logits are divided by last (GRPO scores the distribution it sampled
+        # from): 1 but in a `tempered` copy.
+        self.temperature = 1.0
 
     @classmethod
     def of(cls, config) -> LogitShape:
@@ -129,18 +133,29 @@ class LogitShape:
             for key, value in saved.items():
                 setattr(self.config, key, value)
 
+    def tempered(self, temperature: float) -> LogitShape:
+        """This shape with the logits divided by `temperature` last (a copy: a backward pass that
+        recomputes reads the shape its forward pass had)."""
+        shape = copy.copy(self)
+        shape.temperature = temperature
+        return shape
+
     def apply(self, z: torch.Tensor) -> torch.Tensor:
         """The logits from the head's float32 output, in place."""
         if self.scale != 1.0:
             z.mul_(self.scale)
         if self.softcap:
             z.div_(self.softcap).tanh_().mul_(self.softcap)
+        if self.temperature != 1.0:
+            z.div_(self.temperature)
         return z
 
     def chain(self, dz: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The gradient with respect to the head's output from that with respect to the logits, in place."""
+        if self.temperature != 1.0:
+            dz.div_(self.temperature)
         if self.softcap:
-            dz.mul_(1 - (logits / self.softcap).square_())
+            dz.mul_(1 - (logits * (self.temperature / self.softcap)).square_())
         if self.scale != 1.0:
             dz.mul_(self.scale)
         return dz
@@ -151,11 +166,11 @@ def chunked_head(model) -> TargetHead | None:
     return next((m for m in model.modules() if isinstance(m, TargetHead)), None)
 
 
-def target_logps(model, batch: dict, uniform: bool = False) -> torch.Tensor:
+def target_logps(model, batch: dict, uniform: bool = False, temperature: float = 1.0) -> torch.Tensor:
     """Per-position log-probability of the next label token, [rows, length - 1] ([rows, length] for a
     sequence-parallel slice), 0 where the label is IGNORE; the chunked head's forward pass. `uniform`: the
     caller's loss weighs every token alike (a summed token loss), so the gradient is taken in the forward
-    pass and not recomputed.
+    pass and not recomputed. `temperature`: of the distribution softmax(logits / temperature).
 
     The first call for a model checks the head against the model's own logits (see `verify`): every rank
     makes it at the same point, so the forward passes it adds stay collective."""
@@ -163,7 +178,13 @@ def target_logps(model, batch: dict, uniform: bool = False) -> torch.Tensor:
     if not layer.verified:
         verify(model, layer, batch)
         layer.verified = True
-    return _scored(model, layer, batch, uniform)
+    if temperature == 1.0:
+        return _scored(model, layer, batch, uniform)
+    shape, layer.shape = layer.shape, layer.shape.tempered(temperature)
+    try:
+        return _scored(model, layer, batch, uniform)
+    finally:
+        layer.shape = shape
 
 
 def _scored(model, layer: TargetHead, batch: dict, uniform: bool) -> torch.Tensor:
@@ -325,7 +346,8 @@ def _dlogp(logits, lse, targets, shape: LogitShape) -> torch.Tensor:
     probs = torch.exp(logits - lse[:, None]) if shape.softcap else logits.sub_(lse[:, None]).exp_()
     dz = probs.neg_()
     dz[torch.arange(len(targets), device=dz.device), targets] += 1
-    return shape.chain(dz, logits) if shape.softcap or shape.scale != 1.0 else dz
+    reshaped = shape.softcap or shape.scale != 1.0 or shape.temperature != 1.0
+    return shape.chain(dz, logits) if reshaped else dz
 
 
 def _zero_grads(hidden, weight, bias, needs) -> list:
