@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 # With a GPU, the `gpu` extra too (Liger's Triton kernels, which need the CUDA torch chosen above).
 GPU_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ",gpu")
 
-.PHONY: install install-vllm install-gpu-kernels test-vllm lock demo demo-dpo demo-rm demo-grpo demo-grpo-vllm demo-distill demo-agent demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean FORCE
+.PHONY: install install-vllm install-gpu-kernels test-vllm lock demo demo-dpo demo-rm demo-grpo grpo-start-asset demo-grpo-vllm demo-distill demo-agent demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean FORCE
 
 # An environment's stamp holds the digest of what it was built from (its files' content and the choices made
 # for this machine), and the environment is rebuilt exactly when that digest changes: a git checkout
@@ -87,15 +87,18 @@ demo-rm: install
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/reward_llm.py \
 		train.overwrite=true $(ARGS)
 
-# GRPO from an SFT run stopped early (trained first when missing: the demo's config cut to 235 steps, which
-# answers with a number but gets a third of the sums right): sampled answers, rewarded when exact.
-DEMO_GRPO_START = $(VENV)/bin/accelerate launch \
-	--config_file accelerate_configs/single.yaml recipes/finetune_llm.py --config recipes/configs/demo.yaml \
-	train.overwrite=true train.max_steps=235 output_dir=runs/demo-grpo-start eval.exact_match_samples=0
+# GRPO from an SFT run stopped early, shipped as toolkit/assets/demo-grpo-start (the same start on every machine:
+# `make grpo-start-asset` rebuilt it), which answers with a number but gets under a third of the sums right:
+# sampled answers, rewarded when exact.
 demo-grpo: install
-	test -f runs/demo-grpo-start/final/adapter_config.json || $(DEMO_GRPO_START)
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/grpo_llm.py \
 		train.overwrite=true $(ARGS)
+
+# How the GRPO demos' start was built: the SFT demo's config cut to 235 steps; its adapter copied into the assets.
+grpo-start-asset: install
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/finetune_llm.py \
+		--config recipes/configs/demo.yaml train.overwrite=true train.max_steps=235 output_dir=runs/demo-grpo-start
+	$(PY) scripts/build_grpo_start.py runs/demo-grpo-start/final
 
 # causal-conv1d and mamba-ssm, the short-convolution and Mamba-2 layers' GPU kernels (docs/models.md): compiled
 # against .venv's CUDA torch, a line every 30 s and each one's time (tens of minutes on few cores; MAX_JOBS=N
@@ -104,15 +107,12 @@ demo-grpo: install
 install-gpu-kernels: install
 	$(PY) -m toolkit.model.kernel_build $(VENV)/kernel-builds $(LOCK)
 
-# On-policy distillation: the GRPO demo's start (an early SFT stop) distilled from the finished SFT demo,
-# each trained first when missing (docs/grpo.md#on-policy-distillation-grpoteacher).
+# On-policy distillation: the GRPO demo's start (toolkit/assets/demo-grpo-start) distilled from the finished SFT
+# demo, trained first when missing (docs/grpo.md#on-policy-distillation-grpoteacher).
 demo-distill: install
 	test -f runs/demo/final/adapter_config.json || $(VENV)/bin/accelerate launch \
 		--config_file accelerate_configs/single.yaml recipes/finetune_llm.py --config recipes/configs/demo.yaml \
 		train.overwrite=true
-	test -f runs/demo-grpo-start/final/adapter_config.json || $(VENV)/bin/accelerate launch \
-		--config_file accelerate_configs/single.yaml recipes/finetune_llm.py --config recipes/configs/demo.yaml \
-		train.overwrite=true train.max_steps=235 output_dir=runs/demo-grpo-start eval.exact_match_samples=0
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/grpo_llm.py \
 		--config recipes/configs/demo-grpo-distill.yaml train.overwrite=true $(ARGS)
 
@@ -122,8 +122,7 @@ demo-distill: install
 # The engine serves the base with that start folded in and hot-loads the trained adapter each round.
 # ARGS="grpo.generation=hf output_dir=runs/demo-grpo-h80-hf": the same run sampling with HF generate.
 demo-grpo-vllm: install
-	test -f runs/demo-grpo-start/final/adapter_config.json || $(DEMO_GRPO_START)
-	$(PY) scripts/widen_heads.py --adapter runs/demo-grpo-start/final runs/demo-grpo-start-h80
+	$(PY) scripts/widen_heads.py --adapter toolkit/assets/demo-grpo-start runs/demo-grpo-start-h80
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/grpo_llm.py \
 		train.overwrite=true model.path=toolkit/assets/tiny-llama-h80 model.adapter=runs/demo-grpo-start-h80 \
 		output_dir=runs/demo-grpo-vllm grpo.generation=vllm $(ARGS)

@@ -112,3 +112,19 @@ def test_demo_splits_are_disjoint():
         return {row["messages"][-2]["content"] for row in read_rows(name)}
 
     assert not questions("train.jsonl") & questions("eval.jsonl")
+
+
+def test_the_grpo_demos_start_is_a_whole_adapter_of_the_tiny_model(model_and_loading_info):
+    """toolkit/assets/demo-grpo-start (scripts/build_grpo_start.py): it names the repo's base by a relative
+    path, and every one of its weights lands on a module of that base."""
+    from peft import PeftModel
+
+    start = ASSETS / "demo-grpo-start"
+    config = json.loads((start / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "toolkit/assets/tiny-llama" and config["r"] == 16
+    base = AutoModelForCausalLM.from_pretrained(MODEL_DIR)
+    adapted = PeftModel.from_pretrained(base, str(start))
+    loaded = [p for name, p in adapted.named_parameters() if "lora_B" in name]
+    assert len(loaded) == 7 * base.config.num_hidden_layers
+    assert all(p.abs().sum() > 0 for p in loaded)  # trained, not the zero initialisation
+    assert AutoTokenizer.from_pretrained(str(start)).chat_template
