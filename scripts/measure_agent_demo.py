@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from toolkit.commands.generate import load_for_generation
 from toolkit.grpo.config import GrpoConfig
 from toolkit.grpo.environment import Environment
 from toolkit.grpo.multiturn import greedy_conversations
 from toolkit.grpo.rewards import load_user_function
+from toolkit.model.for_generation import load_for_generation
 
 REPO = Path(__file__).resolve().parent.parent
 CALCULATOR = "toolkit/assets/demo/calculator.py:calculator"

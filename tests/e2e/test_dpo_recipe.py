@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from toolkit.checkpoint import portable
 from toolkit.commands import cli
-from toolkit.commands.generate import load_for_generation
+from toolkit.model.for_generation import load_for_generation
 from toolkit.preference.reference import FILE as REFERENCE_FILE
 from toolkit.train.metrics import read_metrics
 

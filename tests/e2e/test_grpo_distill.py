@@ -14,8 +14,8 @@ import pytest
 import torch
 from helpers import REPO, run_script, short_grpo_args, train_lines
 
-from toolkit.commands.generate import load_for_generation
 from toolkit.config import LoraConfig, ModelConfig
+from toolkit.model.for_generation import load_for_generation
 from toolkit.model.load import load_model
 
 RECIPE = REPO / "recipes" / "grpo_llm.py"

@@ -17,10 +17,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolkit.commands.cli import main as cli
 from toolkit.commands.eval import eval_cli
-from toolkit.commands.generate import load_for_generation
 from toolkit.errors import UserError
 from toolkit.evaluation import compare, harness, tasks
 from toolkit.evaluation.harness import Score
+from toolkit.model.for_generation import load_for_generation
 from toolkit.train.generation import chat_prompt_ids, greedy_answer
 
 TINY = REPO / "toolkit" / "assets" / "tiny-llama"

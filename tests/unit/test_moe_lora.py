@@ -74,8 +74,9 @@ def test_a_family_trains_with_every_part_adapted_and_generates_from_adapter_and_
 ):
     from helpers import load_recipe
 
-    from toolkit.commands.generate import generate_cli, load_for_generation
+    from toolkit.commands.generate import generate_cli
     from toolkit.errors import run_main
+    from toolkit.model.for_generation import load_for_generation
     from toolkit.train.metrics import read_metrics
 
     path = tiny_moe(tmp_path / model_type, model_type)

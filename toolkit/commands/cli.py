@@ -368,7 +368,7 @@ def _run(args) -> int:
         )
         return 0
     if args.command == "export":
-        from toolkit.commands.export import export_checkpoint
+        from toolkit.checkpoint.to_hf import export_checkpoint
 
         if not args.out:
             raise UserError("--out: required (the directory to write the model or adapter to)")

@@ -13,9 +13,9 @@ import yaml
 
 from toolkit.checkpoint.export import ADAPTER_CONFIG
 from toolkit.checkpoint.rundir import CONFIG
-from toolkit.commands.generate import check_model_dir, load_for_generation
 from toolkit.errors import UserError
 from toolkit.evaluation import compare, harness, tasks
+from toolkit.model.for_generation import check_model_dir, load_for_generation
 
 
 def eval_cli(

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from toolkit import console
-from toolkit.commands.generate import load_for_generation
 from toolkit.errors import UserError
 from toolkit.model import scalar
+from toolkit.model.for_generation import load_for_generation
 from toolkit.reward.score import answer_ids, score_rows
 
 

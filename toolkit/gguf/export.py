@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from toolkit.checkpoint import CONFIG, MARKER
 from toolkit.checkpoint.rundir import MARKER as RUN_MARKER
 from toolkit.checkpoint.save import latest_checkpoint
-from toolkit.commands.export import export_checkpoint, run_config
+from toolkit.checkpoint.to_hf import export_checkpoint, run_config
 from toolkit.errors import UserError
 from toolkit.gguf import convert, modelfile
 from toolkit.gguf.tools import INSTALL, Tools, find_tools

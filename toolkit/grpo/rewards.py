@@ -55,7 +55,7 @@ class ModelReward:
 
     def __init__(self, path: str, device=None, batch_size: int = 32):
         from toolkit.checkpoint.export import outside_zero3
-        from toolkit.commands.generate import load_for_generation
+        from toolkit.model.for_generation import load_for_generation
 
         self.path, self.device, self.batch_size = path, device, batch_size
         with outside_zero3():  # whole on each process: a ZeRO-3 run would partition it as it loads

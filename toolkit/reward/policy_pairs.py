@@ -78,7 +78,7 @@ def sample_pairs_cli(
 ) -> str:
     """Writes the pairs of `model_dir`'s samples on `data`'s prompts to `out` (JSON lines, a new file,
     appearing whole or not at all); says how many."""
-    from toolkit.commands.generate import load_for_generation
+    from toolkit.model.for_generation import load_for_generation
 
     if samples < 1 or temperature <= 0 or max_new_tokens < 1:
         raise UserError("--samples and --max-new-tokens must be at least 1, --temperature above 0")
