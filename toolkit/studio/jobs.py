@@ -16,6 +16,7 @@ from toolkit.studio.guard import Roots
 from toolkit.studio.runner import FTKIT, launch_waiter, shown_command
 
 TASKS = re.compile(r"^[\w.-]+(,[\w.-]+)*$")
+PROGRESS_BAR = re.compile(r"\d+%\|.*\|")
 GGUF_TYPES = ("f16", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k")
 
 
@@ -111,10 +112,13 @@ def _exit(job_dir: Path) -> int | None:
         return None
 
 
-def _tail(path: Path, lines: int = 25) -> str:
+def _tail(path: Path, lines: int = 30) -> str:
+    """The output's last lines without its progress bars, but for the newest one (the job's progress)."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
         return ""
     folded = [line.rsplit("\r", 1)[-1] for line in text.splitlines()]
-    return "\n".join(folded[-lines:])
+    bars = [line for line in folded if PROGRESS_BAR.search(line)]
+    kept = [line for line in folded if line.strip() and not PROGRESS_BAR.search(line)]
+    return "\n".join(kept[-lines:] + bars[-1:])

@@ -86,8 +86,8 @@ def field_of(message: str, form: NewRun) -> str:
     prefixes = {
         "name": ("name:", "output_dir:"),
         "recipe": ("recipe ",),
-        "model": ("model.path:", "model.", "--model"),
         "method": ("model.method:", "lora.use_dora:"),
+        "model": ("model.path:", "model.", "--model"),
         "backend": ("--backend",),
         **{name: (f"{key}:",) for name, key in KNOBS.items()},
         "data": ("data.train:", "data."),

@@ -61,9 +61,11 @@ function draw(canvas, title, lines) {
   for (const v of [y0, (y0 + y1) / 2, y1]) ctx.fillText(Number(v.toPrecision(3)).toString(), 4, Y(v) + 4);
   ctx.fillText(String(x0), pad.l, h - 6); ctx.fillText(String(x1), w - pad.r - 30, h - 6);
   lines.forEach((line, i) => {
-    ctx.strokeStyle = ctx.fillStyle = COLORS[i % COLORS.length]; ctx.lineWidth = 1.5; ctx.beginPath();
+    ctx.strokeStyle = ctx.fillStyle = line.color; ctx.lineWidth = 1.5; ctx.setLineDash(line.dash);
+    ctx.beginPath();
     line.points.forEach(([x, y], j) => (j ? ctx.lineTo(X(x), Y(y)) : ctx.moveTo(X(x), Y(y))));
     ctx.stroke();
+    ctx.setLineDash([]);
     if (line.points.length < 3) line.points.forEach(([x, y]) => ctx.fillRect(X(x) - 2, Y(y) - 2, 4, 4));
     ctx.fillText(line.label, w - pad.r - 190, pad.t + 12 * (i + 1));
   });
@@ -86,8 +88,11 @@ function charts(section) {
           canvas.setAttribute("aria-label", title);
           section.appendChild(canvas);
         }
-        const lines = results.flatMap((r) => members.filter((k) => r.series[k]).map((k) => ({
-          label: names.length > 1 ? `${r.name}: ${k}` : k, points: r.series[k]})));
+        // Several runs: a colour per run, the group's second metric dashed; one run: a colour per metric.
+        const lines = results.flatMap((r, i) => members.filter((k) => r.series[k]).map((k) => ({
+          label: names.length > 1 ? `${r.name}: ${k}` : k, points: r.series[k],
+          color: COLORS[(names.length > 1 ? i : members.indexOf(k)) % COLORS.length],
+          dash: names.length > 1 && members.indexOf(k) > 0 ? [5, 3] : []})));
         canvas.dataset.points = lines.length ? lines[0].points.length : 0;
         canvas.dataset.lines = lines.length;
         draw(canvas, title, lines);
