@@ -18,6 +18,7 @@ import pytest
 from helpers import REPO
 
 from toolkit.studio import runs
+from toolkit.train.metrics import read_metrics
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = [
@@ -230,9 +231,7 @@ def test_the_demo_starts_from_the_form_trains_live_stops_and_resumes(page, studi
     log = (studio["runs"] / runs.STUDIO_DIR / RUN / "output.log").read_text()
     assert f"resumed from {studio['runs'] / RUN}/checkpoints/step-{stopped_at} at step {stopped_at}" in log
     assert page.locator("#result").inner_text().startswith("result: held-out exact match ")
-    steps = [
-        r["step"] for r in runs.MetricsReader().records(studio["runs"] / RUN / "metrics.jsonl") if "loss" in r
-    ]
+    steps = [r["step"] for r in read_metrics(studio["runs"] / RUN / "metrics.jsonl") if "loss" in r]
     assert steps == list(range(1, 51))  # the resumed run continued where the stop left it
 
 

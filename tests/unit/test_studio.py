@@ -16,6 +16,7 @@ from toolkit.commands.cli import main
 from toolkit.studio import runner, runs
 from toolkit.studio.app import create_app
 from toolkit.studio.guard import Roots, allowed_hosts
+from toolkit.studio.metrics import MAX_POINTS, MetricsReader
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = "http://127.0.0.1:7860"
@@ -100,19 +101,25 @@ def test_a_held_lock_is_running_and_the_log_gives_a_failure_its_line(roots):
     assert (view.status, view.reason) == ("failed", "finetune_llm: error: data.train: x.jsonl does not exist")
 
 
-def test_metrics_downsampled_with_the_last_point_exact_and_read_incrementally(tmp_path):
+def test_metrics_downsampled_with_the_last_point_exact_and_read_as_they_grow(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in range(1, 5001)))
-    reader = runs.MetricsReader()
-    loss = runs.series(reader.records(path))["loss"]
-    assert len(loss) == runs.MAX_POINTS and loss[-1] == [5000, 5000.0] and loss[0][0] <= 6
+    lines = [{"step": s, "loss": float(s), "lr": 0.1} for s in range(1, 20_001)]
+    lines += [{"step": s, "eval_loss": 2.0} for s in range(1000, 20_001, 1000)]  # a rarer kind of line
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    reader = MetricsReader()
+    series, read = reader.series(path)
+    assert read == len(lines) and len(series["eval_loss"]) == 20  # every line of a rare kind
+    loss = series["loss"]
+    assert len(loss) == MAX_POINTS and loss[-1] == [20_000, 20_000.0] and loss[0][0] <= 30
+    assert all(a[0] < b[0] for a, b in zip(loss, loss[1:]))
     with path.open("a") as handle:
         handle.write(
-            json.dumps({"step": 5001, "loss": 1.0}) + "\n" + '{"step": 5002, "lo'
-        )  # one being written
-    assert [r["step"] for r in reader.records(path)[-2:]] == [5000, 5001]
+            json.dumps({"step": 20_001, "loss": 1.0}) + "\n" + '{"step": 20002, "lo'
+        )  # being written
+    series, read = reader.series(path)
+    assert series["loss"][-1] == [20_001, 1.0] and read == len(lines) + 1
     path.write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n")  # a resume rewrites the file
-    assert reader.records(path) == [{"step": 1, "loss": 3.0}]
+    assert reader.series(path) == ({"loss": [[1, 3.0]]}, 1)
 
 
 def test_a_non_loopback_host_without_authentication_is_refused(capsys):

@@ -25,6 +25,7 @@ from starlette.formparsers import MultiPartParser
 from toolkit.errors import UserError
 from toolkit.studio import chat, jobs, runner, runs
 from toolkit.studio.guard import COOKIE, Roots, cross_origin, inside, run_folder, token_matches
+from toolkit.studio.metrics import MetricsReader
 
 HERE = Path(__file__).resolve().parent
 UPLOAD_DIR = "uploads"
@@ -41,7 +42,7 @@ def create_app(roots: Roots, secret: str | None, hosts: set[str], max_upload_mb:
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     templates = Jinja2Templates(directory=str(HERE / "templates"))
     templates.env.globals.update(eta_text=runs.eta_text, age_text=runs.age_text)
-    metrics = runs.MetricsReader()
+    metrics = MetricsReader()
     # An upload up to the cap stays in memory while the form is read: nothing of it lands outside the runs
     # folder (starlette spools larger parts to the system's temp folder).
     MultiPartParser.spool_max_size = int(max_upload_mb * 2**20) + 1
@@ -69,7 +70,8 @@ def create_app(roots: Roots, secret: str | None, hosts: set[str], max_upload_mb:
         return templates.TemplateResponse(request, name, {"page": name.split(".")[0], **values})
 
     def views() -> list[runs.RunView]:
-        return [runs.summarize(roots.runs, d) for d in runs.run_dirs(roots.runs)]
+        locks = runs.lock_table()
+        return [runs.summarize(roots.runs, d, locks) for d in runs.run_dirs(roots.runs)]
 
     def named_run(name: str) -> Path:
         path = run_folder(name, roots)
@@ -104,8 +106,8 @@ def create_app(roots: Roots, secret: str | None, hosts: set[str], max_upload_mb:
 
     @app.get("/api/metrics/{name}")
     def run_metrics(name: str):
-        records = metrics.records(named_run(name) / "metrics.jsonl")
-        return JSONResponse({"name": name, "series": runs.series(records), "records": len(records)})
+        series, lines = metrics.series(named_run(name) / "metrics.jsonl")
+        return JSONResponse({"name": name, "series": series, "lines": lines})
 
     @app.post("/run/{name}/stop")
     def stop(name: str):

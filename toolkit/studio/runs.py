@@ -6,7 +6,6 @@ terminal reads the same, less what only its terminal saw."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import signal
@@ -18,12 +17,12 @@ import yaml
 
 from toolkit.checkpoint.rundir import CONFIG, LOCK, MARKER
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE
+from toolkit.train.steps import closing_lines
 
 STUDIO_DIR = ".studio"
 """Under the runs folder: one folder per run the studio launched (launch.json, output.log, exit)."""
 EVAL_KEYS = ("exact_match", "eval_reward_accuracy", "eval_loss")
 TAIL_BYTES = 64 * 1024
-MAX_POINTS = 1000
 ERROR_LINE = re.compile(r"^\S[^:\n]*: error: .*$", re.M)
 STOP_LINE = re.compile(r"stopped by \S+ (?:after|before) .*$", re.M)
 BACKEND_IN_LOG = re.compile(r"--config_file \S*?([\w.-]+)\.yaml")
@@ -86,11 +85,19 @@ def read_record(root: Path, name: str) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def lock_holder(run_dir: Path) -> int | None:
+def lock_table() -> str:
+    """The kernel's table of file locks (read once for a whole list of runs)."""
+    try:
+        return Path("/proc/locks").read_text()
+    except OSError:
+        return ""
+
+
+def lock_holder(run_dir: Path, table: str | None = None) -> int | None:
     """The pid holding the run's lock (a training process), from the kernel's lock table; None when free."""
+    table = lock_table() if table is None else table
     try:
         stat = (run_dir / LOCK).stat()
-        table = Path("/proc/locks").read_text()
     except OSError:
         return None
     device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
@@ -121,22 +128,61 @@ def _zombie(pid: int) -> bool:
 
 
 _CONFIG_CACHE: dict[Path, tuple[float, dict]] = {}
+FACTS = {"model.path", "model.method", "lora.use_dora", "train.max_steps", "dpo.loss"}
+"""The saved config's keys a runs list shows."""
+SECTIONS = ("model", "lora", "train", "dpo", "reward", "grpo")
+"""The sections it looks for (the recipe is told by which of dpo, reward and grpo are there)."""
+SECTION_START = re.compile(r"\n\S")
 
 
 def saved_config(run_dir: Path) -> dict:
-    """The run's config.yaml as a mapping ({} when missing or unreadable); re-read when it changes."""
+    """The listed facts of the run's config.yaml as {section: {key: value}} ({} when missing), re-read when
+    the file changes. The file is the one `save_config` wrote (yaml.safe_dump, two-space indents): its
+    top-level sections and their one-line scalars are read without parsing the whole file, which a list of
+    hundreds of runs would wait on."""
     path = run_dir / CONFIG
     mtime = _mtime(path)
     cached = _CONFIG_CACHE.get(path)
     if cached and cached[0] == mtime:
         return cached[1]
     try:
-        loaded = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
-    except (OSError, yaml.YAMLError):
-        loaded = {}
-    config = loaded if isinstance(loaded, dict) else {}
+        text = path.read_text()
+    except OSError:
+        text = ""
+    text = "\n" + text
+    config: dict[str, dict] = {name: {} for name in SECTIONS if f"\n{name}:\n" in text}
+    for fact in FACTS:
+        section, key = fact.split(".")
+        start = text.find(f"\n{section}:\n")
+        if start < 0:
+            continue
+        end = SECTION_START.search(text, start + len(section) + 3)
+        body = text[start : end.start() if end else len(text)]
+        at = body.find(f"\n  {key}: ")
+        if at >= 0:
+            config[section][key] = _scalar(body[at + len(key) + 5 :].split("\n", 1)[0])
     _CONFIG_CACHE[path] = (mtime, config)
     return config
+
+
+def _scalar(raw: str):
+    if raw.isdigit():
+        return int(raw)
+    if raw.replace("/", "").replace("-", "").replace("_", "").replace(".", "").isalnum() and raw not in (
+        "true",
+        "false",
+        "null",
+        "yes",
+        "no",
+        "on",
+        "off",
+    ):
+        return raw  # a plain word or path: what YAML would read too
+    try:
+        value = yaml.load(raw, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except yaml.YAMLError:
+        return raw
+    return value if isinstance(value, (str, int, float, bool)) else raw
 
 
 def recipe_label(config: dict) -> str:
@@ -154,8 +200,9 @@ def method_label(config: dict) -> str:
     return "dora" if method == "lora" and lora.get("use_dora") else method
 
 
-def summarize(root: Path, run_dir: Path) -> RunView:
-    """The runs-list row of `run_dir`: what it is, how far it got, how it ended."""
+def summarize(root: Path, run_dir: Path, locks: str | None = None) -> RunView:
+    """The runs-list row of `run_dir`: what it is, how far it got, how it ended (`locks`: the lock table,
+    when the caller read it for several runs)."""
     config = saved_config(run_dir)
     record = read_record(root, run_dir.name)
     log = log_tail(root, run_dir.name)
@@ -171,22 +218,21 @@ def summarize(root: Path, run_dir: Path) -> RunView:
     )
     found = BACKEND_IN_LOG.search(log)
     view.backend = found.group(1) if found else record.get("backend", "")
-    head, tail = _first_and_last_records(run_dir / "metrics.jsonl")
-    trained = [r for r in tail if "loss" in r]
+    _set_status(view, root, run_dir, record, log, lock_table() if locks is None else locks)
+    ends = MetricsEnds(run_dir / "metrics.jsonl")
+    trained = ends.last(lambda r: "loss" in r, 20 if view.status == "running" else 1)
     view.step = trained[-1]["step"] if trained else 0
-    _set_status(view, root, run_dir, record, log)
-    if view.status == "running" and trained:
-        times = [r["step_time_s"] for r in trained[-20:] if isinstance(r.get("step_time_s"), (int, float))]
-        if times:
-            view.eta_s = max(view.max_steps - view.step, 0) * sum(times) / len(times)
+    times = [r["step_time_s"] for r in trained if isinstance(r.get("step_time_s"), (int, float))]
+    if view.status == "running" and times:
+        view.eta_s = max(view.max_steps - view.step, 0) * sum(times) / len(times)
     if view.status == "finished":
-        view.result = result_line(run_dir, head, tail, view.max_steps)
+        view.result = result_line(run_dir, ends, view.max_steps)
     return view
 
 
-def _set_status(view: RunView, root: Path, run_dir: Path, record: dict, log: str) -> None:
+def _set_status(view: RunView, root: Path, run_dir: Path, record: dict, log: str, locks: str) -> None:
     exit_code = read_exit(root, run_dir.name)
-    if lock_holder(run_dir) is not None:
+    if lock_holder(run_dir, locks) is not None:
         view.status = "running"
     elif record and exit_code is None and alive(record.get("pid")):
         view.status = "starting"
@@ -235,95 +281,54 @@ def checkpoint_names(run_dir: Path) -> list[str]:
     return sorted(names, key=lambda n: int(n.split("-")[1]) if n.split("-")[1].isdigit() else -1)
 
 
-def result_line(run_dir: Path, head: list[dict], tail: list[dict], max_steps: int) -> str:
+def result_line(run_dir: Path, ends: MetricsEnds, max_steps: int) -> str:
     """The run's closing result line, by the function the recipes print it with."""
-    from toolkit.train.steps import closing_lines
 
-    def evals(records):
-        return [r for r in records if any(k in r for k in EVAL_KEYS) and "loss" not in r]
+    def evaluation(record: dict) -> bool:
+        return "loss" not in record and any(k in record for k in EVAL_KEYS)
 
-    before = next((r for r in evals(head) if r["step"] == 0), {})
-    after = next((r for r in reversed(evals(tail)) if r["step"] >= max_steps), {})
+    before = next((r for r in ends.first(evaluation, 1) if r["step"] == 0), {})
+    after = next((r for r in ends.last(evaluation, 1) if r["step"] >= max_steps), {})
     shown = {"before": before, "after": after} if after else {}
     return closing_lines(shown, run_dir / "final", None)[0].removeprefix("result: ")
 
 
-def _first_and_last_records(path: Path) -> tuple[list[dict], list[dict]]:
-    """The records of the file's first and last TAIL_BYTES (whole lines only)."""
-    try:
-        with path.open("rb") as handle:
-            size = path.stat().st_size
-            head = handle.read(min(size, TAIL_BYTES))
-            handle.seek(max(size - TAIL_BYTES, 0))
-            tail = handle.read()
-    except OSError:
-        return [], []
-    first = _parse_lines(head.rsplit(b"\n", 1)[0] if size > TAIL_BYTES else head)
-    last = _parse_lines(tail.split(b"\n", 1)[1] if size > TAIL_BYTES else tail)
-    return first, last
+class MetricsEnds:
+    """The opening and closing lines of a metrics.jsonl (at most TAIL_BYTES of each), parsed only as far as
+    a question needs: a list of runs asks a few lines of each."""
+
+    def __init__(self, path: Path):
+        try:
+            with path.open("rb") as handle:
+                size = path.stat().st_size
+                head = handle.read(min(size, TAIL_BYTES))
+                handle.seek(max(size - TAIL_BYTES, 0))
+                tail = handle.read()
+        except OSError:
+            head = tail = b""
+            size = 0
+        self._head = (head.rsplit(b"\n", 1)[0] if size > TAIL_BYTES else head).split(b"\n")
+        self._tail = (tail.split(b"\n", 1)[-1] if size > TAIL_BYTES else tail).split(b"\n")
+
+    def first(self, wanted, count: int) -> list[dict]:
+        return _matching(self._head, wanted, count)
+
+    def last(self, wanted, count: int) -> list[dict]:
+        return _matching(reversed(self._tail), wanted, count)[::-1]
 
 
-def _parse_lines(data: bytes) -> list[dict]:
-    records = []
-    for line in data.split(b"\n"):
+def _matching(lines, wanted, count: int) -> list[dict]:
+    found = []
+    for line in lines:
         try:
             record = json.loads(line)
         except ValueError:
             continue  # blank, or a line being written
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            records.append(record)
-    return records
-
-
-class MetricsReader:
-    """metrics.jsonl read once and then only what was appended since (a resumed run rewrites the file: it
-    is read anew). Holds parsed records of files the page looks at; the file stays the record."""
-
-    def __init__(self):
-        self._files: dict[Path, tuple[int, int, list[dict]]] = {}
-
-    def records(self, path: Path) -> list[dict]:
-        try:
-            stat = path.stat()
-        except OSError:
-            return []
-        inode, offset, records = self._files.get(path, (stat.st_ino, 0, []))
-        if inode != stat.st_ino or stat.st_size < offset:
-            inode, offset, records = stat.st_ino, 0, []
-        if stat.st_size > offset:
-            with path.open("rb") as handle:
-                handle.seek(offset)
-                data = handle.read(stat.st_size - offset)
-            whole = data.rfind(b"\n") + 1  # a line still being written waits for the next read
-            records = records + _parse_lines(data[:whole])
-            offset += whole
-        self._files[path] = (inode, offset, records)
-        return records
-
-
-def series(records: list[dict], max_points: int = MAX_POINTS) -> dict[str, list[list[float]]]:
-    """Every numeric metric as [[step, value], ...], at most `max_points` each (bucket means, the last point
-    exact); eval values apart from training ones under the same name (loss vs eval_loss stays as logged)."""
-    columns: dict[str, list[list[float]]] = {}
-    for record in records:
-        step = record["step"]
-        for key, value in record.items():
-            if key in ("step", "time") or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            if math.isfinite(value):
-                columns.setdefault(key, []).append([step, value])
-    return {key: downsample(points, max_points) for key, points in columns.items()}
-
-
-def downsample(points: list[list[float]], max_points: int) -> list[list[float]]:
-    if len(points) <= max_points:
-        return points
-    width = (len(points) - 1) / (max_points - 1)
-    out = []
-    for i in range(max_points - 1):
-        bucket = points[int(i * width) : max(int((i + 1) * width), int(i * width) + 1)]
-        out.append([bucket[-1][0], sum(p[1] for p in bucket) / len(bucket)])
-    return [*out, points[-1]]
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and wanted(record):
+            found.append(record)
+            if len(found) == count:
+                break
+    return found
 
 
 def stop_run(root: Path, run_dir: Path, sig: int = signal.SIGINT) -> str:
