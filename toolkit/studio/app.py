@@ -144,8 +144,8 @@ def create_app(roots: Roots, secret: str | None, hosts: set[str], max_upload_mb:
             form.data = str(written)
         act = runner.start if data.get("action") == "start" else runner.preview
         shown = act(form, roots)
-        if written and (shown.errors or data.get("action") != "start"):
-            written.unlink(missing_ok=True)  # nothing is kept from a form that did not start
+        if written and shown.errors:
+            written.unlink(missing_ok=True)  # nothing is kept from a form with a mistake
             form.data = ""
         if data.get("action") == "start" and not shown.errors:
             return RedirectResponse(f"/run/{form.name}?message=started", status_code=303)
