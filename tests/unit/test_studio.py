@@ -13,7 +13,8 @@ from fastapi.testclient import TestClient
 
 from toolkit.checkpoint.rundir import LOCK, MARKER
 from toolkit.commands.cli import main
-from toolkit.studio import runner, runs
+from toolkit.errors import UserError
+from toolkit.studio import jobs, runner, runs
 from toolkit.studio.app import create_app
 from toolkit.studio.guard import Roots, allowed_hosts
 from toolkit.studio.metrics import MAX_POINTS, MetricsReader
@@ -253,3 +254,18 @@ def test_stop_signals_the_process_group_and_the_waiter_records_the_exit(roots):
     while runs.read_exit(roots.runs, "sleeper") is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert runs.read_exit(roots.runs, "sleeper") == 75
+
+
+def test_eval_and_export_jobs_refuse_bad_input_before_anything_runs(roots):
+    run_dir = write_run(roots.runs, "done", 10, 10, final=True, checkpoints=[10])
+    with pytest.raises(UserError, match="--tasks: 'a; rm -rf' is not a comma-separated list"):
+        jobs.start_eval(roots, run_dir, "a; rm -rf", "")
+    with pytest.raises(UserError, match="--limit: 'all' is not a positive number"):
+        jobs.start_eval(roots, run_dir, "ftkit_sums", "all")
+    with pytest.raises(UserError, match="export: 'zip' is not merged or one of"):
+        jobs.start_export(roots, run_dir, "zip")
+    missing = jobs.gguf_missing()
+    if missing:  # llama.cpp not installed: the exporter's own line, and no job
+        with pytest.raises(UserError, match="llama.cpp is not installed"):
+            jobs.start_export(roots, run_dir, "q8_0")
+    assert not runs.record_dir(roots.runs, "done").exists()
