@@ -137,9 +137,9 @@ def test_a_token_is_needed_when_set(roots):
         assert client.get("/?token=wrong").status_code == 401
         assert client.get("/?token=s3cret-token").status_code == 200
         assert client.get("/").status_code == 200  # the cookie it set
-        assert (
-            client.get("/", headers={"authorization": "Bearer s3cret-token"}, cookies={}).status_code == 200
-        )
+    with TestClient(app, base_url=BASE) as client:  # no cookie: the header alone
+        assert client.get("/", headers={"authorization": "Bearer wrong"}).status_code == 401
+        assert client.get("/", headers={"authorization": "Bearer s3cret-token"}).status_code == 200
 
 
 def test_every_changing_route_refuses_another_origin(client, roots):
