@@ -269,3 +269,25 @@ def test_eval_and_export_jobs_refuse_bad_input_before_anything_runs(roots):
         with pytest.raises(UserError, match="llama.cpp is not installed"):
             jobs.start_export(roots, run_dir, "q8_0")
     assert not runs.record_dir(roots.runs, "done").exists()
+
+
+def test_a_run_started_elsewhere_is_stopped_through_the_group_of_its_lock_holder(roots):
+    run_dir = write_run(roots.runs, "theirs", 3, 10, final=False)
+    script = (
+        "import fcntl, signal, sys, time; h = open(sys.argv[1], 'a'); fcntl.flock(h, fcntl.LOCK_EX); "
+        "signal.signal(signal.SIGINT, lambda *a: sys.exit(75)); print('locked', flush=True); time.sleep(60)"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", script, str(run_dir / LOCK)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert runs.stop_run(roots.runs, run_dir) == f"sent SIGINT to process group {holder.pid}"
+        assert holder.wait(timeout=30) == 75
+    finally:
+        holder.kill()
+    with pytest.raises(UserError, match="stop: theirs is not running"):
+        runs.stop_run(roots.runs, run_dir)

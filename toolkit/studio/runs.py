@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from toolkit.checkpoint.rundir import CONFIG, LOCK, MARKER
+from toolkit.errors import UserError
 from toolkit.launch.preemption import PREEMPTED_EXIT_CODE
 from toolkit.train.steps import closing_lines
 
@@ -333,8 +334,6 @@ def _matching(lines, wanted, count: int) -> list[dict]:
 
 def stop_run(root: Path, run_dir: Path, sig: int = signal.SIGINT) -> str:
     """Ask a running run to stop as Ctrl-C would: `sig` to its whole process group. Returns what was done."""
-    from toolkit.errors import UserError
-
     record = read_record(root, run_dir.name)
     group = record.get("pgid") if record and read_exit(root, run_dir.name) is None else None
     if not group:
