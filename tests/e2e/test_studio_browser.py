@@ -279,6 +279,12 @@ def test_evaluate_and_export(page, studio):
     assert f"to {studio['runs'] / RUN}-merged" in export_job  # where the files went
     if page.locator("#gguf-missing").count():
         assert "llama.cpp is not installed" in page.locator("#gguf-missing").inner_text()
+    else:  # llama.cpp installed (make install-export): one GGUF file too
+        page.select_option("[name=kind]", "q8_0")
+        page.click("#export")
+        page.wait_for_function(ended, timeout=LAUNCH_S * 1000)
+        assert all(" · done · " in job for job in page.locator(".job").all_inner_texts())
+        assert list((studio["runs"] / f"{RUN}-gguf").glob("*.gguf"))
     shot(page, "tools")
 
 

@@ -115,8 +115,8 @@ def overrides_of(form: NewRun, roots: Roots, run_dir: Path) -> list[str]:
     items.append(f"model.method={'lora' if form.method == 'dora' else form.method}")
     if form.method == "dora":
         items.append("lora.use_dora=true")
-    if form.recipe == "kto":
-        items.append("dpo.loss=kto")
+    if form.recipe == "kto":  # the preference demo's chosen-answer NLL has no place in KTO's rows
+        items += ["dpo.loss=kto", "dpo.sft_weight=null"]
     items += [f"{key}={getattr(form, name)}" for name, key in KNOBS.items() if getattr(form, name)]
     return items
 
