@@ -250,6 +250,13 @@ def test_chat_answers_from_the_fine_tuned_run_and_its_base(page, studio):
     assert tuned and "[error]" not in tuned and any(c.isdigit() for c in tuned)
     assert page.locator("#answer-right").inner_text().strip()
     shot(page, "chat")
+    # An answer that calls a tool (as the tool-use demo's models do) shows the call as one, apart from text.
+    shown = page.evaluate(
+        """() => { const d = document.createElement('div');
+        showAnswer(d, 'Let me add.<tool_call>{"name": "add", "arguments": {"a": 38, "b": 47}}</tool_call>');
+        return [d.querySelector('.tool-call')?.textContent, d.firstChild.textContent]; }"""
+    )
+    assert shown == ['tool call: {"name": "add", "arguments": {"a": 38, "b": 47}}', "Let me add."]
 
 
 def test_two_runs_overlay(page, studio):
