@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 # With a GPU, the `gpu` extra too (Liger's Triton kernels, which need the CUDA torch chosen above).
 GPU_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ",gpu")
 
-.PHONY: install install-vllm install-gpu-kernels test-vllm lock demo demo-dpo demo-rm demo-grpo grpo-start-asset demo-grpo-vllm demo-distill demo-agent demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean FORCE
+.PHONY: studio install-browser install install-vllm install-gpu-kernels test-vllm lock demo demo-dpo demo-rm demo-grpo grpo-start-asset demo-grpo-vllm demo-distill demo-agent demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean FORCE
 
 # An environment's stamp holds the digest of what it was built from (its files' content and the choices made
 # for this machine), and the environment is rebuilt exactly when that digest changes: a git checkout
@@ -141,6 +141,16 @@ demo-agent: install
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/grpo_llm.py \
 		--config recipes/configs/demo-agent-grpo.yaml train.overwrite=true $(ARGS)
 	$(PY) scripts/measure_agent_demo.py runs/demo-agent-start/final runs/demo-agent/final
+
+# The local web page over runs/ (docs/studio.md): http://127.0.0.1:7860/; other options with ARGS=...
+studio: install
+	$(VENV)/bin/ftkit studio $(ARGS)
+
+# Chromium from Debian for the studio's browser tests (tests/e2e/test_studio_browser.py), which skip, saying
+# why, where it is missing: Playwright's own browser download is not used.
+install-browser:
+	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
+		|| echo "chromium not installed: the studio's browser tests skip"
 
 # pytest exits 5 when it collects no tests: said in one line, not a failed stage.
 pytest = $(PY) -m pytest $(1) || { code=$$?; [ $$code -eq 5 ] && echo "no tests collected in $(1)" || exit $$code; }

@@ -17,13 +17,14 @@ and what each does when asked to pack image rows), and `ftkit eval` against lm-e
 (bench/eval_overhead.py: the whole command's time and memory, and the scores, on the same model and tasks),
 and a Qwen3.5-shaped hybrid padded, grouped by length and packed (bench/hybrid_packing.py), and GRPO's
 rollouts with HF generate against the vLLM engine (bench/rollout_engine.py; skipped without .venv-vllm), and
-the engine's weight sync, adapter-only against merged weights (bench/engine_sync.py; the same).
+the engine's weight sync, adapter-only against merged weights (bench/engine_sync.py; the same), and the
+studio's runs list of 500 runs and plot of a 200,000-step metrics file (bench/studio_scale.py).
 
     python bench/run.py [--repeats 5] [--loss-head-repeats 3] [--pipeline-repeats 2] [--grpo-repeats 2]
         [--reward-repeats 3]
         [--moe-repeats 3] [--long-context-repeats 2] [--moments-repeats 3] [--vision-repeats 3]
         [--eval-repeats 3] [--hybrid-repeats 3] [--rollout-engine-repeats 3]
-        [--engine-sync-repeats 5]
+        [--engine-sync-repeats 5] [--studio-repeats 5]
         [--only SECTION ...]
 """
 
@@ -46,6 +47,7 @@ import moments_memory
 import pipeline
 import reward
 import rollout_engine
+import studio_scale
 import vision
 from common import (
     BATCH,
@@ -176,7 +178,7 @@ def sft_section(repeats: int, moe: bool = False) -> str:
 
 
 SECTIONS = ("sft", "dpo", "reward", "data-prep", "loss-head", "pipeline", "grpo", "moe", "long-context",
-            "moments", "vision", "eval", "hybrid", "rollout-engine", "engine-sync")  # fmt: skip
+            "moments", "vision", "eval", "hybrid", "rollout-engine", "engine-sync", "studio")  # fmt: skip
 
 
 def main() -> None:
@@ -194,6 +196,7 @@ def main() -> None:
     parser.add_argument("--hybrid-repeats", type=int, default=3)
     parser.add_argument("--rollout-engine-repeats", type=int, default=3)
     parser.add_argument("--engine-sync-repeats", type=int, default=5)
+    parser.add_argument("--studio-repeats", type=int, default=5)
     parser.add_argument(
         "--only", action="append", choices=SECTIONS, help="run this section only (repeatable; default: all)"
     )
@@ -229,6 +232,8 @@ def main() -> None:
         print(rollout_engine.run_section(args.rollout_engine_repeats, machine))
     if "engine-sync" in only:
         print(engine_sync.run_section(args.engine_sync_repeats, machine))
+    if "studio" in only:
+        print(studio_scale.run_section(args.studio_repeats, machine))
 
 
 if __name__ == "__main__":

@@ -252,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     scaling.add_argument("--json", action="store_true")
     scaling.add_argument("overrides", nargs="*", help="after --: dotted.key=value recipe overrides")
 
+    studio = commands.add_parser("studio", help="a local web page over the run folders (docs/studio.md)")
+    from toolkit.studio.server import add_arguments as studio_arguments
+
+    studio_arguments(studio)
+
     if argv[:1] == ["train"]:
         # Options and key=value overrides mix freely; what follows `--` goes to accelerate launch.
         cut = argv.index("--") if "--" in argv else len(argv)
@@ -383,6 +388,10 @@ def _run(args) -> int:
             )
         )
         return 0
+    if args.command == "studio":
+        from toolkit.studio.server import studio_cli
+
+        return studio_cli(args)
     if args.command == "bench-scaling":
         from dataclasses import asdict
 

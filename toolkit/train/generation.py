@@ -28,10 +28,17 @@ def split_prompt(row: dict) -> tuple[list[int], list[int]] | None:
 
 @torch.no_grad()
 def greedy_answer(
-    model, tokenizer, prompt_ids: list[int], max_new_tokens: int, synced: bool, images: dict | None = None
+    model,
+    tokenizer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    synced: bool,
+    images: dict | None = None,
+    streamer=None,
 ) -> str:
     """Collective when `synced`: every rank must call it with the same prompt (sharded weights). `images`:
-    a vision-language model's image inputs for the prompt's image tokens."""
+    a vision-language model's image inputs for the prompt's image tokens; `streamer`: transformers'
+    streamer fed the tokens as they come (the studio's chat)."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids], device=device)
     pixels = {key: value.to(device) for key, value in (images or {}).items()}
@@ -45,6 +52,7 @@ def greedy_answer(
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
             synced_gpus=synced,
+            streamer=streamer,
         )
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
