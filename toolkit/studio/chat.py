@@ -19,8 +19,8 @@ def _serve(model_dir: str, requests, replies) -> None:
     """The worker: load once, then answer each (prompt, max_new_tokens) as ("text", piece)... ("end", "")."""
     from transformers import TextIteratorStreamer
 
-    from toolkit.model.for_generation import load_for_generation
     from toolkit.errors import UserError
+    from toolkit.model.for_generation import load_for_generation
     from toolkit.train.generation import chat_prompt_ids, greedy_answer
 
     try:
