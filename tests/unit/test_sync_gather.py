@@ -1,7 +1,7 @@
 """toolkit/checkpoint/gather.py against what GRPO's engine sync wrote before it (full_state_dict, then PEFT's
 save_pretrained or safetensors' save_file of the whole state): the same adapter folder and the same weights
-file, byte for byte, on one process and under DDP (one gloo rank), with the adapter's bytes only gathered
-and the whole weights gathered a block at a time."""
+file, byte for byte, on one process, under DDP (one gloo rank) and under FSDP2 (two), with the adapter's
+bytes only gathered and the whole weights gathered a block at a time."""
 
 import subprocess
 import sys
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from accelerate import Accelerator
-from helpers import REPO, free_port
+from helpers import REPO, free_port, launch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
@@ -114,6 +114,21 @@ def test_ddp_writes_the_same_adapter_and_weights(tmp_path):
     env = {"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(free_port()), str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]
+
+
+def test_fsdp2_on_two_processes_writes_the_same_adapter_and_weights(tmp_path):
+    """Each DTensor gathered alone (tests/scripts/sync_gather_fsdp2.py): the folders full_state_dict gave."""
+    script = REPO / "tests" / "scripts" / "sync_gather_fsdp2.py"
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", *launch("fsdp", 2), str(script), str(tmp_path)],
         cwd=REPO,
         env=env,
         capture_output=True,
