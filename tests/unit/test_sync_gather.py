@@ -84,6 +84,19 @@ def test_one_process_writes_the_adapter_it_wrote_from_the_whole_state(tmp_path):
     check_adapter(Accelerator(cpu=True), lora_model(), tmp_path)
 
 
+def test_an_adapted_embedding_is_saved_from_the_whole_state(tmp_path):
+    """PEFT saves an adapted embedding's base weights too, which the adapter does not train: the sync
+    gathers everything then, as before."""
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32),
+        LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]),
+    )
+    accelerator = Accelerator(cpu=True)
+    state, size = gather.adapter_state(accelerator, model)
+    assert "base_model.model.model.embed_tokens.base_layer.weight" in state
+    assert size == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
 def test_one_process_streams_the_weights_file_save_file_wrote(tmp_path, pieces):
     check_weights(Accelerator(cpu=True), full_model(), tmp_path, pieces)
 
