@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from common import ROOT, write_results
 from harness import run_from_command_line
+from safetensors.torch import save_file
 
 from toolkit.engine import client
 from toolkit.engine.server import BASE_NAME, ENGINE_VENV, Engine, ServeSpec
@@ -68,7 +69,13 @@ def merged_round(sampler: EngineSampler, model, index: int) -> tuple[float, floa
     model.merge_adapter()
     base = model.get_base_model()
     state = {k.replace(".base_layer", ""): v for k, v in base.state_dict().items() if "lora_" not in k}
-    sampler._reload(base, state, index)
+    folder = sampler.folder / f"weights-round-{index}"
+    folder.mkdir(parents=True, exist_ok=True)
+    base.config.save_pretrained(str(folder))
+    # What the recipe's sync writes: each tensor its own, the tied head too.
+    tensors = {name: value.detach().clone().contiguous() for name, value in state.items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    sampler._reload(folder)
     synced = time.perf_counter()
     model.unmerge_adapter()
     answered(sampler.engine, BASE_NAME)

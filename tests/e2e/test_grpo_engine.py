@@ -21,6 +21,7 @@ import sys
 import pytest
 import torch
 from helpers import REPO, run_script, short_grpo_args, train_lines
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from toolkit.engine import client
@@ -162,6 +163,26 @@ def test_zero3_on_two_processes_gets_the_same_steps(own, zero3):
         assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=1e-6), a["step"]
         assert b.get("teacher_kl", 0) == pytest.approx(a.get("teacher_kl", 0), rel=1e-3, abs=1e-6), a["step"]
         assert b["engine_logprob_gap_max"] < GAP_MAX
+    # Each round's sync gathered the adapter alone (its float32 weights), or the whole weights it wrote.
+    assert [r["sync_gathered_mb"] > 0 for r in got] == [True, False, True, False]
+    if own[0] == "lora":
+        weights, _ = stored(zero3[0] / "final" / "adapter_model.safetensors")
+        sent_mb = weights * 4 / 2**20
+        assert sent_mb < stored(MODEL / "model.safetensors")[0] * 4 / 2**20 / 10
+    else:
+        sent_mb = stored(zero3[0] / "engine" / "weights-round-1" / "model.safetensors")[1] / 2**20
+    assert all(r["sync_gathered_mb"] == pytest.approx(sent_mb, rel=1e-6) for r in got if r["sync_s"] > 0)
+
+
+def stored(file) -> tuple[int, int]:
+    """(weights, bytes) a safetensors file holds."""
+    weights = size = 0
+    with safe_open(str(file), framework="pt") as handle:
+        for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+            count = math.prod(handle.get_slice(name).get_shape())
+            weights += count
+            size += count * handle.get_tensor(name).element_size()
+    return weights, size
 
 
 def test_a_relaunch_after_a_stop_mid_round_resumes_exactly(own, request, tmp_path):

@@ -69,7 +69,7 @@ def sampler(monkeypatch):
         built.adapter = (f"round-{round_index}", None)
 
     monkeypatch.setattr(client, "complete", complete)
-    monkeypatch.setattr(engine_module, "full_state_dict", lambda accelerator, model: {})
+    monkeypatch.setattr(engine_module, "adapter_state", lambda accelerator, model: ({}, 0))
     monkeypatch.setattr(engine_module, "saver", lambda accelerator, model: None)
     accelerator = SimpleNamespace(num_processes=1, is_main_process=True)
     # Three rounds of one step: the last sends none ahead.

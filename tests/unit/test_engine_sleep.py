@@ -68,10 +68,9 @@ class Policy:
 
 def sampler_for(fake_engine, monkeypatch, tmp_path, overrides, level):
     engine, calls = fake_engine
-    monkeypatch.setattr(engine_module, "full_state_dict", lambda accelerator, model: {})
+    monkeypatch.setattr(engine_module, "adapter_state", lambda accelerator, model: ({}, 0))
     monkeypatch.setattr(engine_module, "saver", lambda accelerator, model: Policy())
-    monkeypatch.setattr(engine_module, "unwrap", lambda accelerator, model: SimpleNamespace(config=None))
-    monkeypatch.setattr(engine_module, "write_weights", lambda config, state, folder: None)
+    monkeypatch.setattr(engine_module, "write_weights", lambda accelerator, model, folder: 0)
     accelerator = SimpleNamespace(num_processes=1, is_main_process=True)
     cfg = load_grpo_config(None, [*ENGINE, *overrides])
     sampler = EngineSampler(accelerator, cfg, engine, tmp_path, level)

@@ -76,7 +76,7 @@ class FakeEngine:
 def engine(monkeypatch):
     fake = FakeEngine()
     monkeypatch.setattr(client, "complete", fake.complete)
-    monkeypatch.setattr(engine_module, "full_state_dict", lambda accelerator, model: {})
+    monkeypatch.setattr(engine_module, "adapter_state", lambda accelerator, model: ({}, 0))
     monkeypatch.setattr(engine_module, "saver", lambda accelerator, model: None)
     samplers = []
 

@@ -26,9 +26,10 @@ import torch
 from accelerate.utils import broadcast_object_list
 from tqdm import tqdm
 
-from toolkit.checkpoint.export import full_state_dict, saver, write_folded_base
+from toolkit.checkpoint.export import saver, write_folded_base
+from toolkit.checkpoint.gather import adapter_state, write_weights
 from toolkit.checkpoint.rundir import ENGINE_DIR
-from toolkit.distributed import agreed_error, unwrap
+from toolkit.distributed import agreed_error
 from toolkit.engine import client
 from toolkit.engine.server import BASE_NAME, Engine, ServeSpec, has_gpu
 from toolkit.errors import UserError
@@ -100,6 +101,8 @@ class EngineSampler:
         """(name, folder) of the adapter the engine serves now."""
         self.weights = None
         """The folder of the full weights the engine serves now (full fine-tuning)."""
+        self.gathered_mb = 0.0
+        """Megabytes the last sync gathered onto the main process (the adapter, or the whole weights)."""
         self.ready = False
         self.version = 0
         """Rounds trained into the weights synced last."""
@@ -294,9 +297,17 @@ class EngineSampler:
         seconds it took (the first round's wait for the engine to start and its wake-up not counted)."""
         error = self._guarded(self._wait_ready)
         started, self.wake_seconds = time.perf_counter(), 0.0
-        state = full_state_dict(self.accelerator, model)
+        state = folder = None
+        if self.cfg.model.method == "full":  # written a block at a time as it is gathered
+            folder = self.folder / f"weights-round-{round_index}"
+            gathered = write_weights(
+                self.accelerator, model, None if self.engine is None or error else folder
+            )
+        else:
+            state, gathered = adapter_state(self.accelerator, model)
+        self.gathered_mb = gathered / 2**20
         if not error and self.cfg.model.method == "full":
-            error = self._guarded(self._reload, unwrap(self.accelerator, model), state, round_index)
+            error = self._guarded(self._reload, folder)
         elif not error:
             error = self._guarded(self._load, saver(self.accelerator, model), state, round_index)
         error = agreed_error(self.accelerator, error)
@@ -326,11 +337,9 @@ class EngineSampler:
             shutil.rmtree(self.adapter[1], ignore_errors=True)
         self.adapter = (name, folder)
 
-    def _reload(self, policy, state: dict, round_index: int) -> None:
-        """The whole weights as a checkpoint folder the engine reads in place of its own (the folder before
+    def _reload(self, folder: Path) -> None:
+        """The whole weights, written to `folder`, read by the engine in place of its own (the folder before
         deleted)."""
-        folder = self.folder / f"weights-round-{round_index}"
-        write_weights(policy.config, state, folder)
         self._wake("weights")  # after a level-2 sleep the KV cache comes back once the weights are in
         client.reload_weights(self.engine.url, str(folder.resolve()))
         self._wake("kv_cache")
@@ -393,19 +402,6 @@ def _served_base(cfg, folder: Path) -> str:
     target = folder / FOLDED_BASE
     write_folded_base(cfg.model.path, cfg.model.adapter, target, cfg.model.dtype, cfg.model.trust_remote_code)
     return str(target.resolve())
-
-
-def write_weights(config, state: dict, folder: Path) -> None:
-    """`state` as a Hugging Face checkpoint: config.json and one safetensors file. A tied output head is
-    written too (vLLM's in-place reload leaves a head it finds no weight for as it was)."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(str(folder))
-    tensors = {name: value.detach().cpu().clone().contiguous() for name, value in state.items()}
-    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _engine_dtype(cfg) -> str:

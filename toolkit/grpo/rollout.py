@@ -52,6 +52,8 @@ class Rollout:
     """(mean, max) |engine log-prob - trainer log-prob| over the round's sampled tokens (engine rounds)."""
     sync_seconds: float = 0.0
     """Seconds the round's weight sync to the engine took."""
+    sync_gathered_mb: float = 0.0
+    """Megabytes the round's weight sync gathered onto the main process."""
     rest_seconds: tuple[float, float] | None = None
     """(wake_s, sleep_s): the engine's wake-up before the round's sync and its sleep after its completions
     (grpo.vllm.sleep); None when it does not sleep."""
@@ -241,6 +243,7 @@ def generate(
     if engine_logps is not None:
         rollout.engine_logps, rollout.sync_seconds = engine_logps, sync_seconds
         rollout.rest_seconds = engine.rest_seconds()
+        rollout.sync_gathered_mb = engine.gathered_mb
         rollout.staleness = round_index - sampled.version if sampled is not None else 0
         # The trainer's log-probs of the sampled tokens as the round starts training: their gap to the
         # engine's (its weights one round older with grpo.async_rounds) is what the loss's TIS corrects.
@@ -426,6 +429,7 @@ class StepStats:
         if rollout.engine_gap is not None:
             values["engine_logprob_gap_mean"], values["engine_logprob_gap_max"] = rollout.engine_gap
             values["sync_s"] = rollout.sync_seconds if fresh else 0.0
+            values["sync_gathered_mb"] = rollout.sync_gathered_mb if fresh else 0.0
             values["staleness"] = rollout.staleness
             if self.cfg.grpo.engine_is_cap > 0:
                 values["engine_is_weight_mean"] = is_weight / max(tokens, 1)
