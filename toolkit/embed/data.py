@@ -84,6 +84,20 @@ def read_triplets(name: str, split: str) -> list[Triplet]:
     return triplets
 
 
+def check_sources(cfg: DataConfig, sample: int) -> str:
+    """The opening `sample` records of each training and held-out source read as triplets (what
+    `ftkit check-config` reports; a mistake is one line naming the file, line and column)."""
+    widths = set()
+    for name in [*train_sources(cfg), *([cfg.eval] if cfg.eval else [])]:
+        for chunk in read_source(name, cfg.split).read(sample):
+            records = chunk.records()
+            widths |= {len(to_triplet(record, chunk.where(i)).negatives) for i, record in enumerate(records)}
+            break
+    counts = ", ".join(str(w) for w in sorted(widths))
+    opening = f"the opening {sample} records of each source read"
+    return f"embedding triplets: {opening} ({counts} hard negatives a row)"
+
+
 def encode_triplets(triplets: list[Triplet], tokenizer, max_length: int, prefix: str) -> datasets.Dataset:
     """Token ids of each row's anchor (after `prefix`), positive and negatives."""
 
