@@ -1,0 +1,161 @@
+"""recipes/embed_llm.py end to end on the embedded model: held-out retrieval before and after, a
+sentence-transformers folder that embeds as ftkit does, exact resume, a cached step (GradCache) equal to the
+one-pass step, and DDP, FSDP2 and ZeRO-3 on 2 gloo processes giving one process's per-step losses (the
+negatives gathered from both processes).
+
+Launches: started warm (tests/warm.py); one per backend, the single-process runs in-process children."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, run_script, train_lines
+
+from toolkit.commands import cli
+from toolkit.embed.data import read_triplets
+from toolkit.embed.evaluate import retrieval_set
+from toolkit.embed.metrics import retrieval_metrics
+from toolkit.embed.saved import load_embedder
+from toolkit.train.metrics import read_metrics
+
+RECIPE = REPO / "recipes" / "embed_llm.py"
+STEPS = 3
+METRICS = ("loss", "in_batch_accuracy", "queries_per_s", "grad_norm")
+DEMO = REPO / "toolkit" / "assets" / "demo"
+
+
+@pytest.fixture(scope="module")
+def triplet_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("triplets")
+    for name, rows in (("train", 48), ("eval", 12)):
+        lines = (DEMO / f"embed_{name}.jsonl").read_text().splitlines(True)[:rows]
+        (root / f"{name}.jsonl").write_text("".join(lines))
+    return root
+
+
+def run_embed(out: Path, files: Path, *overrides: str, processes: int = 0, config: str = ""):
+    args = [
+        f"output_dir={out}",
+        f"data.train={files / 'train.jsonl'}",
+        f"data.eval={files / 'eval.jsonl'}",
+        f"train.max_steps={STEPS}",
+        "train.log_every_steps=1",
+        "train.warmup_steps=0",
+        "train.lr_scheduler=constant",
+        "train.learning_rate=2e-3",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=8",
+        "data.max_length=24",
+        "embed.matryoshka_dims=[32]",
+        *overrides,
+    ]
+    return run_script(RECIPE, args, out, processes, config)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, triplet_files):
+    out = tmp_path_factory.mktemp("embed") / "run"
+    return out, run_embed(out, triplet_files, "train.save_every_steps=1")
+
+
+def evaluations(out: Path) -> list[dict]:
+    return [r for r in read_metrics(out / "metrics.jsonl") if "eval_recall@1" in r]
+
+
+def test_run_logs_retrieval_and_exports_a_sentence_transformers_folder(single, triplet_files):
+    from sentence_transformers import SentenceTransformer
+
+    out, result = single
+    lines = train_lines(out)
+    assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
+    assert all(key in lines[-1] for key in METRICS)
+    before, after = evaluations(out)
+    assert (before["step"], after["step"], after["eval_corpus"]) == (0, STEPS, 24)
+    assert "result: held-out recall@1 " in result.stdout and "over 24 passages (chance 4.2%)" in result.stdout
+    assert "try: ftkit embed --model" in result.stdout
+    final = out / "final"
+    assert (final / "adapter" / "adapter_config.json").is_file()  # kept beside the merged model
+    # The folder embeds, through sentence-transformers and through ftkit's reader, as the run measured.
+    rows = read_triplets(str(triplet_files / "eval.jsonl"), "train")
+    queries, corpus, relevant = retrieval_set(rows, "")
+    ours = load_embedder(final)
+    theirs = SentenceTransformer(str(final), device="cpu")
+    by_ftkit = ours.encode(queries, query=True), ours.encode(corpus)
+    by_st = (
+        theirs.encode_query(queries, convert_to_tensor=True),
+        theirs.encode(corpus, convert_to_tensor=True),
+    )
+    for a, b in zip(by_ftkit, by_st, strict=True):
+        torch.testing.assert_close(a, b.float(), atol=1e-5, rtol=0)
+    measured = retrieval_metrics(by_ftkit[0] @ by_ftkit[1].T, relevant, 5, prefix="eval_")
+    for key, value in measured.items():
+        assert value == pytest.approx(after[key], abs=1e-6), key
+
+
+def test_ftkit_embed_prints_vectors_and_similarities(single, capsys):
+    out, _ = single
+    final = str(out / "final")
+    texts = ["The sum of 19 and 36 is 55.", "Adding 5 and 57 gives 62."]
+    assert cli.main(["embed", "--model", final, "--text", texts[0]]) == 0
+    vector = json.loads(capsys.readouterr().out.strip())
+    expected = load_embedder(final).encode(texts[:1])[0]
+    assert len(vector) == 160 and vector == pytest.approx(expected.tolist(), abs=1e-6)
+    assert (
+        cli.main(
+            [
+                "embed",
+                "--model",
+                final,
+                "--query",
+                "What is 19 plus 36?",
+                *sum([["--text", t] for t in texts], []),
+            ]
+        )
+        == 0
+    )
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split("\t")[1] for line in lines] == texts
+    assert all(-1 <= float(line.split("\t")[0]) <= 1 for line in lines)
+
+
+def test_resume_continues_exactly(single, triplet_files, tmp_path):
+    out, _ = single
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    for later in (copy / "checkpoints").glob("step-*"):
+        if int(later.name[5:]) > 1:
+            shutil.rmtree(later)
+    shutil.rmtree(copy / "final")
+    run_embed(copy, triplet_files, "train.save_every_steps=1")
+    expected, resumed = train_lines(out), train_lines(copy)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for a, b in zip(expected[1:], resumed[1:], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+
+
+def test_a_cached_step_gives_the_one_pass_loss(single, triplet_files, tmp_path):
+    """Two micro-batches a step: embedded without gradients, the loss over both, then each re-run with its
+    gradient (GradCache): the same per-step losses as one pass over the whole batch."""
+    out, _ = single
+    run = tmp_path / "run"
+    run_embed(run, triplet_files, "train.micro_batch_size=4")
+    for a, b in zip(train_lines(out), train_lines(run), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("config", "micro"), [("ddp", 4), ("fsdp", 2), ("zero3", 4)])
+def test_backend_gives_one_process_loss(config, micro, single, triplet_files, tmp_path):
+    """Each process embeds half the batch; its queries meet the other's passages through the gathered
+    vectors (FSDP2 in two cached micro-batches a process)."""
+    out, _ = single
+    run = tmp_path / "run"
+    run_embed(run, triplet_files, f"train.micro_batch_size={micro}", processes=2, config=config)
+    expected, got = train_lines(out), train_lines(run)
+    assert len(got) == STEPS
+    for a, b in zip(expected, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), config
+    for a, b in zip(evaluations(out), evaluations(run), strict=True):
+        assert b["eval_ndcg@10"] == pytest.approx(a["eval_ndcg@10"], abs=1e-5), config
