@@ -169,3 +169,29 @@ def test_retrieval_metrics_by_hand():
     two = retrieval_metrics(torch.tensor([[0.9, 0.1, 0.5]]), [[0, 1]], 2)
     assert two["ndcg@10"] == pytest.approx((1 + 1 / math.log2(4)) / (1 + 1 / math.log2(3)))
     assert two["recall@2"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["train.global_batch_size=1", "train.micro_batch_size=1"],
+            "train.global_batch_size: 1 leaves a query no in-batch negative",
+        ),
+        (["model.path=MODEL"], "cannot tell how to pool its embeddings"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, overrides, message):
+    from helpers import load_recipe
+
+    from toolkit.errors import run_main
+
+    model = tmp_path / "vision-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    out = tmp_path / "run"
+    argv = [f"output_dir={out}", *(o.replace("MODEL", str(model)) for o in overrides)]
+    assert run_main(load_recipe("embed_llm").main, argv, "embed_llm") == 2
+    shown = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(shown) == 1 and message in shown[0], shown
+    assert not out.exists()
