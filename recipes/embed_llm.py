@@ -1,12 +1,13 @@
-"""Embedding models: a decoder or encoder's pooled hidden states trained with InfoNCE over in-batch and hard
-negatives (gathered from every process with their gradients), full, LoRA or QLoRA, on any backend.
+"""Embedding models and rerankers: a decoder's pooled hidden states trained with InfoNCE over in-batch and
+hard negatives (gathered from every process with their gradients), or a cross-encoder's score of a query and
+a passage (listwise or pointwise); full, LoRA or QLoRA, on any data-parallel backend.
 
     accelerate launch [--config_file accelerate_configs/<backend>.yaml] recipes/embed_llm.py \\
         [--config recipes/configs/<run>.yaml] [dotted.key=value ...]
 
 With no arguments it teaches the embedded tiny model to find, for a question, the passage that answers it
 (recipes/configs/demo-embed.yaml). Set-up, resume, step machinery and checkpoints are every recipe's; the
-data layouts, pooling, loss, retrieval metrics and the sentence-transformers export are toolkit/embed/'s.
+data layouts, pooling, losses, retrieval metrics and the sentence-transformers export are toolkit/embed/'s.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import functools
 import torch
 
 from toolkit import data
+from toolkit.embed import classify, evaluate, export, pooling, rerank
 from toolkit.embed import config as embed_config
 from toolkit.embed import data as embed_data
-from toolkit.embed import evaluate, export, pooling
 from toolkit.embed import loss as embed_loss
 from toolkit.entry import exit_with, recipe_args
 from toolkit.errors import UserError
@@ -29,22 +30,35 @@ from toolkit.train import loss
 def main(argv: list[str]) -> int:
     args = recipe_args(argv, __doc__, "recipes/configs/demo-embed.yaml", "embed.temperature=0.02")
     cfg = embed_config.load_embed_config(args.config, args.overrides)
-    mode = pooling.model_pooling(cfg.model, cfg.embed.pooling)  # a model it cannot pool stops here
+    # Mistakes found before anything is written: a model it cannot pool, a reranker's file without scores,
+    # a classifier's label outside embed.labels.
+    mode = None
+    if cfg.embed.task == "reranker":
+        rerank.check_first_records(cfg.data, cfg.embed.rerank_loss == "listwise")
+    elif cfg.embed.task == "classifier":
+        classify.check_labels(cfg.data, cfg.embed.labels)
+    else:
+        mode = pooling.model_pooling(cfg.model, cfg.embed.pooling)
     with Run.start(cfg, args.config or str(embed_config.DEMO_EMBED_CONFIG), "embed_llm") as run:
-        return train(run, cfg, mode)
+        if run.launch.mesh.data_parallel != run.launch.world_size:
+            raise UserError(
+                "embed_llm trains data-parallel only (ddp, fsdp, zero); launch without tp, sp, ep"
+            )
+        with run.interruptible():
+            tokenizer = run.chat_tokenizer()
+            if run.images is not None:
+                raise UserError(
+                    f"model.path: {cfg.model.path} is a vision-language model; embed_llm reads text"
+                )
+            tokenizer.padding_side = "right"
+        if cfg.embed.task == "embedding":
+            return train_embeddings(run, cfg, tokenizer, mode)
+        return train_head(run, cfg, tokenizer)
 
 
-def train(run: Run, cfg, mode: str) -> int:
+def train_embeddings(run: Run, cfg, tokenizer, mode: str) -> int:
     accelerator, embed = run.accelerator, cfg.embed
-    if run.launch.mesh.data_parallel != run.launch.world_size:
-        raise UserError("embeddings train data-parallel only (ddp, fsdp, zero); launch without tp, sp or ep")
-
-    # Texts and model: a stop here ends the run at once.
-    with run.interruptible():
-        tokenizer = run.chat_tokenizer()
-        if run.images is not None:
-            raise UserError(f"model.path: {cfg.model.path} is a vision-language model; embeddings are text")
-        tokenizer.padding_side = "right"
+    with run.interruptible():  # a stop while the data and model load ends the run at once
         sets = embed_data.build_embed_data(
             cfg.data, tokenizer, embed.query_prefix, cfg.seed, accelerator.main_process_first
         )
@@ -88,26 +102,93 @@ def train(run: Run, cfg, mode: str) -> int:
                 accelerator.backward(terms.loss_sum * scale)
         sums = run.global_sum(torch.tensor([terms.loss_sum.item(), terms.correct], device=accelerator.device))
         step_loss, accuracy = (sums / queries).tolist()
-        grad_norm = run.update(model, optimizer, scheduler, step, step_loss)
-        per_second = {"queries": queries}
-        run.log_step(
-            step,
-            scheduler,
-            step_tokens,
-            queries,
-            per_second,
-            loss=step_loss,
-            in_batch_accuracy=accuracy,
-            grad_norm=grad_norm,
-        )
-        eval_result = evaluator.evaluate(step) if run.evaluating(step) else {}
-        run.maybe_checkpoint(step, eval_result)
-        if run.should_stop():
+        if not finish_step(
+            run, model, optimizer, scheduler, evaluator, step, step_loss, step_tokens, queries, accuracy
+        ):
             return run.stopped(step)
 
     # Finish: final checkpoint, held-out retrieval after training, the sentence-transformers folder.
     write = functools.partial(export.export_embedder, pooling=mode)
     return run.finish(model, tokenizer, evaluator, export=write, closing=evaluator.closing)
+
+
+def train_head(run: Run, cfg, tokenizer) -> int:
+    """A reranker (one score per query-passage pair) or a classifier (one number per label)."""
+    accelerator, embed = run.accelerator, cfg.embed
+    pad = tokenizer.pad_token_id
+    with run.interruptible():  # a stop while the data and model load ends the run at once
+        if embed.task == "reranker":
+            listwise = embed.rerank_loss == "listwise"
+            sets = rerank.build_rerank_data(
+                cfg.data, tokenizer, listwise, cfg.seed, accelerator.main_process_first
+            )
+            collate, labels = rerank.CandidateCollator(pad), 1
+            terms = functools.partial(rerank.rerank_terms, listwise=listwise)
+        else:
+            sets = classify.build_labelled_data(
+                cfg.data, tokenizer, embed.labels, cfg.seed, accelerator.main_process_first
+            )
+            collate, labels, terms = classify.LabelCollator(pad), len(embed.labels), classify.class_terms
+        accelerator.print(sets.summary())
+        loader, sampler = data.train_loader(sets.train, cfg.data, cfg.train, pad, cfg.seed, False, collate)
+        model = run.load_model(scalar_head=True, num_labels=labels)
+        model.config.pad_token_id = pad  # the head reads each row's last real token
+    optimizer, scheduler = run.optimizer(model)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    if embed.task == "reranker":
+        evaluator = evaluate.RerankEvaluator(accelerator, model, tokenizer, sets.eval, cfg, run.log)
+    else:
+        evaluator = evaluate.ClassifierEvaluator(accelerator, model, tokenizer, sets.eval, cfg, run.log)
+    start_step = run.begin(model, evaluator)
+
+    # The loop: each row's loss stands alone, so micro-batches accumulate as in every recipe.
+    model.train()
+    for step, micro_batches in run.steps(loader, sampler, start_step, desc=embed.task):
+        rows, step_tokens = run.global_counts(
+            [
+                sum(row_count(b) for b in micro_batches),
+                sum(int(b["attention_mask"].sum()) for b in micro_batches),
+            ]
+        )
+        scale = loss.backward_scale(rows, run.grad_accum, run.gradient_ranks)
+        sums = torch.zeros(2, device=accelerator.device)
+        for batch in micro_batches:
+            with accelerator.accumulate(model), run.micro_batch():
+                summed, correct, _ = terms(model, batch)
+                accelerator.backward(summed * scale)
+            sums += torch.stack([summed.detach(), torch.tensor(float(correct), device=accelerator.device)])
+        step_loss, accuracy = (run.global_sum(sums) / rows).tolist()
+        if not finish_step(
+            run, model, optimizer, scheduler, evaluator, step, step_loss, step_tokens, rows, accuracy
+        ):
+            return run.stopped(step)
+
+    # Finish: final checkpoint, the held-out evaluation after training, the exported folder.
+    write = export.export_reranker if embed.task == "reranker" else export.export_classifier
+    return run.finish(model, tokenizer, evaluator, export=write, closing=evaluator.closing)
+
+
+def row_count(batch: dict) -> int:
+    """Queries (a reranker's candidate lists) or texts (a classifier's) in `batch`."""
+    return len(batch["scores"]) if "scores" in batch else len(batch["label"])
+
+
+def finish_step(run: Run, model, optimizer, scheduler, evaluator, step, step_loss, tokens, queries, accuracy):
+    """The update, the step's metrics, an evaluation and a checkpoint when due; False when the run stops."""
+    grad_norm = run.update(model, optimizer, scheduler, step, step_loss)
+    run.log_step(
+        step,
+        scheduler,
+        tokens,
+        queries,
+        {"queries": queries},
+        loss=step_loss,
+        top1_accuracy=accuracy,
+        grad_norm=grad_norm,
+    )
+    eval_result = evaluator.evaluate(step) if run.evaluating(step) else {}
+    run.maybe_checkpoint(step, eval_result)
+    return not run.should_stop()
 
 
 if __name__ == "__main__":

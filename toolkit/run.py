@@ -149,14 +149,14 @@ class Run:
         loaders choose their own."""
         return data.VisionCollator(pad_id, self.images) if self.images is not None else None
 
-    def load_model(self, scalar_head: bool = False, bare: bool = False):
-        """The model to train (a reward model's with `scalar_head`, an embedding model's `bare`), on this
-        rank's device, announced; every forward pass counts as progress.
+    def load_model(self, scalar_head: bool = False, bare: bool = False, num_labels: int = 1):
+        """The model to train (a reward model's with `scalar_head`, `num_labels` wide for a classifier; an
+        embedding model's `bare`), on this rank's device, announced; every forward pass counts as progress.
 
         Under a pipeline each process keeps only its stages, and the processes of a machine load in turn:
         its memory holds one whole model at a time, not one per process."""
         if self.launch.mesh.pp == 1:
-            return self._loaded(scalar_head, bare)
+            return self._loaded(scalar_head, bare, num_labels)
         model = None
         for turn in range(self.launch.procs_per_node):
             if turn == self.accelerator.local_process_index:
@@ -165,7 +165,7 @@ class Run:
             self.accelerator.wait_for_everyone()
         return model
 
-    def _loaded(self, scalar_head: bool = False, bare: bool = False):
+    def _loaded(self, scalar_head: bool = False, bare: bool = False, num_labels: int = 1):
         cfg = self.cfg
         cast = quant.cast_dtype(self.launch.backend, self.launch.fsdp_version, cfg.train.mixed_precision)
         model = models.load_model(
@@ -179,6 +179,7 @@ class Run:
             parts=cfg.vision,
             scalar_head=scalar_head,
             bare=bare,
+            num_labels=num_labels,
         )
         self.compiled = compile_cache.open_cache(
             cfg.model.compile_cache, self.output_dir, self.features.compile

@@ -22,7 +22,7 @@ from toolkit.train.metrics import read_metrics
 
 RECIPE = REPO / "recipes" / "embed_llm.py"
 STEPS = 3
-METRICS = ("loss", "in_batch_accuracy", "queries_per_s", "grad_norm")
+METRICS = ("loss", "top1_accuracy", "queries_per_s", "grad_norm")
 DEMO = REPO / "toolkit" / "assets" / "demo"
 
 
@@ -159,3 +159,91 @@ def test_backend_gives_one_process_loss(config, micro, single, triplet_files, tm
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), config
     for a, b in zip(evaluations(out), evaluations(run), strict=True):
         assert b["eval_ndcg@10"] == pytest.approx(a["eval_ndcg@10"], abs=1e-5), config
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory, triplet_files):
+    out = tmp_path_factory.mktemp("rerank") / "run"
+    return out, run_embed(out, triplet_files, "embed.task=reranker", "data.max_length=40")
+
+
+def test_a_listwise_reranker_exports_a_cross_encoder_scoring_as_ftkit(reranker, triplet_files, capsys):
+    from sentence_transformers import CrossEncoder
+
+    from toolkit.embed.metrics import rank_metrics, relevant_ranks
+    from toolkit.embed.rerank import from_triplet
+    from toolkit.embed.saved import load_reranker
+
+    out, result = reranker
+    assert [r["step"] for r in train_lines(out)] == list(range(1, STEPS + 1))
+    before, after = [r for r in read_metrics(out / "metrics.jsonl") if "eval_ndcg@10" in r]
+    assert (
+        "result: held-out reranking NDCG@10 " in result.stdout
+        and "12 candidate lists (2 candidates each)" in result.stdout
+    )
+    final = out / "final"
+    ours, theirs = load_reranker(final), CrossEncoder(str(final), device="cpu")
+    ranks = []
+    for candidates in map(from_triplet, read_triplets(str(triplet_files / "eval.jsonl"), "train")):
+        scores = ours.score(candidates.query, candidates.passages)
+        pairs = [[candidates.query, p] for p in candidates.passages]
+        by_st = torch.as_tensor(theirs.predict(pairs, activation_fn=torch.nn.Identity()))
+        torch.testing.assert_close(scores, by_st.float(), atol=1e-5, rtol=0)
+        ranks += relevant_ranks(scores[None], [[0]])
+    for key, value in rank_metrics(ranks, 5, prefix="eval_").items():
+        assert value == pytest.approx(after[key], abs=1e-6), key
+    assert cli.main(["embed", "--model", str(final), "--query", "What is 19 plus 36?", "--text", "x"]) == 0
+    assert capsys.readouterr().out.strip().endswith("\tx")
+
+
+def test_a_pointwise_reranker_trains_on_scored_pairs(triplet_files, tmp_path):
+    points = tmp_path / "points.jsonl"
+    with points.open("w") as f:
+        for row in read_triplets(str(triplet_files / "train.jsonl"), "train"):
+            for passage, score in ((row.positive, 1.0), (row.negatives[0], 0.0)):
+                f.write(json.dumps({"query": row.anchor, "passage": passage, "score": score}) + "\n")
+    out = tmp_path / "run"
+    run_embed(
+        out,
+        triplet_files,
+        "embed.task=reranker",
+        "embed.rerank_loss=pointwise",
+        f"data.train={points}",
+        "data.eval=null",
+        "data.eval_fraction=0.1",
+        "data.max_length=40",
+    )
+    lines = train_lines(out)
+    assert len(lines) == STEPS and all(0 < r["loss"] < 2 for r in lines)
+    assert (out / "final" / "config_sentence_transformers.json").is_file()
+
+
+FORMS = {"What is": "symbol", "Compute": "compute", "Add": "add"}
+
+
+def test_a_classifier_learns_labels_and_exports_a_sequence_classifier(triplet_files, tmp_path, capsys):
+    """Intent-like labels (which form a question takes): accuracy and F1 per label held out, a label outside
+    the set refused, the export a sequence classifier with the labels' names."""
+    from transformers import AutoModelForSequenceClassification
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for name in ("train", "eval"):
+        with (texts / f"{name}.jsonl").open("w") as f:
+            for row in read_triplets(str(triplet_files / f"{name}.jsonl"), "train"):
+                label = next(v for k, v in FORMS.items() if row.anchor.startswith(k))
+                label = "word" if label == "symbol" and "plus" in row.anchor else label
+                f.write(json.dumps({"text": row.anchor, "label": label}) + "\n")
+    out = tmp_path / "run"
+    result = run_embed(
+        out, texts, "embed.task=classifier", "embed.labels=[symbol, word, compute, add]", "train.max_steps=4"
+    )
+    before, after = [r for r in read_metrics(out / "metrics.jsonl") if "eval_accuracy" in r]
+    assert {"eval_macro_f1", "eval_f1/symbol", "eval_f1/add"} <= set(after)
+    assert "result: held-out accuracy " in result.stdout and "over 12 texts, macro F1" in result.stdout
+    model = AutoModelForSequenceClassification.from_pretrained(out / "final")
+    assert model.config.id2label == {0: "symbol", 1: "word", 2: "compute", 3: "add"}
+    assert cli.main(["embed", "--model", str(out / "final"), "--text", "Add 3 and 4."]) == 0
+    label, probability, text = capsys.readouterr().out.strip().split("\t")
+    assert label in FORMS.values() or label == "word"
+    assert 0 < float(probability) <= 1 and text == "Add 3 and 4."

@@ -195,3 +195,79 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, over
     shown = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(shown) == 1 and message in shown[0], shown
     assert not out.exists()
+
+
+def test_scored_pairs_and_their_one_line_refusals(tmp_path):
+    from toolkit.embed.rerank import grouped, read_candidates
+
+    rows = [{"query": "q", "passage": "p", "score": 1}, {"sentence1": "q", "sentence2": "n", "label": 0.0}]
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    lists = grouped(read_candidates(str(path), "train", listwise=False))
+    assert [(c.query, c.passages, c.scores) for c in lists] == [("q", ["p", "n"], [1.0, 0.0])]
+    write_jsonl(path, [{"query": "q", "passage": "p"}])
+    with pytest.raises(UserError, match=r"pairs\.jsonl:1: no score column \(score or label\)"):
+        read_candidates(str(path), "train", listwise=False)
+    write_jsonl(path, [{"query": "q", "passage": "p", "score": 3}])
+    with pytest.raises(UserError, match=r"pairs\.jsonl:1: column 'score' must be a number from 0 to 1"):
+        read_candidates(str(path), "train", listwise=False)
+    write_jsonl(path, [{"anchor": "q", "positive": "p"}])
+    with pytest.raises(UserError, match="listwise needs a hard negative in every row"):
+        read_candidates(str(path), "train", listwise=True)
+
+
+def test_rerank_losses_by_hand():
+    from toolkit.embed.rerank import rerank_loss
+
+    scores = torch.tensor([2.0, 0.5, -1.0, 1.0, 0.0, 3.0])
+    targets = torch.tensor([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    listwise = sum(-(row[0] - torch.logsumexp(row, 0)) for row in scores.view(2, 3))
+    assert rerank_loss(scores, targets, listwise=True).item() == pytest.approx(listwise.item())
+    pointwise = -(
+        torch.log(torch.sigmoid(scores[[0, 3]])).sum()
+        + torch.log(1 - torch.sigmoid(scores[[1, 2, 4, 5]])).sum()
+    )
+    assert rerank_loss(scores, targets, listwise=False).item() == pytest.approx(pointwise.item(), rel=1e-6)
+
+
+def test_a_reranker_file_without_scores_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
+    from helpers import load_recipe
+
+    from toolkit.errors import run_main
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", [{"query": "q", "passage": "p"}])
+    out = tmp_path / "run"
+    argv = [f"output_dir={out}", "embed.task=reranker", "embed.rerank_loss=pointwise", f"data.train={data}"]
+    assert run_main(load_recipe("embed_llm").main, argv, "embed_llm") == 2
+    shown = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(shown) == 1 and "pairs.jsonl:1: no score column" in shown[0], shown
+    assert not out.exists()
+
+
+def test_labelled_texts_metrics_and_a_label_outside_the_set(tmp_path, capsys):
+    from helpers import load_recipe
+
+    from toolkit.embed.classify import class_metrics, read_labelled
+    from toolkit.errors import run_main
+
+    path = write_jsonl(
+        tmp_path / "texts.jsonl", [{"text": "hi", "label": "greet"}, {"sentence": "x", "label": "other"}]
+    )
+    assert [(r.text, r.label) for r in read_labelled(str(path), "train", ["other", "greet"])] == [
+        ("hi", 1),
+        ("x", 0),
+    ]
+    got = class_metrics([0, 1, 1, 2], [0, 1, 2, 2], ["a", "b", "c"])
+    assert got["accuracy"] == 0.75
+    assert (got["f1/a"], got["f1/b"], got["f1/c"]) == (1.0, pytest.approx(2 / 3), pytest.approx(2 / 3))
+    assert got["macro_f1"] == pytest.approx((1 + 4 / 3) / 3)
+    out = tmp_path / "run"
+    argv = [f"output_dir={out}", "embed.task=classifier", "embed.labels=[greet]", f"data.train={path}"]
+    assert run_main(load_recipe("embed_llm").main, argv, "embed_llm") == 2
+    argv[2] = "embed.labels=[greet, bye]"
+    assert run_main(load_recipe("embed_llm").main, argv, "embed_llm") == 2
+    shown = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert "embed.labels: a classifier needs 2 or more distinct labels" in shown[0]
+    assert shown[1].endswith(
+        "texts.jsonl:2: column 'label': 'other' is not one of embed.labels ['greet', 'bye']"
+    )
+    assert len(shown) == 2 and not out.exists()

@@ -243,7 +243,7 @@ def _expected_shapes(path: Path, trust_remote_code: bool) -> tuple[dict[str, tup
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     head = scalar.saved_scalar(path)
     if head:
-        config.num_labels = 1
+        config.num_labels = scalar.saved_labels(path)
     if backbone.saved_bare(path):
         cls = backbone.auto_class()
     else:

@@ -16,12 +16,19 @@ Pooling = Literal["auto", "last", "mean", "cls"]
 
 @dataclass
 class EmbedConfig:
-    task: Literal["embedding"] = "embedding"
-    """What the model learns: embedding (texts to vectors, compared by cosine similarity)."""
+    task: Literal["embedding", "reranker", "classifier"] = "embedding"
+    """What the model learns: embedding (texts to vectors, compared by cosine similarity), reranker (a
+    cross-encoder: one score for a query and a passage read together) or classifier (a label per text)."""
+    labels: list[str] = field(default_factory=list)
+    """A classifier's labels, the only ones its data may hold (intent names, safe/unsafe, ...)."""
+    rerank_loss: Literal["listwise", "pointwise"] = "listwise"
+    """A reranker's loss: listwise (softmax cross-entropy of each row's positive against its hard
+    negatives; triplet rows) or pointwise (binary cross-entropy against each (query, passage, score) row's
+    score, from 0 to 1)."""
     pooling: Pooling = "auto"
-    """How a text's token states become one vector: last (the last real token, for decoders), mean (over
-    the real tokens), cls (the first token); auto: last for a decoder, mean for an encoder, or what a
-    sentence-transformers folder says."""
+    """Embeddings: how a text's token states become one vector: last (the last real token, for decoders),
+    mean (over the real tokens), cls (the first token); auto: last for a decoder, mean for an encoder, or
+    what a sentence-transformers folder says."""
     query_prefix: str = ""
     """Text put before every query (anchor), never before passages: an instruction such as
     "Instruct: Given a question, find the passage that answers it\\nQuery: " (Qwen3-Embedding's form)."""
@@ -64,6 +71,8 @@ def validate_embed(cfg: EmbedRecipeConfig) -> None:
         raise UserError("pipeline.size: embeddings do not train on a pipeline; use ddp, fsdp or zero3")
     if cfg.model.adapter:
         raise UserError("model.adapter: an embedding run starts from a base model, not an adapter")
+    if cfg.embed.task == "classifier" and len(set(cfg.embed.labels)) != max(len(cfg.embed.labels), 2):
+        raise UserError(f"embed.labels: a classifier needs 2 or more distinct labels, got {cfg.embed.labels}")
     if sorted(set(cfg.embed.matryoshka_dims), reverse=True) != cfg.embed.matryoshka_dims:
         raise UserError(
             f"embed.matryoshka_dims: {cfg.embed.matryoshka_dims}: give distinct sizes, largest first"

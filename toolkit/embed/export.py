@@ -13,6 +13,7 @@ from pathlib import Path
 from toolkit.checkpoint import export
 from toolkit.embed.pooling import POOLING_CONFIG, ST_KEYS
 
+ST_TRANSFORMER = "sentence_transformers.models.Transformer"
 ADAPTER = "adapter"
 """Where final/ keeps a LoRA run's adapter beside the merged model."""
 
@@ -20,29 +21,75 @@ ADAPTER = "adapter"
 def export_embedder(accelerator, model, tokenizer, cfg, output_dir: Path, pooling: str) -> Path:
     """Collective: output_dir/final as a sentence-transformers folder (a LoRA or QLoRA run's adapter merged
     in, the adapter itself kept in final/adapter)."""
-    final = output_dir / "final"
-    tokenizer.padding_side = "right"  # the last real token sits where pooling looks for it
-    if cfg.model.method == "full":
-        export.export_model(accelerator, model, tokenizer, final, cfg.export.dtype)
-    else:
-        adapter = output_dir / f"{final.name}.{ADAPTER}"
-        export.export_model(accelerator, model, tokenizer, adapter, cfg.export.dtype)
-        if accelerator.is_main_process:
-            shutil.rmtree(final, ignore_errors=True)
-            qlora = cfg.model.method == "qlora"
-            export.merge_adapter(adapter, final, cfg.export.dtype, dequantized=qlora)
-            adapter.rename(final / ADAPTER)
+    final = _write_weights(accelerator, model, tokenizer, cfg, output_dir)
     if accelerator.is_main_process:
         write_modules(final, pooling, cfg.data.max_length, cfg.embed.query_prefix)
     accelerator.wait_for_everyone()
     return final
 
 
+def export_reranker(accelerator, model, tokenizer, cfg, output_dir: Path) -> Path:
+    """Collective: output_dir/final as a folder sentence-transformers' CrossEncoder loads (a sequence
+    classifier with one label, an adapter merged in and kept in final/adapter)."""
+    final = _write_weights(accelerator, model, tokenizer, cfg, output_dir)
+    if accelerator.is_main_process:
+        write_cross_encoder(final, cfg.data.max_length)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def export_classifier(accelerator, model, tokenizer, cfg, output_dir: Path) -> Path:
+    """Collective: output_dir/final as a sequence classifier any tool loads (an adapter merged in and kept
+    in final/adapter), its labels named as embed.labels names them."""
+    final = _write_weights(accelerator, model, tokenizer, cfg, output_dir)
+    if accelerator.is_main_process:
+        config = json.loads((final / "config.json").read_text())
+        config["id2label"] = dict(enumerate(cfg.embed.labels))
+        config["label2id"] = {label: i for i, label in enumerate(cfg.embed.labels)}
+        (final / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _write_weights(accelerator, model, tokenizer, cfg, output_dir: Path) -> Path:
+    """Collective: the trained weights whole in output_dir/final (an adapter merged into its base)."""
+    final = output_dir / "final"
+    tokenizer.padding_side = "right"  # the last real token sits where pooling looks for it
+    if cfg.model.method == "full":
+        export.export_model(accelerator, model, tokenizer, final, cfg.export.dtype)
+        return final
+    adapter = output_dir / f"{final.name}.{ADAPTER}"
+    export.export_model(accelerator, model, tokenizer, adapter, cfg.export.dtype)
+    if accelerator.is_main_process:
+        shutil.rmtree(final, ignore_errors=True)
+        export.merge_adapter(adapter, final, cfg.export.dtype, dequantized=cfg.model.method == "qlora")
+        adapter.rename(final / ADAPTER)
+    return final
+
+
+def write_cross_encoder(folder: Path, max_length: int) -> None:
+    """sentence-transformers' description of the cross-encoder saved in `folder`: pairs read as text (not
+    through the chat template), the head's logits as the score."""
+    logits = {"method": "forward", "method_output_name": "logits"}
+    files = {
+        "modules.json": [{"idx": 0, "name": "0", "path": "", "type": ST_TRANSFORMER}],
+        "sentence_bert_config.json": {
+            "transformer_task": "sequence-classification",
+            "modality_config": {"text": logits},
+            "module_output_name": "scores",
+            "max_seq_length": max_length,
+        },
+        "config_sentence_transformers.json": {"model_type": "CrossEncoder"},
+    }
+    for name, content in files.items():
+        (folder / name).write_text(json.dumps(content, indent=2) + "\n")
+
+
 def write_modules(folder: Path, pooling: str, max_length: int, query_prefix: str) -> None:
     """sentence-transformers' description of the model saved in `folder`."""
     width = json.loads((folder / "config.json").read_text())["hidden_size"]
     modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 0, "name": "0", "path": "", "type": ST_TRANSFORMER},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
         {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
     ]

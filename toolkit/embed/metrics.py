@@ -23,11 +23,16 @@ def relevant_ranks(scores: torch.Tensor, relevant: list[list[int]]) -> list[list
 def retrieval_metrics(scores: torch.Tensor, relevant: list[list[int]], k: int, prefix: str = "") -> dict:
     """ndcg@10, mrr@10, recall@1 and recall@k (the share of relevant documents in the top k), averaged
     over queries."""
+    return rank_metrics(relevant_ranks(scores, relevant), k, prefix)
+
+
+def rank_metrics(ranks_per_query: list[list[int]], k: int, prefix: str = "") -> dict:
+    """`retrieval_metrics` from each query's relevant documents' ranks."""
     per_query = {"ndcg@10": [], "mrr@10": [], "recall@1": [], f"recall@{k}": []}
-    for ranks in relevant_ranks(scores, relevant):
+    for ranks in ranks_per_query:
         ideal = sum(1 / math.log2(i + 2) for i in range(min(len(ranks), 10)))
         per_query["ndcg@10"].append(sum(1 / math.log2(r + 1) for r in ranks if r <= 10) / ideal)
         per_query["mrr@10"].append(max((1 / r for r in ranks if r <= 10), default=0.0))
         for cut in (1, k):
             per_query[f"recall@{cut}"].append(sum(r <= cut for r in ranks) / len(ranks))
-    return {f"{prefix}{name}": sum(v) / len(v) for name, v in per_query.items()}
+    return {f"{prefix}{name}": sum(v) / max(len(v), 1) for name, v in per_query.items()}

@@ -67,6 +67,7 @@ def load_model(
     parts: VisionConfig | None = None,
     scalar_head: bool = False,
     bare: bool = False,
+    num_labels: int = 1,
 ):
     """The trainable model: everything trainable for `full`, only the adapter for `lora`/`qlora`.
 
@@ -78,8 +79,9 @@ def load_model(
     `experts` (a mixture of experts' `moe` section) chooses the experts' kernel and splits them over
     `expert_parallel` processes; `parts` (the `vision` section) chooses what of a vision-language model
     trains besides its language model; `scalar_head`: a reward model's scalar head in place of the output
-    layer (drawn from the run's seed unless the folder has one), trained whole beside LoRA; `bare`: the
-    model without any head (its last hidden states: an embedding model's).
+    layer (drawn from the run's seed unless the folder has one), trained whole beside LoRA, `num_labels`
+    numbers wide (a classifier's); `bare`: the model without any head (its last hidden states: an
+    embedding model's).
     """
     # Imported here, not with the module: it brings peft (seconds of imports), which loading a whole model
     # for `ftkit eval` or `ftkit generate` does not need.
@@ -95,7 +97,7 @@ def load_model(
     if cfg.method == "qlora":
         kwargs.update(_qlora_kwargs(cfg, local_rank, quant.storage_name(cfg.quant_storage, quant_cast)))
     if scalar_head:
-        kwargs["num_labels"] = 1
+        kwargs["num_labels"] = num_labels
     model = _from_pretrained(model_class(cfg.path, scalar_head, bare), cfg, "model", key, **kwargs)
     if scalar_head and not scalar.saved_scalar(cfg.path):
         scalar.seeded_head(model)
