@@ -271,3 +271,16 @@ def test_labelled_texts_metrics_and_a_label_outside_the_set(tmp_path, capsys):
         "texts.jsonl:2: column 'label': 'other' is not one of embed.labels ['greet', 'bye']"
     )
     assert len(shown) == 2 and not out.exists()
+
+
+def test_the_demo_holds_out_sums_no_training_row_states():
+    import re
+
+    def sums(name):
+        rows = read_triplets(str(REPO / "toolkit" / "assets" / "demo" / f"embed_{name}.jsonl"), "train")
+        return {frozenset(map(int, re.findall(r"\d+", row.anchor))) for row in rows}, rows
+
+    (train, train_rows), (held, held_rows) = sums("train"), sums("eval")
+    assert (len(train_rows), len(held_rows)) == (2000, 150)
+    assert not train & held
+    assert all(row.positive != row.negatives[0] for row in train_rows + held_rows)

@@ -79,12 +79,14 @@ class RetrievalEvaluator:
                 f"result: held-out recall@1 {start}{after['eval_recall@1']:.1%} over {after['eval_corpus']} "
                 f"passages (chance {chance:.1%}), NDCG@10 {after['eval_ndcg@10']:.3f}"
             )
-        text = shlex.quote(self.queries[0] if self.queries else "...")
-        return [
-            result,
-            f"saved: {final_dir.resolve()}",
-            f"try: ftkit embed --model {final_dir} --text {text}",
-        ]
+        command = f"ftkit embed --model {final_dir}"
+        if self.queries:
+            asked = self.queries[0][len(self.cfg.embed.query_prefix) :]  # the folder adds the prefix itself
+            command += f" --query {shlex.quote(asked)}"
+            command += "".join(f" --text {shlex.quote(text)}" for text in self.corpus[:2])
+        else:
+            command += " --text ..."
+        return [result, f"saved: {final_dir.resolve()}", f"try: {command}"]
 
 
 class RerankEvaluator(RetrievalEvaluator):
