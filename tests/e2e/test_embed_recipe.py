@@ -6,6 +6,7 @@ negatives gathered from both processes).
 Launches: started warm (tests/warm.py); one per backend, the single-process runs in-process children."""
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -74,7 +75,7 @@ def test_run_logs_retrieval_and_exports_a_sentence_transformers_folder(single, t
     before, after = evaluations(out)
     assert (before["step"], after["step"], after["eval_corpus"]) == (0, STEPS, 24)
     assert "result: held-out recall@1 " in result.stdout and "over 24 passages (chance 4.2%)" in result.stdout
-    assert "try: ftkit embed --model" in result.stdout
+    assert "--query 'What is 19 plus 36?' --text 'The sum of 19 and 36 is 55.'" in result.stdout
     final = out / "final"
     assert (final / "adapter" / "adapter_config.json").is_file()  # kept beside the merged model
     # The folder embeds, through sentence-transformers and through ftkit's reader, as the run measured.
@@ -216,6 +217,23 @@ def test_a_pointwise_reranker_trains_on_scored_pairs(triplet_files, tmp_path):
     lines = train_lines(out)
     assert len(lines) == STEPS and all(0 < r["loss"] < 2 for r in lines)
     assert (out / "final" / "config_sentence_transformers.json").is_file()
+
+
+def test_the_embedded_encoder_is_mean_pooled_and_exports_as_it_embeds(triplet_files, tmp_path):
+    """The BERT-style tiny model (scripts/build_encoder_asset.py): pooled by the mean with no pooling key
+    set, fully fine-tuned, and sentence-transformers embeds with its export as ftkit does."""
+    from sentence_transformers import SentenceTransformer
+
+    out = tmp_path / "run"
+    run_embed(
+        out, triplet_files, f"model.path={REPO / 'toolkit' / 'assets' / 'tiny-bert'}", "model.method=full"
+    )
+    assert json.loads((out / "final" / "1_Pooling" / "config.json").read_text())["pooling_mode_mean_tokens"]
+    lines = train_lines(out)
+    assert len(lines) == STEPS and all(math.isfinite(r["loss"]) for r in lines)
+    texts = ["The sum of 19 and 36 is 55.", "Adding 5 and 57 gives 62."]
+    theirs = SentenceTransformer(str(out / "final"), device="cpu").encode(texts, convert_to_tensor=True)
+    torch.testing.assert_close(load_embedder(out / "final").encode(texts), theirs.float(), atol=1e-5, rtol=0)
 
 
 FORMS = {"What is": "symbol", "Compute": "compute", "Add": "add"}
