@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 # With a GPU, the `gpu` extra too (Liger's Triton kernels, which need the CUDA torch chosen above).
 GPU_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ",gpu")
 
-.PHONY: studio install-browser install install-vllm install-gpu-kernels test-vllm lock demo demo-dpo demo-rm demo-grpo grpo-start-asset demo-grpo-vllm demo-distill demo-agent demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean FORCE
+.PHONY: studio install-browser install install-vllm install-gpu-kernels test-vllm lock demo demo-dpo demo-rm demo-embed demo-grpo grpo-start-asset demo-grpo-vllm demo-distill demo-agent demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean FORCE
 
 # An environment's stamp holds the digest of what it was built from (its files' content and the choices made
 # for this machine), and the environment is rebuilt exactly when that digest changes: a git checkout
@@ -86,6 +86,12 @@ demo-rm: install
 	test -f runs/demo/final/adapter_config.json || $(MAKE) demo
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/reward_llm.py \
 		train.overwrite=true $(ARGS)
+
+# An embedding model from the embedded tiny base: questions about sums embedded near the passages that state
+# them (recipes/configs/demo-embed.yaml); prints held-out recall@1 before -> after.
+demo-embed: install
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/embed_llm.py \
+		--config recipes/configs/demo-embed.yaml train.overwrite=true $(ARGS)
 
 # GRPO from an SFT run stopped early, shipped as toolkit/assets/demo-grpo-start (the same start on every machine:
 # `make grpo-start-asset` rebuilt it), which answers with a number but gets under a third of the sums right:

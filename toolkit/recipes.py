@@ -1,6 +1,6 @@
 """The recipes ftkit ships and which one a config is for: the script, the config schema and the loader of
 each, told by the config's own sections (`dpo`: preference tuning, `grpo`: GRPO, `reward`: a reward
-model, none of them: SFT).
+model, `embed`: an embedding model, none of them: SFT).
 
 This sits above the schemas (toolkit/config.py and each recipe's section beside its code), so no schema
 imports another; `ftkit train`, `ftkit check-config`, `ftkit plan` and export all choose here."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from toolkit.config import RecipeConfig, load_config
+from toolkit.embed.config import EmbedRecipeConfig, load_embed_config
 from toolkit.errors import UserError
 from toolkit.grpo.config import GrpoRecipeConfig, load_grpo_config
 from toolkit.preference.config import PreferenceConfig, load_preference_config
@@ -21,9 +22,16 @@ SCRIPTS = {
     "dpo": "recipes/dpo_llm.py",
     "grpo": "recipes/grpo_llm.py",
     "rm": "recipes/reward_llm.py",
+    "embed": "recipes/embed_llm.py",
 }
 """Each recipe's launchable script, relative to the checkout's root."""
-SCHEMAS = {"sft": RecipeConfig, "dpo": PreferenceConfig, "grpo": GrpoRecipeConfig, "rm": RewardRecipeConfig}
+SCHEMAS = {
+    "sft": RecipeConfig,
+    "dpo": PreferenceConfig,
+    "grpo": GrpoRecipeConfig,
+    "rm": RewardRecipeConfig,
+    "embed": EmbedRecipeConfig,
+}
 
 
 def recipe_of(path: str | Path | None) -> str:
@@ -33,6 +41,8 @@ def recipe_of(path: str | Path | None) -> str:
         return "dpo"
     if "reward" in sections:
         return "rm"
+    if "embed" in sections:
+        return "embed"
     return "grpo" if "grpo" in sections else "sft"
 
 
@@ -55,6 +65,8 @@ def load_recipe_config(name: str, path: str | Path | None, overrides: list[str])
         return load_grpo_config(path, overrides)
     if name == "rm":
         return load_reward_config(path, overrides)
+    if name == "embed":
+        return load_embed_config(path, overrides)
     return load_config(path, overrides)
 
 

@@ -149,14 +149,14 @@ class Run:
         loaders choose their own."""
         return data.VisionCollator(pad_id, self.images) if self.images is not None else None
 
-    def load_model(self, scalar_head: bool = False):
-        """The model to train (a reward model's with `scalar_head`), on this rank's device, announced; every
-        forward pass counts as progress.
+    def load_model(self, scalar_head: bool = False, bare: bool = False, num_labels: int = 1):
+        """The model to train (a reward model's with `scalar_head`, `num_labels` wide for a classifier; an
+        embedding model's `bare`), on this rank's device, announced; every forward pass counts as progress.
 
         Under a pipeline each process keeps only its stages, and the processes of a machine load in turn:
         its memory holds one whole model at a time, not one per process."""
         if self.launch.mesh.pp == 1:
-            return self._loaded(scalar_head)
+            return self._loaded(scalar_head, bare, num_labels)
         model = None
         for turn in range(self.launch.procs_per_node):
             if turn == self.accelerator.local_process_index:
@@ -165,7 +165,7 @@ class Run:
             self.accelerator.wait_for_everyone()
         return model
 
-    def _loaded(self, scalar_head: bool = False):
+    def _loaded(self, scalar_head: bool = False, bare: bool = False, num_labels: int = 1):
         cfg = self.cfg
         cast = quant.cast_dtype(self.launch.backend, self.launch.fsdp_version, cfg.train.mixed_precision)
         model = models.load_model(
@@ -178,6 +178,8 @@ class Run:
             experts=cfg.moe,
             parts=cfg.vision,
             scalar_head=scalar_head,
+            bare=bare,
+            num_labels=num_labels,
         )
         self.compiled = compile_cache.open_cache(
             cfg.model.compile_cache, self.output_dir, self.features.compile
@@ -411,17 +413,23 @@ class Run:
         )
         return PREEMPTED_EXIT_CODE
 
-    def finish(self, model, tokenizer, evaluator) -> int:
-        """Collective: the last checkpoint (unless just written), the measured result, the exported model."""
+    def finish(self, model, tokenizer, evaluator, export=export_final, closing=None) -> int:
+        """Collective: the last checkpoint (unless just written), the measured result, the exported model.
+        `export(accelerator, model, tokenizer, cfg, output_dir)` writes the model and returns its folder;
+        `closing(shown, final_dir)`: the closing lines of a recipe whose result is its own."""
         max_steps = self.cfg.train.max_steps
         if self.schedule.last_step < max_steps:
             self._save(max_steps, {"tokens_seen": self.tokens_seen})
         self.watchdog.beat("the evaluation after training")
         evaluator.report(max_steps, "after")
         self.watchdog.beat("the export")
-        final_dir = export_final(self.accelerator, model, tokenizer, self.cfg, self.output_dir)
-        image = first_image(evaluator.dataset) if self.images is not None else None
-        for line in closing_lines(evaluator.shown, final_dir, self.cfg.eval.sample_prompt, image):
+        final_dir = export(self.accelerator, model, tokenizer, self.cfg, self.output_dir)
+        if closing is None:
+            image = first_image(evaluator.dataset) if self.images is not None else None
+            lines = closing_lines(evaluator.shown, final_dir, self.cfg.eval.sample_prompt, image)
+        else:
+            lines = closing(evaluator.shown, final_dir)
+        for line in lines:
             self.accelerator.print(line)
         distributed.end_training(self.accelerator)
         self._lock.release()

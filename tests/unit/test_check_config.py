@@ -22,6 +22,7 @@ EMBEDDED_DATA = {
     "grpo": "demo/train.jsonl",
     "dpo": "demo/pairs_train.jsonl",
     "rm": "demo/pairs_train.jsonl",
+    "embed": "demo/embed_train.jsonl",
 }
 
 
@@ -84,6 +85,11 @@ def test_every_shipped_recipe_config_passes_check_config_with_its_own_recipe(pat
     data_line = report.splitlines()[-1]
     if recipe in ("dpo", "rm"):
         assert data_line.startswith("preference pairs: the opening 8 records of each source read as")
+    elif recipe == "embed":
+        assert (
+            data_line
+            == "embedding triplets: the opening 8 records of each source read (1 hard negatives a row)"
+        )
     else:
         assert data_line.startswith("chat template: generation prompts agree"), data_line
 

@@ -9,12 +9,12 @@ from toolkit.errors import UserError
 from toolkit.train.batches import grad_accum_steps
 from toolkit.typed_yaml import field_docs, flat_dict
 
-# Preference, GRPO and reward-model configs have a section of their own: test_preference_config.py,
-# test_grpo.py, test_reward.py.
+# Preference, GRPO, reward-model and embedding configs have a section of their own: test_preference_config.py,
+# test_grpo.py, test_reward.py, test_embed.py.
 SHIPPED = sorted(
     p
     for p in (REPO / "recipes" / "configs").rglob("*.yaml")
-    if not {"dpo", "grpo", "rm"} & set(p.stem.split("-"))
+    if not {"dpo", "grpo", "rm", "embed"} & set(p.stem.split("-"))
 )
 
 

@@ -34,7 +34,7 @@ FILE_SUFFIXES = {
     "py", "yaml", "yml", "json", "jsonl", "md", "txt", "sh", "sbatch", "png", "safetensors", "pt", "bin",
     "lock", "parquet", "csv", "toml", "log",
 }  # fmt: skip
-RECIPES = {"sft", "dpo", "grpo", "rm"}
+RECIPES = {"sft", "dpo", "grpo", "rm", "embed"}
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})\s*([\w+-]*)")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")

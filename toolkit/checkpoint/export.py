@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoTokenizer
 from toolkit.checkpoint import split
 from toolkit.distributed import agreed_error, unwrap
 from toolkit.errors import UserError
-from toolkit.model import quant, scalar, vision
+from toolkit.model import backbone, quant, scalar, vision
 from toolkit.model.load import DTYPES, model_class
 from toolkit.pipeline import runtime, stages
 
@@ -141,7 +141,7 @@ def adapted_base(adapter_dir: Path, trust_remote_code: bool = False, **kwargs):
     head = scalar.saved_scalar(adapter_dir)
     if head:
         kwargs = {**scalar.head_settings(adapter_dir), **kwargs}
-    cls = model_class(base_path, head)
+    cls = model_class(base_path, head, bare=backbone.saved_bare(adapter_dir))
     base = cls.from_pretrained(base_path, trust_remote_code=trust_remote_code, **kwargs)
     if (adapter_dir / START_ADAPTER).is_dir():
         start = adapter_dir / START_ADAPTER
@@ -243,8 +243,11 @@ def _expected_shapes(path: Path, trust_remote_code: bool) -> tuple[dict[str, tup
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     head = scalar.saved_scalar(path)
     if head:
-        config.num_labels = 1
-    cls = scalar.auto_class() if head else vision.auto_class(config.model_type)
+        config.num_labels = scalar.saved_labels(path)
+    if backbone.saved_bare(path):
+        cls = backbone.auto_class()
+    else:
+        cls = scalar.auto_class() if head else vision.auto_class(config.model_type)
     with torch.device("meta"), outside_zero3():
         model = cls.from_config(config, trust_remote_code=trust_remote_code)
         if is_adapter:

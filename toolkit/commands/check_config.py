@@ -1,7 +1,7 @@
 """`ftkit check-config`: an accelerate YAML checked against a recipe config before anything starts. The
 recipe is the one the config is for (`toolkit.recipes`, the choice `ftkit train` makes), so its data is read
 by that recipe's own reader: SFT and GRPO rows through the chat template, DPO and reward-model records as
-pairs (KTO's as its rows)."""
+pairs (KTO's as its rows), an embedding run's as triplets."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from toolkit.data.agreement import SAMPLE, first_disagreement
 from toolkit.data.build import data_format
 from toolkit.data.sources import read_source, train_sources
+from toolkit.embed import data as embed_data
 from toolkit.launch.backend import with_pipeline
 from toolkit.launch.checks import check_launch, launch_from_yaml
 from toolkit.launch.machine import probe_machine
@@ -58,7 +59,10 @@ def check_config_cli(
         f"x GA {ga} x {batch_split(launch)}"
     )
     rows_of_one = recipe == "dpo" and cfg.dpo.loss == "kto"
-    data_line = check_pairs(cfg, rows_of_one) if recipe in ("dpo", "rm") else check_chat_rows(cfg)
+    if recipe == "embed":
+        data_line = embed_data.check_sources(cfg.data, SAMPLE)
+    else:
+        data_line = check_pairs(cfg, rows_of_one) if recipe in ("dpo", "rm") else check_chat_rows(cfg)
     return "\n".join([summary, *notes, data_line])
 
 

@@ -46,6 +46,14 @@ def main(argv: list[str] | None = None) -> int:
         "--trust-remote-code", action="store_true", help="run modelling code shipped with the model"
     )
 
+    vectors = commands.add_parser("embed", help="an embedding model's vectors, or similarities to a query")
+    vectors.add_argument("--model", required=True, help="an embedding run's final/ directory")
+    vectors.add_argument("--text", action="append", required=True, help="a text to embed (repeatable)")
+    vectors.add_argument("--query", help="print each text's cosine similarity to this query instead")
+    vectors.add_argument(
+        "--trust-remote-code", action="store_true", help="run modelling code shipped with the model"
+    )
+
     pairs = commands.add_parser(
         "sample-pairs", help="reward-model pairs: the reference answer against a policy's own wrong samples"
     )
@@ -295,6 +303,11 @@ def _run(args) -> int:
         from toolkit.commands.score import score_cli
 
         print("\n".join(score_cli(args.model, args.prompt, args.answer, args.trust_remote_code)))
+        return 0
+    if args.command == "embed":
+        from toolkit.commands.embed import embed_cli
+
+        print("\n".join(embed_cli(args.model, args.text, args.query, args.trust_remote_code)))
         return 0
     if args.command == "sample-pairs":
         from toolkit.reward.policy_pairs import sample_pairs_cli

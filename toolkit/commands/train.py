@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "items",
         nargs="*",
         metavar="[RECIPE] [key=value ...]",
-        help="sft, dpo, grpo or rm (default: the one --config is for, else sft)",
+        help="sft, dpo, grpo, rm or embed (default: the one --config is for, else sft)",
     )
     parser.add_argument("--backend", default="auto", help="an accelerate_configs/ name, or auto (default)")
     parser.add_argument("--gpus", type=int, help="processes per machine (default: its GPUs, or 2 on CPU)")

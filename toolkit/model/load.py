@@ -15,7 +15,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from toolkit import console
 from toolkit.config import LoraConfig, LossConfig, ModelConfig, MoeConfig, VisionConfig, check_local_path
 from toolkit.errors import UserError
-from toolkit.model import expert_parallel, lora_targets, moe, quant, scalar, speed, vision
+from toolkit.model import backbone, expert_parallel, lora_targets, moe, quant, scalar, speed, vision
 from toolkit.model.speed import SpeedFeatures
 from toolkit.train import head
 
@@ -28,10 +28,13 @@ def load_tokenizer(cfg: ModelConfig):
     return with_pad_token(_from_pretrained(AutoTokenizer, cfg, "tokenizer"))
 
 
-def model_class(path: str, scalar_head: bool = False):
-    """transformers' auto class for the model at `path`: sequence classification for a scalar head (asked
-    for, or the folder's own: toolkit/model/scalar.py), image-text-to-text for a vision-language model (a
-    family ftkit has not proven is refused by name), causal LM otherwise."""
+def model_class(path: str, scalar_head: bool = False, bare: bool = False):
+    """transformers' auto class for the model at `path`: the bare model for `bare` (asked for, or the
+    folder's own: toolkit/model/backbone.py), sequence classification for a scalar head (asked for, or the
+    folder's own: toolkit/model/scalar.py), image-text-to-text for a vision-language model (a family ftkit
+    has not proven is refused by name), causal LM otherwise."""
+    if bare or backbone.saved_bare(path):
+        return backbone.auto_class()
     if scalar_head or scalar.saved_scalar(path):
         return scalar.auto_class()
     kind = vision.model_type(path)
@@ -63,6 +66,8 @@ def load_model(
     experts: MoeConfig | None = None,
     parts: VisionConfig | None = None,
     scalar_head: bool = False,
+    bare: bool = False,
+    num_labels: int = 1,
 ):
     """The trainable model: everything trainable for `full`, only the adapter for `lora`/`qlora`.
 
@@ -74,7 +79,9 @@ def load_model(
     `experts` (a mixture of experts' `moe` section) chooses the experts' kernel and splits them over
     `expert_parallel` processes; `parts` (the `vision` section) chooses what of a vision-language model
     trains besides its language model; `scalar_head`: a reward model's scalar head in place of the output
-    layer (drawn from the run's seed unless the folder has one), trained whole beside LoRA.
+    layer (drawn from the run's seed unless the folder has one), trained whole beside LoRA, `num_labels`
+    numbers wide (a classifier's); `bare`: the model without any head (its last hidden states: an
+    embedding model's).
     """
     # Imported here, not with the module: it brings peft (seconds of imports), which loading a whole model
     # for `ftkit eval` or `ftkit generate` does not need.
@@ -90,8 +97,8 @@ def load_model(
     if cfg.method == "qlora":
         kwargs.update(_qlora_kwargs(cfg, local_rank, quant.storage_name(cfg.quant_storage, quant_cast)))
     if scalar_head:
-        kwargs["num_labels"] = 1
-    model = _from_pretrained(model_class(cfg.path, scalar_head), cfg, "model", key, **kwargs)
+        kwargs["num_labels"] = num_labels
+    model = _from_pretrained(model_class(cfg.path, scalar_head, bare), cfg, "model", key, **kwargs)
     if scalar_head and not scalar.saved_scalar(cfg.path):
         scalar.seeded_head(model)
     seeing = vision.is_vision(getattr(model.config, "model_type", None))
@@ -127,7 +134,7 @@ def load_model(
         if checkpointing:
             # Frozen embeddings give checkpointed blocks inputs without grad; the adapters need one.
             model.enable_input_require_grads()
-    if loss is not None and loss.head != "full" and not scalar_head:
+    if loss is not None and loss.head != "full" and not (scalar_head or bare):
         _chunked_head(model, loss, fused=bool(features and features.compile))
     if features and features.compile:
         speed.compile_blocks(model)
@@ -201,7 +208,7 @@ def peft_config(lora: LoraConfig, model, parts: VisionConfig | None = None):
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         use_dora=lora.use_dora,
-        task_type=scalar.peft_task(model),
+        task_type=backbone.PEFT_TASK if backbone.is_bare(model) else scalar.peft_task(model),
         **targets,
     )
 

@@ -75,11 +75,25 @@ def _gathered(param):
 
 
 def head_settings(folder: str | Path) -> dict:
-    """What loading a base with the head of the reward model saved in `folder` needs: one label, and the
-    pad token the score is pooled by (the saved tokenizer's)."""
+    """What loading a base with the head saved in `folder` needs: its labels (one for a reward model or a
+    reranker, several for a classifier), and the pad token the score is pooled by (the saved tokenizer's)."""
     from transformers import AutoTokenizer
 
-    return {"num_labels": 1, "pad_token_id": AutoTokenizer.from_pretrained(str(folder)).pad_token_id}
+    pad = AutoTokenizer.from_pretrained(str(folder)).pad_token_id
+    return {"num_labels": saved_labels(folder), "pad_token_id": pad}
+
+
+def saved_labels(folder: str | Path) -> int:
+    """The rows of the head saved in `folder` (an adapter carries it whole): its labels; 1 when unsaid."""
+    from safetensors import safe_open
+
+    folder = Path(folder).expanduser()
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name.endswith("score.weight"):
+                    return handle.get_slice(name).get_shape()[0]
+    return len(_read(folder / "config.json").get("id2label") or {}) or 1
 
 
 def adapter_settings(model, adapter: str | Path) -> dict:
