@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM
 from toolkit.engine import client
 from toolkit.engine.server import ENGINE_VENV, Engine, ServeSpec
 from toolkit.errors import USER_ERROR_EXIT_CODE
+from toolkit.grpo.config import GrpoConfig
 
 pytestmark = pytest.mark.skipif(
     not (ENGINE_VENV / ".installed").is_file(),  # written once `make install-vllm` has finished
@@ -96,6 +97,17 @@ def engine(tmp_path_factory):
         yield served
     finally:
         served.stop()
+
+
+def test_a_seeded_round_past_one_scheduler_step_is_sampled_whole(engine):
+    """The demo's round shape (64 seeded requests of 38-token prompts: 2432 tokens, past vLLM's 2048-token
+    step) and one prompt as long as the engine takes: split over steps, vLLM's CPU engine died rewinding
+    a seeded generator (server.py, WHOLE_PREFILLS)."""
+    prompts = [[4 + (i * 37 + j * 11) % 2000 for j in range(38)] for i in range(64)] + [[5] * 120]
+    sampling = GrpoConfig(max_new_tokens=4)
+    done = client.complete(engine.url, "base", prompts, list(range(len(prompts))), sampling, [2])
+    assert [len(c.tokens) > 0 for c in done] == [True] * len(prompts)
+    assert client.healthy(engine.url)
 
 
 @pytest.fixture(scope="module", params=["lora", "full"])

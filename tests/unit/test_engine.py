@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit.engine import client
+from toolkit.engine import client, server
 from toolkit.engine.server import Engine, ServeSpec, engine_python, free_port, serve_command
 from toolkit.errors import UserError
 from toolkit.grpo.config import load_grpo_config
@@ -79,6 +79,16 @@ def test_the_engine_runs_no_checkpoint_code_unless_asked_and_fits_the_lora_rank(
     assert "--trust-remote-code" in asked
     with pytest.raises(UserError, match="lora.r: 1024 is above the engine's largest LoRA rank"):
         serve_command(python, ServeSpec("m", "float32", 64, lora_rank=1024), "127.0.0.1", 8000)
+
+
+def test_a_cpu_engine_prefills_each_prompt_whole_and_a_gpu_engine_keeps_vllms_default(monkeypatch):
+    """vLLM 0.32 rewinds a seeded request's generator when it discards the token sampled after part of a
+    prompt, which a CPU generator cannot do (server.py, WHOLE_PREFILLS): a CPU engine never splits one."""
+    spec, python = ServeSpec("m", "float32", 64), Path("/venv/bin/python")
+    monkeypatch.setattr(server, "has_gpu", lambda: False)
+    assert "--no-enable-chunked-prefill" in serve_command(python, spec, "127.0.0.1", 8000)
+    monkeypatch.setattr(server, "has_gpu", lambda: True)
+    assert "--no-enable-chunked-prefill" not in serve_command(python, spec, "127.0.0.1", 8000)
 
 
 def test_a_start_adapter_is_refused_with_an_engine_the_user_started(tmp_path):
