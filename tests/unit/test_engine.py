@@ -3,6 +3,7 @@ asked), its one-line failures (not installed, port in use, not reachable, a refu
 GRPO settings it refuses, and the log-probability gap it is measured by."""
 
 import http.server
+import re
 import socket
 import subprocess
 import threading
@@ -50,6 +51,46 @@ def test_an_engine_nobody_listens_for_is_not_reachable():
     assert not client.healthy(url)
     with pytest.raises(UserError, match=f"the engine at {url} is not reachable"):
         client.load_adapter(url, "round-0", "/tmp/adapter")
+
+
+def test_an_engine_still_starting_says_so_every_while_and_gives_up_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(server, "STILL_STARTING_S", 0.3)
+    process = subprocess.Popen(["sleep", "60"], start_new_session=True)  # alive, never answering
+    engine = Engine(f"http://127.0.0.1:{free_port('127.0.0.1')}", process, tmp_path / "vllm.log")
+    said = []
+    with pytest.raises(UserError, match=r"did not answer within 2 s; its log: .*vllm.log$"):
+        engine.wait_ready(2.0, say=said.append)
+    assert len(said) >= 3 and all(
+        re.fullmatch(
+            r"engine: still starting, \d+ s of grpo.vllm.start_timeout_s 2; its log: .*vllm.log", line
+        )
+        for line in said
+    ), said
+    assert process.poll() is not None  # stopped
+
+
+def test_an_engine_of_yours_must_answer_and_serve_the_base_before_the_run_writes():
+    closed = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    with pytest.raises(UserError, match=f"grpo.vllm.url: no engine answers at {closed}/health"):
+        server.check_answers(closed)
+
+    class OtherModel(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"data": [{"id": "Qwen/Qwen3-0.6B"}]}' if "models" in self.path else b"")
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.HTTPServer(("127.0.0.1", 0), OtherModel)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{other.server_address[1]}"
+    try:
+        with pytest.raises(UserError, match="serves Qwen/Qwen3-0.6B, not 'base': start it with --served-mod"):
+            server.check_answers(url)
+    finally:
+        other.shutdown()
 
 
 def test_an_exited_engine_says_what_its_log_refused(tmp_path):

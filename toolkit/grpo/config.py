@@ -362,15 +362,21 @@ def validate_openenv(environment: EnvironmentConfig) -> None:
 
 
 def check_engine_environment(cfg: GrpoRecipeConfig) -> None:
-    """Before the run writes anything: an engine ftkit would start needs its environment (.venv-vllm).
-    Not part of `validate_grpo`, which also checks configs planned for another machine."""
-    if cfg.grpo.generation == "vllm" and not cfg.grpo.vllm.url:
-        import os
+    """Before the run writes anything: an engine ftkit would start needs its environment (.venv-vllm), an
+    engine at grpo.vllm.url must answer, and so must an OpenEnv server (or ftkit's app be found). Not part
+    of `validate_grpo`, which also checks configs planned for another machine."""
+    from toolkit.engine import server
+    from toolkit.grpo import openenv
 
-        from toolkit.engine import server
+    if cfg.grpo.generation == "vllm" and cfg.grpo.vllm.url:
+        server.check_answers(cfg.grpo.vllm.url.rstrip("/"))
+    elif cfg.grpo.generation == "vllm":
+        import os
 
         server.engine_python(server.ENGINE_VENV)
         check_engine_machine(cfg, server.has_gpu(), dict(os.environ))
+    if openenv.configured(cfg.grpo):
+        openenv.check_before_run(cfg.grpo.environment.openenv)
 
 
 def prompts_per_round(cfg: GrpoRecipeConfig) -> int:

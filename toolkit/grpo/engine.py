@@ -341,7 +341,7 @@ class EngineSampler:
     def _wait_ready(self) -> None:
         if self.ready:
             return
-        seconds = self.engine.wait_ready(self.cfg.grpo.vllm.start_timeout_s)
+        seconds = self.engine.wait_ready(self.cfg.grpo.vllm.start_timeout_s, say=tqdm.write)
         self.ready = True
         url, log = self.engine.url, self.engine.log
         # Only the main process holds the engine; tqdm.write keeps the line off the progress bar's.
