@@ -210,7 +210,8 @@ def test_an_engine_that_dies_mid_run_says_so_with_its_logs_reason(tmp_path):
     log.write_text("(EngineCore pid=7) ERROR RuntimeError: CPU out of memory\n")
     process = subprocess.Popen(["false"])
     process.wait()
-    sampler = EngineSampler(None, None, Engine("http://127.0.0.1:1", process, log, "m"))
+    cfg = load_grpo_config(None, ["model.adapter=null", "grpo.generation=vllm"])
+    sampler = EngineSampler(None, cfg, Engine("http://127.0.0.1:1", process, log, "m"))
     sampler.ready = True
     said = sampler._mid_run(UserError("grpo.vllm: the engine at http://127.0.0.1:1 is not reachable"))
     assert (

@@ -19,6 +19,8 @@ Generation = Literal["hf", "vllm"]
 RewardScaling = Literal["group", "batch", "none"]
 BUILT_IN_REWARDS = ("exact_answer", "format", "length")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+DEFAULT_RESTARTS = 2
+"""grpo.vllm.restarts unset, for the engine ftkit starts."""
 
 
 @dataclass
@@ -45,6 +47,10 @@ class VllmConfig:
     """The engine ftkit starts sleeps between rounds (vLLM's sleep mode, GPU only): its memory freed once
     a round's completions are back, taken again before the next sync. Unset: on when it shares the main
     process's GPU (no url, no gpus, grpo.async_rounds 0, a loopback host, a GPU here), off otherwise."""
+    restarts: NonNegativeInt | None = None
+    """Times the engine ftkit starts is started again when it dies or stops answering mid-run, the round
+    going on (unset: 2; an engine at grpo.vllm.url is never restarted: 0). Past them the run saves a
+    checkpoint and ends in one line saying how to continue."""
 
 
 @dataclass
@@ -278,6 +284,10 @@ def validate_placement(cfg: GrpoRecipeConfig) -> None:
             f"grpo.vllm.host: {settings.host} would expose vLLM's development endpoints, which sleep mode "
             "opens; keep it on 127.0.0.1"
         )
+    if settings.restarts and settings.url:
+        raise UserError(
+            "grpo.vllm.restarts: ftkit restarts only the engine it starts, not yours at grpo.vllm.url"
+        )
     gpus = engine_gpus(cfg)
     if gpus and settings.url:
         raise UserError(
@@ -290,6 +300,14 @@ def validate_placement(cfg: GrpoRecipeConfig) -> None:
             f"grpo.vllm.tensor_parallel_size: {settings.tensor_parallel_size} is more than grpo.vllm.gpus "
             f"({len(gpus)})"
         )
+
+
+def engine_restarts(cfg: GrpoRecipeConfig) -> int:
+    """grpo.vllm.restarts as the run uses it: unset, 2 for the engine ftkit starts and 0 for yours."""
+    settings = cfg.grpo.vllm
+    if settings.restarts is not None:
+        return settings.restarts
+    return 0 if settings.url else DEFAULT_RESTARTS
 
 
 def engine_gpus(cfg: GrpoRecipeConfig) -> list[str]:
