@@ -93,6 +93,39 @@ def test_an_engine_of_yours_must_answer_and_serve_the_base_before_the_run_writes
         other.shutdown()
 
 
+def test_an_engine_is_lost_when_it_exited_or_gives_no_answer_not_when_it_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(server, "LOST_GRACE_S", 0.5)
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    up = http.server.HTTPServer(("127.0.0.1", 0), Healthy)
+    threading.Thread(target=up.serve_forever, daemon=True).start()
+    try:
+        healthy = Engine(f"http://127.0.0.1:{up.server_address[1]}")
+        assert (
+            healthy.lost(UserError("grpo.vllm: the engine at ... refused /v1/load_lora_adapter: bad")) == ""
+        )
+    finally:
+        up.shutdown()
+    closed = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    gone = client.Unreachable(f"grpo.vllm: the engine at {closed} is not reachable (refused)")
+    assert (
+        Engine(closed).lost(gone) == f"stopped answering (the engine at {closed} is not reachable (refused))"
+    )
+    log = tmp_path / "vllm.log"
+    log.write_text("(EngineCore pid=7) ERROR RuntimeError: CPU Generator does not use offset\n")
+    process = subprocess.Popen(["false"])
+    process.wait()
+    exited = Engine(closed, process, log, "m").lost(gone)
+    assert exited == f"exited (code 1): RuntimeError: CPU Generator does not use offset; its log: {log}"
+
+
 def test_an_exited_engine_says_what_its_log_refused(tmp_path):
     log = tmp_path / "vllm.log"
     log.write_text(

@@ -176,7 +176,7 @@ class Engine:
         """Starts the server and returns at once; `wait_ready` waits for it. `append`: its output goes after
         what `log` holds (a restart keeps the reason the server before it died)."""
         python = engine_python(venv)
-        if port:
+        if port and not append:  # a restart takes its predecessor's port (the server binds with SO_REUSEADDR)
             check_port_free(host, port)
         chosen = port or free_port(host)
         env = serve_environment(spec, dict(os.environ))
@@ -265,7 +265,7 @@ class Engine:
             if self.process is not None and self.process.poll() is not None:
                 return f"exited (code {self.process.returncode}): {self.reason()}"
             if time.perf_counter() >= deadline:
-                return f"stopped answering ({error})"
+                return f"stopped answering ({str(error).removeprefix('grpo.vllm: ')})"
             if not isinstance(error, client.Unreachable) and client.healthy(self.url):
                 return ""
             time.sleep(0.5)
