@@ -11,7 +11,7 @@ recipes/finetune_llm.py; what differs is the data (pairs) and the loss (toolkit/
 from __future__ import annotations
 
 from toolkit import data
-from toolkit.entry import exit_with, recipe_args
+from toolkit.entry import config_sources, exit_with, recipe_args
 from toolkit.preference import config as pref
 from toolkit.preference import data as pairs
 from toolkit.preference import evaluate, kto, reference, unpaired
@@ -24,7 +24,7 @@ from toolkit.train import loss
 def main(argv: list[str]) -> int:
     args = recipe_args(argv, __doc__, "recipes/configs/demo-dpo.yaml", "dpo.beta=0.2")
     cfg = pref.load_preference_config(args.config, args.overrides)
-    with Run.start(cfg, args.config or str(pref.DEMO_DPO_CONFIG), "dpo_llm") as run:
+    with Run.start(cfg, config_sources(args, pref.DEMO_DPO_CONFIG), "dpo_llm") as run:
         return train(run, cfg)
 
 

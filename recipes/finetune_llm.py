@@ -15,7 +15,7 @@ import torch
 
 from toolkit import data
 from toolkit.config import load_config
-from toolkit.entry import exit_with, recipe_args
+from toolkit.entry import config_sources, exit_with, recipe_args
 from toolkit.run import Run
 from toolkit.train import evaluate, loss
 
@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
     args = recipe_args(argv, __doc__, "recipes/configs/demo.yaml", "train.max_steps=20")
     cfg = load_config(args.config or DEMO_CONFIG, args.overrides)
     # The backend is whatever `accelerate launch` was told: checked, never silently degraded to lone ranks.
-    with Run.start(cfg, args.config or "recipes/configs/demo.yaml", "finetune_llm") as run:
+    with Run.start(cfg, config_sources(args, "recipes/configs/demo.yaml"), "finetune_llm") as run:
         return train(run, cfg)
 
 

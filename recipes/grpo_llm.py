@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from toolkit import distributed
-from toolkit.entry import exit_with, recipe_args
+from toolkit.entry import config_sources, exit_with, recipe_args
 from toolkit.grpo import config as grpo_config
 from toolkit.grpo import environment as environments
 from toolkit.grpo import held_out
@@ -22,7 +22,7 @@ from toolkit.grpo import loss as grpo_loss
 from toolkit.grpo import prompts as prompt_sets
 from toolkit.grpo import rollout as rollouts
 from toolkit.grpo import teacher as teachers
-from toolkit.grpo.engine import EngineSampler
+from toolkit.grpo.engine import EngineLost, EngineSampler
 from toolkit.grpo.rewards import Rewards
 from toolkit.run import Run
 from toolkit.train import evaluate, loss
@@ -34,9 +34,10 @@ def main(argv: list[str]) -> int:
     grpo_config.check_engine_environment(cfg)  # before Run.start writes output_dir
     teachers.check_tokenizers(cfg)  # a teacher reading other token ids is refused before the run writes
     with (
-        Run.start(cfg, args.config or str(grpo_config.DEMO_GRPO_CONFIG), "grpo_llm") as run,
+        Run.start(cfg, config_sources(args, grpo_config.DEMO_GRPO_CONFIG), "grpo_llm") as run,
         EngineSampler.started(run, cfg) as engine,  # None unless grpo.generation names an engine
         environments.started(run, cfg) as environment,  # tools, an OpenEnv server, or None: single-turn
+        run.saved_when(EngineLost),  # an engine lost mid-run, not restarted: the steps saved, one line
     ):
         return train(run, cfg, engine, environment)
 

@@ -13,7 +13,7 @@ pairwise accuracy are toolkit/reward/'s.
 from __future__ import annotations
 
 from toolkit import data
-from toolkit.entry import exit_with, recipe_args
+from toolkit.entry import config_sources, exit_with, recipe_args
 from toolkit.errors import UserError
 from toolkit.preference import data as pairs
 from toolkit.reward import config as rm
@@ -26,7 +26,7 @@ from toolkit.train import loss
 def main(argv: list[str]) -> int:
     args = recipe_args(argv, __doc__, "recipes/configs/demo-rm.yaml", "reward.center_coefficient=0.01")
     cfg = rm.load_reward_config(args.config, args.overrides)
-    with Run.start(cfg, args.config or str(rm.DEMO_RM_CONFIG), "reward_llm") as run:
+    with Run.start(cfg, config_sources(args, rm.DEMO_RM_CONFIG), "reward_llm") as run:
         return train(run, cfg)
 
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import shlex
 import signal
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 from toolkit import console
 from toolkit.errors import leave_at_once, run_main
+from toolkit.typed_yaml import Sources
 
 # The exit status of a process that Ctrl-C ended (Python dies of SIGINT; a shell reports 128 + 2).
 INTERRUPTED = -signal.SIGINT
@@ -62,6 +65,23 @@ def exit_code(code) -> int:
         return code or 0
     print(code, file=sys.stderr)
     return 1
+
+
+def lost_line(reason: str, output_dir, saved_step: int) -> str:
+    """The line ending a run that `reason` stopped mid-run: where its steps are (the checkpoint of
+    `saved_step`; 0: none) and this recipe's command line as the one that continues it, train.resume=auto
+    in place of train.overwrite and train.resume."""
+    script, *args = sys.argv
+    kept = [arg for arg in args if not arg.startswith(("train.overwrite=", "train.resume="))]
+    again = "accelerate launch <launch options> " + shlex.join([script, *kept, "train.resume=auto"])
+    saved = f"checkpoint of step {saved_step} in {Path(output_dir) / 'checkpoints' / f'step-{saved_step}'}"
+    return f"{reason}; {saved if saved_step else 'no step trained to save'}; continue: {again}"
+
+
+def config_sources(args: argparse.Namespace, default) -> Sources:
+    """Where the recipe config's values came from: `args.config` (else `default`), but for the keys its
+    overrides set on the command line."""
+    return Sources.given(args.config or str(default), args.overrides)
 
 
 def recipe_args(argv: list[str], doc: str, default_config: str, example: str) -> argparse.Namespace:

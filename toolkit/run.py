@@ -18,6 +18,7 @@ from toolkit import checkpoint, data, distributed
 from toolkit.checkpoint import compile_cache, rundir
 from toolkit.checkpoint.resume import Resume
 from toolkit.config import check_local_path
+from toolkit.entry import lost_line
 from toolkit.errors import UserError
 from toolkit.launch import backend, checks, machine
 from toolkit.launch.deepspeed import fill_width_settings
@@ -33,7 +34,7 @@ from toolkit.train.offload import activation_offload
 from toolkit.train.router import RouterBalance, experts_line, router_coef
 from toolkit.train.steps import apply_update, closing_lines, every, export_final, first_image
 from toolkit.train.watchdog import Watchdog
-from toolkit.typed_yaml import flat_dict
+from toolkit.typed_yaml import Sources, flat_dict
 
 
 class Run:
@@ -66,7 +67,7 @@ class Run:
         self.watchdog.close()
 
     @classmethod
-    def start(cls, cfg, config_source: str, prog: str) -> Run:
+    def start(cls, cfg, config_source: Sources, prog: str) -> Run:
         """Collective: the stop handler first (a stop while loading exits cleanly), then the checked launch,
         the Accelerator, the seed, output_dir claimed and prepared, resume found, trackers and metrics log."""
         stop = StopRequest()
@@ -298,6 +299,7 @@ class Run:
             disable=not self.accelerator.is_main_process,
             desc=desc,
         )
+        self.step_done = start_step  # the last optimizer step taken
         for step in range(start_step + 1, self.cfg.train.max_steps + 1):
             self.watchdog.beat(f"step {step}")
             self._started = time.perf_counter()
@@ -388,6 +390,7 @@ class Run:
     def maybe_checkpoint(self, step: int, eval_result: dict) -> None:
         """Collective: checkpoint when due or when the run must stop (never weights a non-finite update
         reached), pruning old checkpoints as configured; ranks agree whether the run stops now."""
+        self.step_done = step
         stopping, save_due = distributed.any_rank(
             self.accelerator, self.stop.requested or bool(self.guard.failure), self.schedule.due(step)
         )
@@ -397,6 +400,17 @@ class Run:
             train = self.cfg.train
             if self.accelerator.is_main_process and (train.keep_last or train.keep_best):
                 checkpoint.prune_checkpoints(self.output_dir, train.keep_last, train.keep_best)
+
+    @contextlib.contextmanager
+    def saved_when(self, lost: type[Exception]):
+        """Around the training: `lost` (raised on every process between steps): steps saved, one line."""
+        try:
+            yield
+        except lost as exc:
+            if self.step_done > self.schedule.last_step and self.guard.weights_intact:
+                self._save(self.step_done, {"tokens_seen": self.tokens_seen})
+            self.progress.close()
+            raise UserError(lost_line(str(exc), self.output_dir, self.schedule.last_step)) from exc
 
     def should_stop(self) -> bool:
         """Whether the ranks agreed at the last checkpoint decision that the run ends now."""

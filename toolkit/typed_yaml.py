@@ -96,6 +96,18 @@ class Sources:
     file: str
     overridden: frozenset[str] = frozenset()
 
+    @classmethod
+    def given(cls, file: str, overrides) -> Sources:
+        """`file`, but for the keys the `key=value` items of `overrides` set."""
+        return cls(str(file), frozenset(item.partition("=")[0].strip() for item in overrides))
+
+    def __format__(self, key: str) -> str:
+        """In a message: f"{sources}" is the file; f"{sources:train.max_steps}" where that key was set, "in
+        FILE" or "on the command line"."""
+        if not key:
+            return self.file
+        return "on the command line" if self.of(key) == "command line" else f"in {self.file}"
+
     def of(self, key: str) -> str:
         """The source of `key` (dotted, list items as `[i]`)."""
         parts = key.split("[")[0].split(".")

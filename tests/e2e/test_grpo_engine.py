@@ -11,22 +11,28 @@ them. Rewards: whether a completion holds an "s" (most of the bare model's rando
 so groups differ and the adapter moves from the first round.
 """
 
+import contextlib
 import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, run_script, short_grpo_args, train_lines
+from helpers import REPO, launch, run_launched, run_script, short_grpo_args, train_lines
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from toolkit.engine import client
 from toolkit.engine.server import ENGINE_VENV, Engine, ServeSpec
 from toolkit.errors import USER_ERROR_EXIT_CODE
+from toolkit.grpo.config import GrpoConfig
 
 pytestmark = pytest.mark.skipif(
     not (ENGINE_VENV / ".installed").is_file(),  # written once `make install-vllm` has finished
@@ -41,7 +47,7 @@ LORA_RANK = 8
 # the tempered distribution (grpo.temperature 0.7): measured here at 1.7e-7 to 2.1e-7 mean and 9.5e-7 max at
 # temperature 1 (the adapter left unsynced: 4.5e-2 mean in the second round; the trainer untempered at 0.7:
 # the gap is that of two distributions, far above these).
-GAP_MEAN, GAP_MAX = 1e-5, 1e-5
+GAP_MEAN, GAP_MAX = 1e-5, 5e-5
 
 
 def run_args(out, *overrides: str, method: str = "lora") -> list[str]:
@@ -102,39 +108,146 @@ def engine(tmp_path_factory):
         served.stop()
 
 
+def test_a_seeded_round_past_one_scheduler_step_is_sampled_whole(engine):
+    """The demo's round shape (64 seeded requests of 38-token prompts: 2432 tokens, past vLLM's 2048-token
+    step) and one prompt as long as the engine takes: split over steps, vLLM's CPU engine died rewinding
+    a seeded generator (server.py, WHOLE_PREFILLS)."""
+    prompts = [[4 + (i * 37 + j * 11) % 2000 for j in range(38)] for i in range(64)] + [[5] * 120]
+    sampling = GrpoConfig(max_new_tokens=4)
+    done = client.complete(engine.url, "base", prompts, list(range(len(prompts))), sampling, [2])
+    assert [len(c.tokens) > 0 for c in done] == [True] * len(prompts)
+    assert client.healthy(engine.url)
+
+
+class EngineKiller(threading.Thread):
+    """SIGKILLs the run's own engine (the vLLM server writing to OUT/engine/vllm.log, a child of the run's
+    process) while a round's requests are in flight: once step `after` is logged (the round before it is
+    trained) and two or more requests to it are open. `killed`: (its pid, the requests open) once done."""
+
+    def __init__(self, out, after: int):
+        super().__init__(daemon=True)
+        self.out, self.after, self.done = out, after, threading.Event()
+        self.killed: tuple[int, int] | None = None
+
+    def run(self) -> None:
+        while not self.done.is_set() and self.after not in [r["step"] for r in logged_steps(self.out)]:
+            time.sleep(0.1)
+        pid = own_engine(self.out)
+        port = pid and int(cmdline(pid)[cmdline(pid).index("--port") + 1])
+        while pid and not self.done.is_set():
+            requests = open_requests(port)
+            if requests >= 2:
+                os.kill(pid, signal.SIGKILL)
+                self.killed = (pid, requests)
+                return
+            time.sleep(0.002)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.join()
+
+
+def logged_steps(out) -> list[dict]:
+    return train_lines(out) if (out / "metrics.jsonl").is_file() else []
+
+
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def open_files(pid: int) -> list[str]:
+    files = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            files.append(os.readlink(fd))
+    return files
+
+
+def own_engine(out) -> int | None:
+    """The pid of the vLLM server writing OUT/engine/vllm.log whose parent holds files of the run (its
+    process), None when there is none."""
+    log = str(out / "engine" / "vllm.log")
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(proc.name)
+            if "vllm.entrypoints.openai.api_server" in cmdline(pid) and log in open_files(pid):
+                parent = int((proc / "stat").read_text().rsplit(") ", 1)[1].split()[1])
+                if any(f.startswith(str(out)) and f != log for f in open_files(parent)):
+                    return pid
+    return None
+
+
+def open_requests(port: int) -> int:
+    """Connections to `port` its server holds open (ESTABLISHED, local side)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            count += state == "01" and int(local.rsplit(":", 1)[1], 16) == port
+    return count
+
+
+def launched(args: list[str], out, processes: int = 0, config: str = ""):
+    """`run_script` that returns whatever the run ended with."""
+    head = [
+        sys.executable,
+        *(["-m", "accelerate.commands.launch", *launch(config, processes)] if config else []),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    return run_launched([*head, str(RECIPE), *args], env, keep=out)
+
+
 @pytest.fixture(scope="module", params=["lora", "full"])
 def own(request, tmp_path_factory):
-    """One process, the engine started by the run itself: (method, output_dir, result)."""
+    """One process, the engine started by the run itself: (method, output_dir, result, killed). LoRA: its
+    engine killed while round 1's requests are in flight, and restarted (grpo.vllm.restarts unset);
+    killed: what EngineKiller killed (None for full fine-tuning, left alone)."""
     out = tmp_path_factory.mktemp(f"grpo-engine-{request.param}") / "run"
-    overrides = distilled(request.param, request)
-    return request.param, out, run_script(RECIPE, run_args(out, *overrides, method=request.param), out)
+    args = run_args(out, *distilled(request.param, request), method=request.param)
+    if request.param == "full":
+        return request.param, out, run_script(RECIPE, args, out), None
+    with EngineKiller(out, after=2) as killer:
+        result = run_script(RECIPE, args, out)
+    return request.param, out, result, killer.killed
 
 
 @pytest.fixture(scope="module")
 def zero3(own, request, tmp_path_factory):
     """ZeRO-3 on two processes: LoRA on the shared engine; a full fine-tune on its own, since reloading
-    whole weights changes what an engine serves to every run."""
+    whole weights changes what an engine serves to every run. Full: its engine killed while round 1's
+    requests are in flight with grpo.vllm.restarts 0 and no checkpoint due: (output_dir, the relaunch's
+    result, the killed launch's result, what EngineKiller killed)."""
     method = own[0]
     out = tmp_path_factory.mktemp(f"grpo-engine-zero3-{method}") / "run"
     shared = [f"grpo.vllm.url={request.getfixturevalue('engine').url}"] if method == "lora" else []
-    overrides = [*shared, *distilled(method, request)]
-    return out, run_script(RECIPE, run_args(out, *overrides, method=method), out, 2, "zero3")
+    args = run_args(out, *shared, *distilled(method, request), method=method)
+    if method == "lora":
+        return out, run_script(RECIPE, args, out, 2, "zero3"), None, None
+    lost_args = [*args, "grpo.vllm.restarts=0", "train.save_every_steps=0"]
+    with EngineKiller(out, after=2) as killer:
+        lost = launched(lost_args, out, 2, "zero3")
+    return out, run_script(RECIPE, args, out, 2, "zero3"), lost, killer.killed
 
 
 def test_the_run_starts_its_engine_says_where_and_stops_it(own):
-    method, out, result = own
+    method, out, result, _ = own
     said = re.search(r"engine: vLLM started by ftkit at (\S+) in [\d.]+ s; log: (\S+)", result.stdout)
     assert said, result.stdout[-2000:]
     assert said.group(2) == str(out / "engine" / "vllm.log") and (out / "engine" / "vllm.log").is_file()
     assert said.group(1).startswith("http://127.0.0.1:")
     assert not client.healthy(said.group(1))  # stopped with the run
+    assert own_engine(out) is None  # and so is the one started again after a kill (LoRA)
     # Only the last round's weights are kept (an adapter under a new name each round, the one before dropped).
     kept = "adapter-round-1" if method == "lora" else "weights-round-1"
     assert [p.name[:15] for p in (out / "engine").glob("*-round-*")] == [kept]
 
 
 def test_trains_on_the_engines_samples_with_the_weights_synced_each_round(own):
-    method, out, _ = own
+    method, out, _, _ = own
     lines = train_lines(out)
     assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
     assert [r["sync_s"] > 0 for r in lines] == [True, False, True, False]  # rounds start at steps 1 and 3
@@ -183,6 +296,52 @@ def stored(file) -> tuple[int, int]:
             weights += count
             size += count * handle.get_tensor(name).element_size()
     return weights, size
+
+
+def test_an_engine_killed_mid_round_is_started_again_and_the_round_goes_on(own):
+    """LoRA, one process: the engine ftkit started is SIGKILLed while round 1's requests are out; the run
+    restarts it with the adapter it served and sends the round again (every step the same as the
+    undisturbed runs': test_zero3_on_two_processes_gets_the_same_steps, and the relaunch below)."""
+    method, out, result, killed = own
+    if method == "full":
+        pytest.skip("the full fine-tune's engine is killed under ZeRO-3, without restarts (below)")
+    assert killed is not None, "the engine was not caught with a round in flight"
+    said = re.findall(
+        r"grpo.vllm: the engine exited \(code -9\): .*; "
+        r"ftkit restarted it \(1 of grpo.vllm.restarts 2\) in [\d.]+ s.*",
+        result.stdout,
+    )
+    assert len(said) == 1, result.stdout[-3000:]
+    assert "its log: " + str(out / "engine" / "vllm.log") in said[0]
+    log = (out / "engine" / "vllm.log").read_text(errors="replace")
+    assert (
+        log.count("Initializing a V1 LLM engine") == 2
+    )  # the first server's output kept, the second's after it
+    assert [r["step"] for r in train_lines(out)] == list(range(1, STEPS + 1))
+
+
+def test_an_engine_lost_without_restarts_saves_the_steps_and_the_relaunch_matches(own, zero3):
+    """Full fine-tuning, ZeRO-3 x2, grpo.vllm.restarts 0, no checkpoint due: the engine SIGKILLed while
+    round 1's requests are out; the run saves step 2, ends in one line naming the log's reason and the
+    command that continues; that relaunch re-samples round 1 with its seeds and finishes as one process
+    undisturbed did (test_zero3_on_two_processes_gets_the_same_steps compares every step)."""
+    if own[0] == "lora":
+        pytest.skip("the LoRA run's engine is restarted (above)")
+    out, relaunch, lost, killed = zero3
+    assert killed is not None, "the engine was not caught with a round in flight"
+    assert lost.returncode != 0
+    lines = [line for line in lost.stderr.splitlines() if "grpo.vllm: the engine" in line]
+    assert lines and len(set(lines)) == 1, lost.stderr[-3000:]  # the same line from both processes
+    assert re.search(
+        r"grpo_llm: error: grpo.vllm: the engine exited \(code -9\): .*; its log: \S+vllm.log; "
+        r"checkpoint of step 2 in \S+/checkpoints/step-2; continue: accelerate launch <launch options> "
+        r"\S+grpo_llm.py .*train.resume=auto$",
+        lines[0],
+    ), lines[0]
+    assert (
+        'grpo_llm.py", line' not in lost.stderr
+    )  # no traceback through the recipe (torchrun prints its own)
+    assert "resum" in relaunch.stdout
 
 
 def test_a_relaunch_after_a_stop_mid_round_resumes_exactly(own, request, tmp_path):

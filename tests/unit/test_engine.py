@@ -3,6 +3,7 @@ asked), its one-line failures (not installed, port in use, not reachable, a refu
 GRPO settings it refuses, and the log-probability gap it is measured by."""
 
 import http.server
+import re
 import socket
 import subprocess
 import threading
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit.engine import client
+from toolkit.engine import client, server
 from toolkit.engine.server import Engine, ServeSpec, engine_python, free_port, serve_command
 from toolkit.errors import UserError
 from toolkit.grpo.config import load_grpo_config
@@ -52,6 +53,79 @@ def test_an_engine_nobody_listens_for_is_not_reachable():
         client.load_adapter(url, "round-0", "/tmp/adapter")
 
 
+def test_an_engine_still_starting_says_so_every_while_and_gives_up_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(server, "STILL_STARTING_S", 0.3)
+    process = subprocess.Popen(["sleep", "60"], start_new_session=True)  # alive, never answering
+    engine = Engine(f"http://127.0.0.1:{free_port('127.0.0.1')}", process, tmp_path / "vllm.log")
+    said = []
+    with pytest.raises(UserError, match=r"did not answer within 2 s; its log: .*vllm.log$"):
+        engine.wait_ready(2.0, say=said.append)
+    assert len(said) >= 3 and all(
+        re.fullmatch(
+            r"engine: still starting, \d+ s of grpo.vllm.start_timeout_s 2; its log: .*vllm.log", line
+        )
+        for line in said
+    ), said
+    assert process.poll() is not None  # stopped
+
+
+def test_an_engine_of_yours_must_answer_and_serve_the_base_before_the_run_writes():
+    closed = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    with pytest.raises(UserError, match=f"grpo.vllm.url: no engine answers at {closed}/health"):
+        server.check_answers(closed)
+
+    class OtherModel(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"data": [{"id": "Qwen/Qwen3-0.6B"}]}' if "models" in self.path else b"")
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.HTTPServer(("127.0.0.1", 0), OtherModel)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{other.server_address[1]}"
+    try:
+        with pytest.raises(UserError, match="serves Qwen/Qwen3-0.6B, not 'base': start it with --served-mod"):
+            server.check_answers(url)
+    finally:
+        other.shutdown()
+
+
+def test_an_engine_is_lost_when_it_exited_or_gives_no_answer_not_when_it_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(server, "LOST_GRACE_S", 0.5)
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    up = http.server.HTTPServer(("127.0.0.1", 0), Healthy)
+    threading.Thread(target=up.serve_forever, daemon=True).start()
+    try:
+        healthy = Engine(f"http://127.0.0.1:{up.server_address[1]}")
+        assert (
+            healthy.lost(UserError("grpo.vllm: the engine at ... refused /v1/load_lora_adapter: bad")) == ""
+        )
+    finally:
+        up.shutdown()
+    closed = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    gone = client.Unreachable(f"grpo.vllm: the engine at {closed} is not reachable (refused)")
+    assert (
+        Engine(closed).lost(gone) == f"stopped answering (the engine at {closed} is not reachable (refused))"
+    )
+    log = tmp_path / "vllm.log"
+    log.write_text("(EngineCore pid=7) ERROR RuntimeError: CPU Generator does not use offset\n")
+    process = subprocess.Popen(["false"])
+    process.wait()
+    exited = Engine(closed, process, log, "m").lost(gone)
+    assert exited == f"exited (code 1): RuntimeError: CPU Generator does not use offset; its log: {log}"
+
+
 def test_an_exited_engine_says_what_its_log_refused(tmp_path):
     log = tmp_path / "vllm.log"
     log.write_text(
@@ -79,6 +153,16 @@ def test_the_engine_runs_no_checkpoint_code_unless_asked_and_fits_the_lora_rank(
     assert "--trust-remote-code" in asked
     with pytest.raises(UserError, match="lora.r: 1024 is above the engine's largest LoRA rank"):
         serve_command(python, ServeSpec("m", "float32", 64, lora_rank=1024), "127.0.0.1", 8000)
+
+
+def test_a_cpu_engine_prefills_each_prompt_whole_and_a_gpu_engine_keeps_vllms_default(monkeypatch):
+    """vLLM 0.32 rewinds a seeded request's generator when it discards the token sampled after part of a
+    prompt, which a CPU generator cannot do (server.py, WHOLE_PREFILLS): a CPU engine never splits one."""
+    spec, python = ServeSpec("m", "float32", 64), Path("/venv/bin/python")
+    monkeypatch.setattr(server, "has_gpu", lambda: False)
+    assert "--no-enable-chunked-prefill" in serve_command(python, spec, "127.0.0.1", 8000)
+    monkeypatch.setattr(server, "has_gpu", lambda: True)
+    assert "--no-enable-chunked-prefill" not in serve_command(python, spec, "127.0.0.1", 8000)
 
 
 def test_a_start_adapter_is_refused_with_an_engine_the_user_started(tmp_path):
@@ -159,7 +243,8 @@ def test_an_engine_that_dies_mid_run_says_so_with_its_logs_reason(tmp_path):
     log.write_text("(EngineCore pid=7) ERROR RuntimeError: CPU out of memory\n")
     process = subprocess.Popen(["false"])
     process.wait()
-    sampler = EngineSampler(None, None, Engine("http://127.0.0.1:1", process, log, "m"))
+    cfg = load_grpo_config(None, ["model.adapter=null", "grpo.generation=vllm"])
+    sampler = EngineSampler(None, cfg, Engine("http://127.0.0.1:1", process, log, "m"))
     sampler.ready = True
     said = sampler._mid_run(UserError("grpo.vllm: the engine at http://127.0.0.1:1 is not reachable"))
     assert (

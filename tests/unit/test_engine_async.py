@@ -4,6 +4,7 @@ sync waiting for the round in flight, the staleness, and the round in flight kep
 
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,8 +14,9 @@ from toolkit.engine import client
 from toolkit.errors import UserError
 from toolkit.grpo import engine as engine_module
 from toolkit.grpo.config import load_grpo_config
-from toolkit.grpo.engine import EngineSampler, Sampled
+from toolkit.grpo.engine import EngineLost, EngineSampler
 from toolkit.grpo.rollout import Rollout
+from toolkit.grpo.sampled import Sampled
 
 ENGINE = ["model.adapter=null", "grpo.generation=vllm"]
 
@@ -39,9 +41,20 @@ class FakeEngine:
 
     url = "http://fake"
     process = None
+    relaunch = ("how it was started",)
 
     def __init__(self):
         self.calls, self.lock = [], threading.Lock()
+
+    def lost(self, error):
+        return "exited (code -9): no reason found in its log; its log: vllm.log"
+
+    def restarted(self):
+        self.note("restarted", "")
+        return self
+
+    def wait_ready(self, timeout_s, say=None):
+        return 1.0
 
     def note(self, *event):
         with self.lock:
@@ -66,18 +79,21 @@ def sampler(monkeypatch):
 
     def load(policy, state, round_index):
         fake.note("sync", f"round-{round_index}")
-        built.adapter = (f"round-{round_index}", None)
+        built.adapter = (f"round-{round_index}", Path(f"adapter-round-{round_index}"))
 
     monkeypatch.setattr(client, "complete", complete)
     monkeypatch.setattr(engine_module, "adapter_state", lambda accelerator, model: ({}, 0))
     monkeypatch.setattr(engine_module, "saver", lambda accelerator, model: None)
-    accelerator = SimpleNamespace(num_processes=1, is_main_process=True)
+    accelerator = SimpleNamespace(
+        num_processes=1, is_main_process=True, device="cpu", reduce=lambda t, **_: t
+    )
     # Three rounds of one step: the last sends none ahead.
     cfg = load_grpo_config(
         None, [*ENGINE, "grpo.async_rounds=1", "grpo.max_new_tokens=4", "train.max_steps=3"]
     )
     built = EngineSampler(accelerator, cfg, fake)
     built.ready, built._load = True, load
+    monkeypatch.setattr(client, "load_adapter", lambda url, name, path: fake.note("loaded back", name))
     yield built, fake
     built.close()
 
@@ -130,6 +146,60 @@ def test_a_checkpoint_keeps_the_round_in_flight_and_a_resumed_run_trains_on_it(s
     assert torch.equal(again.tokens, Sampled.from_state_dict(state).tokens)
     assert sum(c[0] == "sent" for c in fake.calls) == sent + 1  # only round 2, sent ahead
     resumed.close()
+
+
+def dies_once(monkeypatch, seed: int):
+    """client.complete fails once, as a killed engine's would, for the round whose first seed is `seed`."""
+    answer, died = client.complete, []
+
+    def dying(url, name, prompts, seeds, *args):
+        if seeds[0] == seed and not died:
+            died.append(name)
+            raise client.Unreachable("grpo.vllm: the engine at http://fake is not reachable (reset)")
+        return answer(url, name, prompts, seeds, *args)
+
+    monkeypatch.setattr(client, "complete", dying)
+
+
+def test_an_engine_lost_with_a_round_ahead_is_restarted_and_sent_that_round_again(
+    sampler, monkeypatch, capsys
+):
+    """Round 1, sent ahead with round 0's adapter, meets a killed engine: it is started again, round 0's
+    adapter loaded back, round 1 sent again with it (the same completions, one round stale as before)."""
+    built, fake = sampler
+    dies_once(monkeypatch, 100)
+    built.sample(None, 0, requests, [2])
+    second, _ = built.sample(None, 1, requests, [2])
+    assert (second.round_index, second.version) == (1, 0)
+    assert second.tokens[:, 0].tolist() == [3 + s % 7 for s in range(100, 104)]
+    assert [c[:2] for c in fake.calls[:8]] == [
+        ("sync", "round-0"),
+        ("sent", "round-0"),
+        ("back", "round-0"),
+        ("restarted", ""),
+        ("loaded back", "round-0"),
+        ("sent", "round-0"),  # round 1 again, with the weights it was first sent with
+        ("back", "round-0"),
+        ("sync", "round-1"),
+    ]
+    said = capsys.readouterr().out.strip().splitlines()
+    assert said == [
+        "grpo.vllm: the engine exited (code -9): no reason found in its log; its log: vllm.log; ftkit "
+        "restarted it (1 of grpo.vllm.restarts 2) in 1.0 s with the weights it served, and the round goes on"
+    ]
+
+
+def test_past_its_restarts_a_lost_engine_ends_the_rounds_and_a_checkpoint_keeps_none_ahead(
+    sampler, monkeypatch
+):
+    built, fake = sampler
+    built.restarts = 0
+    dies_once(monkeypatch, 100)
+    built.sample(None, 0, requests, [2])
+    with pytest.raises(EngineLost, match=r"^grpo.vllm: the engine exited \(code -9\): no reason .*vllm.log$"):
+        built.sample(None, 1, requests, [2])
+    assert built.state_dict() == {}  # the round that was ahead is sampled again by the relaunch
+    assert not any(c[0] == "restarted" for c in fake.calls)
 
 
 def test_a_rollout_keeps_its_staleness_and_times_through_a_checkpoint():

@@ -35,6 +35,7 @@ from toolkit.model import families, per_example
 from toolkit.model.facts import read_model_facts
 from toolkit.model.families import family_of
 from toolkit.train.loss import batch_loss
+from toolkit.typed_yaml import Sources
 
 CAPACITY = 40
 PAD = 3
@@ -212,6 +213,26 @@ def test_a_remote_code_model_is_read_by_its_model_type(tmp_path):
         and facts.family.describe() == "1 Mamba-2 + 1 attention + 2 feed-forward-only layers"
     )
     checks.check_launch(Launch("single", 1, 1, on_cpu=True), cfg, facts, "recipe.yaml", Machine(), {})
+
+
+def test_a_refusal_names_where_the_refused_value_was_set(tmp_path):
+    """data.packing typed on the command line is refused as set there, not in the recipe's file."""
+    tiny_config("deepseek_v4").save_pretrained(tmp_path)
+    cfg = RecipeConfig(model=ModelConfig(path=str(tmp_path)), data=DataConfig(packing=True))
+    facts, single = read_model_facts(cfg.model), Launch("single", 1, 1, on_cpu=True)
+    for sources, said in [
+        (
+            Sources.given("recipes/configs/demo.yaml", ["data.packing=true"]),
+            "data.packing on the command line: ",
+        ),
+        (
+            Sources.given("recipes/configs/demo.yaml", ["train.max_steps=5"]),
+            "data.packing in recipes/configs/demo",
+        ),
+        ("recipe.yaml", "data.packing in recipe.yaml: "),
+    ]:
+        with pytest.raises(UserError, match=said):
+            checks.check_launch(single, cfg, facts, sources, Machine(), {})
 
 
 def test_a_gpu_run_names_the_kernel_packages_it_lacks(monkeypatch):

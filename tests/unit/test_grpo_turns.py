@@ -45,6 +45,13 @@ def untyped(x):
         ("no engine", "grpo.generation=vllm: no engine environment at"),
         ("reward module", "grpo.rewards: cannot import nowhere_module for nowhere_module:score"),
         ("reward file", "rewards.py has no function score"),
+        ("engine url", "grpo.vllm.url: no engine answers at http://127.0.0.1:9/health"),
+        ("openenv url", "grpo.environment.openenv: no OpenEnv server answers at http://127.0.0.1:9"),
+        ("openenv file", "grpo.environment.openenv.app: ./none.py does not exist"),
+        (
+            "openenv module",
+            "grpo.environment.openenv.app: no module nowhere_module where the run is launched",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_nothing_is_written(case, message, tmp_path, monkeypatch, capsys):
@@ -58,6 +65,10 @@ def test_bad_input_is_one_line_and_nothing_is_written(case, message, tmp_path, m
         "no engine": ["grpo.generation=vllm", f"grpo.environment.tools=[{CALCULATOR}]"],
         "reward module": ["grpo.rewards=[exact_answer,nowhere_module:score]"],
         "reward file": [f"grpo.rewards=[{tmp_path / 'rewards.py'}:score]"],
+        "engine url": ["grpo.generation=vllm", "grpo.vllm.url=http://127.0.0.1:9"],
+        "openenv url": ["grpo.environment.openenv.url=http://127.0.0.1:9"],
+        "openenv file": ["grpo.environment.openenv.app=./none.py:app"],
+        "openenv module": ["grpo.environment.openenv.app=nowhere_module:app"],
     }[case]
     out = tmp_path / "run"
     argv = [f"output_dir={out}", "model.adapter=null", *overrides]

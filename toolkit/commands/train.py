@@ -21,6 +21,7 @@ from toolkit.config import RecipeConfig
 from toolkit.errors import UserError
 from toolkit.launch.machine import Machine, probe_machine
 from toolkit.recipes import SCRIPTS, check_recipe_name, load_recipe_config, recipe_of
+from toolkit.typed_yaml import Sources
 
 REPO = Path(__file__).resolve().parent.parent.parent
 CPU_PROCESSES = 2  # without GPUs: a dry run of the same command on gloo CPU processes
@@ -190,7 +191,7 @@ def _deepspeed_json_args(config_file: Path) -> list[str]:
     return ["--deepspeed_config_file", str(REPO / json_file)]
 
 
-def preflight(plan: LaunchPlan, cfg: RecipeConfig, config_source: str, findings, machine, env) -> None:
+def preflight(plan: LaunchPlan, cfg: RecipeConfig, config_source: Sources, findings, machine, env) -> None:
     """The fail-level checks of `ftkit doctor` (`findings`) and `ftkit check-config`, as one UserError."""
     from toolkit.launch.checks import check_launch, launch_from_yaml
     from toolkit.model.facts import read_model_facts
@@ -225,5 +226,12 @@ def train_cli(args) -> int:
         print(plan.reason)
     print(plan.display(), flush=True)
     findings = report.diagnose(probe.gather_probes(Path(cfg.output_dir), deepspeed_ops=False))
-    preflight(plan, cfg, args.config or "the demo config", findings, machine, os.environ)
+    preflight(
+        plan,
+        cfg,
+        Sources.given(args.config or "the demo config", plan.overrides),
+        findings,
+        machine,
+        os.environ,
+    )
     return relay.run(plan.argv, os.environ, recipe.stem, verbose=args.verbose)

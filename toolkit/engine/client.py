@@ -32,18 +32,31 @@ def healthy(url: str) -> bool:
         return False
 
 
+class Unreachable(UserError):
+    """The engine gave no answer: nothing listens, the connection broke, or it timed out."""
+
+
 def post(url: str, path: str, payload: dict) -> dict | str:
-    """The answer's JSON (or text); an engine that cannot be reached or refuses is one line."""
+    """The answer's JSON (or text); an engine that cannot be reached (Unreachable) or refuses is one line."""
     request = urllib.request.Request(
         f"{url}{path}", json.dumps(payload).encode(), {"Content-Type": "application/json"}
     )
+    return _answer(url, path, request, TIMEOUT_S)
+
+
+def get(url: str, path: str) -> dict | str:
+    """`post`'s answer to a GET of `path`, given 30 seconds."""
+    return _answer(url, path, urllib.request.Request(f"{url}{path}"), 30)
+
+
+def _answer(url: str, path: str, request, timeout_s: float) -> dict | str:
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
             body = answer.read().decode()
     except urllib.error.HTTPError as exc:
         raise UserError(f"grpo.vllm: the engine at {url} refused {path}: {_message(exc)}") from exc
     except (OSError, urllib.error.URLError) as exc:
-        raise UserError(
+        raise Unreachable(
             f"grpo.vllm: the engine at {url} is not reachable ({getattr(exc, 'reason', exc)})"
         ) from exc
     try:

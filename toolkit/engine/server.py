@@ -7,8 +7,10 @@ allows it, and writes its log where the caller says (the run folder). Every way 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -26,6 +28,21 @@ LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 REFUSALS = re.compile(r"^(?!.*WARNING).*?((?:Unsupported CPU attention|\w+Error:|Value error,) [^\n]*)", re.M)
 BASE_NAME = "base"
 """The name the served base model answers to."""
+# A CPU engine prefills each prompt whole. vLLM 0.32's model runner marks a request whose prompt is only
+# partly computed in a step (`discard_request_mask`: computed + scheduled tokens < its tokens,
+# v1/worker/gpu_model_runner.py `_prepare_inputs`) and, in `_bookkeeping_sync`, rewinds a seeded one's
+# generator with `gen.set_offset(gen.get_offset() - 4)`, which a CPU torch.Generator refuses ("CPU
+# Generator does not use offset": the engine dies). Only chunked prefill schedules part of a prompt: its
+# scheduler (v1/core/sched/scheduler.py, `schedule`) admits a waiting request whole or not at this step
+# when chunked prefill is off (long_prefill_token_threshold stays 0), and a running one then decodes a
+# token a step (no async scheduling or speculative decoding on CPU). Off, the step's token budget becomes
+# max(max_model_len, 2048), so any single prompt fits it. A CUDA generator has the offset: GPU engines
+# keep vLLM's defaults.
+WHOLE_PREFILLS = "--no-enable-chunked-prefill"
+STILL_STARTING_S = 30.0
+"""How often waiting for an engine to start says so."""
+LOST_GRACE_S = 10.0
+"""How long an engine that failed a call may take to exit or to answer its health check again."""
 
 
 @dataclass
@@ -98,6 +115,7 @@ def serve_command(python: Path, spec: ServeSpec, host: str, port: int) -> list[s
         command.append("--trust-remote-code")
     if not has_gpu():
         command.append("--enforce-eager")  # compiling the CPU graphs costs more start time than it saves here
+        command.append(WHOLE_PREFILLS)
     else:
         command += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     if spec.tensor_parallel_size:
@@ -122,7 +140,6 @@ def _end_with_parent() -> None:
     """In the engine's process before it starts: on Linux, a SIGTERM when the run's process dies, however it
     dies (killed too), so no engine outlives its run."""
     import ctypes
-    import signal
     import sys
 
     if sys.platform == "linux":
@@ -142,43 +159,71 @@ class Engine:
         self.url, self.process, self.log, self.model = url.rstrip("/"), process, log, model
         self.started = time.perf_counter()
         self.start_seconds = 0.0
+        self.log_from = 0
+        """Where this server's output starts in `log` (a restarted one appends to its predecessor's)."""
+        self.relaunch: tuple | None = None
+        """`start`'s arguments, for `restarted` (None for the user's engine)."""
 
     @classmethod
     def start(
-        cls, spec: ServeSpec, log: Path, host: str = "127.0.0.1", port: int = 0, venv: Path = ENGINE_VENV
+        cls,
+        spec: ServeSpec,
+        log: Path,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        venv: Path = ENGINE_VENV,
+        append: bool = False,
     ):
-        """Starts the server and returns at once; `wait_ready` waits for it."""
+        """Starts the server and returns at once; `wait_ready` waits for it. `append`: its output goes after
+        what `log` holds (a restart keeps the reason the server before it died)."""
         python = engine_python(venv)
-        if port:
+        if port and not append:  # a restart takes its predecessor's port (the server binds with SO_REUSEADDR)
             check_port_free(host, port)
-        port = port or free_port(host)
+        chosen = port or free_port(host)
         env = serve_environment(spec, dict(os.environ))
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+        offset = log.stat().st_size if append and log.is_file() else 0
+        with open(log, "a" if append else "w") as out:  # the child keeps its own copy of the descriptor
             process = subprocess.Popen(
-                serve_command(python, spec, host, port),
+                serve_command(python, spec, host, chosen),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,  # a stop signal to the run reaches the engine through stop() only
                 preexec_fn=_end_with_parent,
             )
-        return cls(f"http://{host}:{port}", process, log, spec.model)
+        engine = cls(f"http://{host}:{chosen}", process, log, spec.model)
+        engine.log_from, engine.relaunch = offset, (spec, log, host, port, venv)
+        return engine
 
     @classmethod
     def connect(cls, url: str) -> Engine:
         return cls(url)
 
-    def wait_ready(self, timeout_s: float) -> float:
+    def restarted(self) -> Engine:
+        """A new server in the place of this one (ftkit's own): what is left of this one's processes ended,
+        the same model and settings, its output appended to the same log. Returns at once, as `start`."""
+        self.stop()
+        return Engine.start(*self.relaunch, append=True)
+
+    def wait_ready(self, timeout_s: float, say=None) -> float:
         """Seconds from start until the server answered /health; a server that exits or does not answer in
-        time is one line (with the refusal its log gives, when it gave one)."""
+        time is one line (with the refusal its log gives, when it gave one). `say(line)`: told every
+        STILL_STARTING_S that it is still starting and how long it has waited."""
         deadline = time.perf_counter() + timeout_s
+        told = time.perf_counter()
         while time.perf_counter() < deadline:
             self.check_alive()
             if client.healthy(self.url):
                 self.first_completion()
                 self.start_seconds = time.perf_counter() - self.started
                 return self.start_seconds
+            if say is not None and time.perf_counter() - told >= STILL_STARTING_S:
+                told = time.perf_counter()
+                say(
+                    f"engine: still starting, {told - self.started:.0f} s of grpo.vllm.start_timeout_s "
+                    f"{timeout_s:.0f}; its log: {self.log}"
+                )
             time.sleep(0.5)
         self.stop()
         where = f"; its log: {self.log}" if self.log else ""
@@ -197,7 +242,7 @@ class Engine:
         """`error`, or what the log of an engine ftkit started says went wrong when it says something."""
         if self.process is None:
             return error
-        text = self.log.read_text(errors="replace") if self.log and self.log.is_file() else ""
+        text = self._output()
         if "Unsupported CPU attention" in text:
             head = re.search(r"head_dim=\d+", text)
             return (
@@ -212,20 +257,61 @@ class Engine:
             return
         raise UserError(self.failure(f"grpo.vllm: the engine exited (code {self.process.returncode})"))
 
+    def lost(self, error: UserError) -> str:
+        """Why the engine is gone, once a call to it failed with `error`; "" when it still serves (`error` was
+        its refusal). Gone: the server ftkit started exited (with what its log says), or it gave no answer
+        (client.Unreachable) or failed its health check for LOST_GRACE_S (a dying server exits by then)."""
+        deadline = time.perf_counter() + LOST_GRACE_S
+        while True:
+            if self.process is not None and self.process.poll() is not None:
+                return f"exited (code {self.process.returncode}): {self.reason()}"
+            if time.perf_counter() >= deadline:
+                return f"stopped answering ({str(error).removeprefix('grpo.vllm: ')})"
+            if not isinstance(error, client.Unreachable) and client.healthy(self.url):
+                return ""
+            time.sleep(0.5)
+
     def reason(self) -> str:
-        text = self.log.read_text(errors="replace") if self.log and self.log.is_file() else ""
-        found = REFUSALS.findall(text)
+        found = REFUSALS.findall(self._output())
         said = found[-1].strip() if found else "no reason found in its log"
         return f"{said}; its log: {self.log}"
 
+    def _output(self) -> str:
+        """What this server wrote to its log."""
+        if not (self.log and self.log.is_file()):
+            return ""
+        with open(self.log, "rb") as log:
+            log.seek(self.log_from)
+            return log.read().decode(errors="replace")
+
     def stop(self, grace_s: float = 20.0) -> None:
-        """Ends the engine ftkit started (its whole process group: the server spawns workers)."""
-        if self.process is None or self.process.poll() is not None:
+        """Ends the engine ftkit started: its whole process group (the server spawns workers), and what is
+        left of it when the server itself has died (killed, its workers may live on)."""
+        if self.process is None:
             return
-        pgid = os.getpgid(self.process.pid)
-        os.killpg(pgid, 15)
-        try:
-            self.process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, 9)
-            self.process.wait()
+        group = self.process.pid  # start_new_session: the server leads a group of its own
+        if self.process.poll() is None:
+            _signal_group(group, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(grace_s)
+        _signal_group(group, signal.SIGKILL)
+        self.process.wait()
+
+
+def _signal_group(group: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, sig)
+
+
+def check_answers(url: str) -> None:
+    """An engine at `url` (the user's) answers its health check and serves the base model under BASE_NAME:
+    else one line, before the run writes anything."""
+    if not client.healthy(url):
+        raise UserError(f"grpo.vllm.url: no engine answers at {url}/health; start it first, or unset the key")
+    models = client.get(url, "/v1/models")
+    names = [m.get("id") for m in models.get("data", [])] if isinstance(models, dict) else []
+    if BASE_NAME not in names:
+        raise UserError(
+            f"grpo.vllm.url: the engine at {url} serves {', '.join(map(str, names)) or 'no model'}, not "
+            f"{BASE_NAME!r}: start it with --served-model-name {BASE_NAME}"
+        )

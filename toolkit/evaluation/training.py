@@ -17,18 +17,20 @@ def check_benchmarks(cfg, backend: str, uses_mesh: bool, recipe_source: str) -> 
     if backend not in ("single", "ddp") or uses_mesh:
         layout = f"{backend} with a model-parallel mesh" if uses_mesh else backend
         raise UserError(
-            f"{recipe_source}: eval.benchmarks scores the whole model on the main process: launch it on one "
-            f"process or DDP, not {layout} (or run ftkit eval on the result)"
+            f"{recipe_source.of('eval.benchmarks')}: eval.benchmarks scores the whole model on the main "
+            f"process: launch it on one process or DDP, not {layout} (or run ftkit eval on the result)"
         )
     if hasattr(cfg, "dpo"):
         raise UserError(
-            f"{recipe_source}: eval.benchmarks: the SFT and GRPO recipes score benchmarks during training; "
-            "score a preference-tuned model with ftkit eval"
+            f"{recipe_source.of('eval.benchmarks')}: eval.benchmarks: the SFT and GRPO recipes score "
+            "benchmarks during training; score a preference-tuned model with ftkit eval"
         )
     try:
         tasks.resolve(cfg.eval.benchmarks, None)
     except UserError as exc:
-        raise UserError(f"{recipe_source}: eval.benchmarks: {str(exc).removeprefix('--tasks: ')}") from None
+        raise UserError(
+            f"{recipe_source.of('eval.benchmarks')}: eval.benchmarks: {str(exc).removeprefix('--tasks: ')}"
+        ) from None
 
 
 def scores_now(

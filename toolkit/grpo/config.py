@@ -21,6 +21,8 @@ ImportanceMode = Literal["truncate", "mask"]
 RewardScaling = Literal["group", "batch", "none"]
 BUILT_IN_REWARDS = ("exact_answer", "format", "length")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+DEFAULT_RESTARTS = 2
+"""grpo.vllm.restarts unset, for the engine ftkit starts."""
 
 
 @dataclass
@@ -47,6 +49,10 @@ class VllmConfig:
     """The engine ftkit starts sleeps between rounds (vLLM's sleep mode, GPU only): its memory freed once
     a round's completions are back, taken again before the next sync. Unset: on when it shares the main
     process's GPU (no url, no gpus, grpo.async_rounds 0, a loopback host, a GPU here), off otherwise."""
+    restarts: NonNegativeInt | None = None
+    """Times the engine ftkit starts is started again when it dies or stops answering mid-run, the round
+    going on (unset: 2; an engine at grpo.vllm.url is never restarted: 0). Past them the run saves a
+    checkpoint and ends in one line saying how to continue."""
 
 
 @dataclass
@@ -291,6 +297,10 @@ def validate_placement(cfg: GrpoRecipeConfig) -> None:
             f"grpo.vllm.host: {settings.host} would expose vLLM's development endpoints, which sleep mode "
             "opens; keep it on 127.0.0.1"
         )
+    if settings.restarts and settings.url:
+        raise UserError(
+            "grpo.vllm.restarts: ftkit restarts only the engine it starts, not yours at grpo.vllm.url"
+        )
     gpus = engine_gpus(cfg)
     if gpus and settings.url:
         raise UserError(
@@ -303,6 +313,14 @@ def validate_placement(cfg: GrpoRecipeConfig) -> None:
             f"grpo.vllm.tensor_parallel_size: {settings.tensor_parallel_size} is more than grpo.vllm.gpus "
             f"({len(gpus)})"
         )
+
+
+def engine_restarts(cfg: GrpoRecipeConfig) -> int:
+    """grpo.vllm.restarts as the run uses it: unset, 2 for the engine ftkit starts and 0 for yours."""
+    settings = cfg.grpo.vllm
+    if settings.restarts is not None:
+        return settings.restarts
+    return 0 if settings.url else DEFAULT_RESTARTS
 
 
 def engine_gpus(cfg: GrpoRecipeConfig) -> list[str]:
@@ -375,15 +393,21 @@ def validate_openenv(environment: EnvironmentConfig) -> None:
 
 
 def check_engine_environment(cfg: GrpoRecipeConfig) -> None:
-    """Before the run writes anything: an engine ftkit would start needs its environment (.venv-vllm).
-    Not part of `validate_grpo`, which also checks configs planned for another machine."""
-    if cfg.grpo.generation == "vllm" and not cfg.grpo.vllm.url:
-        import os
+    """Before the run writes anything: an engine ftkit would start needs its environment (.venv-vllm), an
+    engine at grpo.vllm.url must answer, and so must an OpenEnv server (or ftkit's app be found). Not part
+    of `validate_grpo`, which also checks configs planned for another machine."""
+    from toolkit.engine import server
+    from toolkit.grpo import openenv
 
-        from toolkit.engine import server
+    if cfg.grpo.generation == "vllm" and cfg.grpo.vllm.url:
+        server.check_answers(cfg.grpo.vllm.url.rstrip("/"))
+    elif cfg.grpo.generation == "vllm":
+        import os
 
         server.engine_python(server.ENGINE_VENV)
         check_engine_machine(cfg, server.has_gpu(), dict(os.environ))
+    if openenv.configured(cfg.grpo):
+        openenv.check_before_run(cfg.grpo.environment.openenv)
 
 
 def prompts_per_round(cfg: GrpoRecipeConfig) -> int:

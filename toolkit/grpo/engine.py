@@ -19,7 +19,6 @@ import secrets
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,59 +28,20 @@ from tqdm import tqdm
 from toolkit.checkpoint.export import saver, write_folded_base
 from toolkit.checkpoint.gather import adapter_state, write_weights
 from toolkit.checkpoint.rundir import ENGINE_DIR
-from toolkit.distributed import agreed_error
+from toolkit.distributed import agreed_error, any_rank
 from toolkit.engine import client
 from toolkit.engine.server import BASE_NAME, Engine, ServeSpec, has_gpu
 from toolkit.errors import UserError
-from toolkit.grpo.config import engine_gpus, sleep_level, steps_per_round
-
-AHEAD = "ahead."
-"""The prefix of the round sent ahead in a checkpoint's recipe state."""
-
-
-@dataclass
-class Sampled:
-    """One round's completions from the engine."""
-
-    round_index: int
-    tokens: torch.Tensor
-    """[N, max_new_tokens], padded with 0 after each one's length."""
-    lengths: torch.Tensor
-    """[N]"""
-    logps: torch.Tensor
-    """The engine's log-prob of each sampled token, [N, max_new_tokens] float64."""
-    version: int
-    """Rounds trained into the weights that sampled it."""
-    times: torch.Tensor
-    """Unix times its requests went out and its last answer came back, [2] float64."""
-
-    @classmethod
-    def empty(cls, round_index: int, count: int, width: int, version: int) -> Sampled:
-        zeros = torch.zeros(count, width, dtype=torch.long)
-        return cls(
-            round_index,
-            zeros,
-            torch.zeros(count, dtype=torch.long),
-            zeros.double(),
-            version,
-            torch.zeros(2).double(),
-        )
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        about = torch.tensor([self.round_index, self.version], dtype=torch.long)
-        tensors = {"about": about, "tokens": self.tokens, "lengths": self.lengths, "logps": self.logps}
-        tensors["times"] = self.times.double()
-        return {AHEAD + name: value.contiguous() for name, value in tensors.items()}
-
-    @classmethod
-    def from_state_dict(cls, state: dict[str, torch.Tensor]) -> Sampled:
-        round_index, version = state[AHEAD + "about"].tolist()
-        fields = (state[AHEAD + name] for name in ("tokens", "lengths", "logps"))
-        return cls(round_index, *fields, version, state[AHEAD + "times"])
-
+from toolkit.grpo.config import engine_gpus, engine_restarts, sleep_level, steps_per_round
+from toolkit.grpo.sampled import AHEAD, Sampled
 
 FOLDED_BASE = "base"
 """Under the run's engine/: model.path with model.adapter folded in, the base ftkit's engine serves."""
+
+
+class EngineLost(UserError):
+    """The engine died or stopped answering mid-run and was not brought back (grpo.vllm.restarts): raised on
+    every process at once, between optimizer steps, so the trainer's state is whole and can be saved."""
 
 
 class EngineSampler:
@@ -113,6 +73,11 @@ class EngineSampler:
         self.landed: Sampled | None = None
         """The round sent ahead, back and shared, or kept by the checkpoint resumed."""
         self.pool = None
+        self.ahead_call = None
+        """The main process's request of the round sent ahead, to send again to a restarted engine."""
+        self.restarts = engine_restarts(cfg)
+        """Restarts of a lost engine the run may still make (grpo.vllm.restarts)."""
+        self.restarted = 0
 
     @classmethod
     @contextlib.contextmanager
@@ -200,18 +165,11 @@ class EngineSampler:
         sampled.times = torch.tensor([started, time.time()], dtype=torch.float64)
         return sampled
 
-    def _shared_round(self, round_index: int, count: int, call) -> Sampled:
-        """Collective: what `call()` returns on the main process, on every process; its UserError raised on
-        every process."""
-        sampled, error = None, ""
-        if self.engine is not None:
-            try:
-                sampled = call()
-            except UserError as exc:
-                error = self._mid_run(exc)
-        error = agreed_error(self.accelerator, error)
-        if error:
-            raise UserError(error)
+    def _shared_round(self, round_index: int, count: int, call, again=None) -> Sampled:
+        """Collective: what `call()` returns on the main process (`again()` once the engine was restarted),
+        on every process; its UserError raised on every process."""
+        sampled, problem = self._on_main(call, again)
+        self._raise_agreed(problem)
         if sampled is None:
             sampled = Sampled.empty(round_index, count, self.cfg.grpo.max_new_tokens, 0)
         about = self._shared(torch.tensor([sampled.version, *sampled.times.tolist()], dtype=torch.float64))
@@ -228,9 +186,10 @@ class EngineSampler:
             return
         if self.pool is None:
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-round")
-        self.future = self.pool.submit(
+        self.ahead_call = functools.partial(
             self._requested, round_index, prompts, seeds, stop_ids, *self._served()
         )
+        self.future = self.pool.submit(self.ahead_call)
 
     def _wait_ahead(self) -> None:
         """Collective: the round sent ahead, once back, shared as `landed`."""
@@ -239,7 +198,7 @@ class EngineSampler:
         (round_index, count), future = self.ahead, self.future
         self.ahead = self.future = None
         waited = future.result if future is not None else None
-        self.landed = self._shared_round(round_index, count, waited)
+        self.landed = self._shared_round(round_index, count, waited, self.ahead_call)
 
     def _landed(self, round_index: int) -> Sampled | None:
         """Collective: round `round_index` when it was sent ahead (or kept by the checkpoint resumed)."""
@@ -268,16 +227,13 @@ class EngineSampler:
     def on_main(self, work):
         """Collective: `work(self)` on the main process, which holds the engine, and its result shared with
         every process (pickled between the run's own processes); an engine's error is one line on all."""
-        result, error = None, ""
-        if self.engine is not None:
-            try:
-                self.engine.check_alive()
-                result = work(self)
-            except UserError as exc:
-                error = self._mid_run(exc)
-        error = agreed_error(self.accelerator, error)
-        if error:
-            raise UserError(error)
+
+        def checked():
+            self.engine.check_alive()
+            return work(self)
+
+        result, problem = self._on_main(checked)
+        self._raise_agreed(problem)
         if self.accelerator.num_processes > 1:
             result = broadcast_object_list([result], from_process=0)[0]
         return result
@@ -295,43 +251,86 @@ class EngineSampler:
         """Collective: the trained weights as they are now, gathered on the main process and sent: a LoRA
         adapter loaded under a new name, or (full fine-tuning) the whole weights reloaded. Returns the
         seconds it took (the first round's wait for the engine to start and its wake-up not counted)."""
-        error = self._guarded(self._wait_ready)
+        _, problem = self._on_main(self._wait_ready)
         started, self.wake_seconds = time.perf_counter(), 0.0
         state = folder = None
         if self.cfg.model.method == "full":  # written a block at a time as it is gathered
             folder = self.folder / f"weights-round-{round_index}"
-            gathered = write_weights(
-                self.accelerator, model, None if self.engine is None or error else folder
-            )
+            writes = self.engine is not None and problem is None
+            gathered = write_weights(self.accelerator, model, folder if writes else None)
         else:
             state, gathered = adapter_state(self.accelerator, model)
         self.gathered_mb = gathered / 2**20
-        if not error and self.cfg.model.method == "full":
-            error = self._guarded(self._reload, folder)
-        elif not error:
-            error = self._guarded(self._load, saver(self.accelerator, model), state, round_index)
-        error = agreed_error(self.accelerator, error)
-        if error:
-            raise UserError(error)
+        if problem is None and self.cfg.model.method == "full":
+            _, problem = self._on_main(functools.partial(self._reload, folder))
+        elif problem is None:
+            _, problem = self._on_main(
+                functools.partial(self._load, saver(self.accelerator, model), state, round_index)
+            )
+        self._raise_agreed(problem)
         self.version = round_index
         return time.perf_counter() - started - self.wake_seconds
 
-    def _guarded(self, call, *args) -> str:
-        """`call(*args)` on the main process; its UserError as the text every process will raise."""
+    def _on_main(self, call, again=None):
+        """Main process: (`call()`'s result, None), or (None, the error every process will raise). An engine
+        lost mid-run is restarted while grpo.vllm.restarts allows, and `again()` (else `call()`) sent to the
+        new one; past that, the error is EngineLost."""
         if self.engine is None:
-            return ""
+            return None, None
+        while True:
+            try:
+                return call(), None
+            except UserError as exc:
+                why = self.engine.lost(exc) if self.ready else ""
+                if not why:
+                    return None, UserError(self._mid_run(exc))
+            try:
+                self._restart(why)
+            except EngineLost as exc:
+                return None, exc
+            call = again or call
+
+    def _raise_agreed(self, problem: UserError | None) -> None:
+        """Collective: the main process's `problem` raised on every process (EngineLost on all when it is)."""
+        error = agreed_error(self.accelerator, str(problem) if problem is not None else "")
+        if not error:
+            return
+        (lost,) = any_rank(self.accelerator, isinstance(problem, EngineLost))
+        raise (EngineLost if lost else UserError)(error)
+
+    def _restart(self, why: str) -> None:
+        """Main process: the engine ftkit started, lost (`why`), started again with the weights it served, or
+        EngineLost when grpo.vllm.restarts are spent or the new engine fails too."""
+        lost = f"grpo.vllm: the engine {why}"
+        if self.engine.relaunch is None or self.restarted >= self.restarts:
+            spent = f" (grpo.vllm.restarts {self.restarts} spent)" if self.restarts else ""
+            raise EngineLost(lost + spent)
+        self.restarted += 1
         try:
-            call(*args)
+            self.engine = self.engine.restarted()
+            seconds = self.engine.wait_ready(self.cfg.grpo.vllm.start_timeout_s, say=tqdm.write)
+            self.sleeping = set()
+            if self.adapter is not None:
+                client.load_adapter(self.engine.url, self.adapter[0], str(self.adapter[1].resolve()))
+            if self.weights is not None:
+                client.reload_weights(self.engine.url, str(self.weights.resolve()))
         except UserError as exc:
-            return self._mid_run(exc)
-        return ""
+            raise EngineLost(f"{lost}; restarting it failed: {exc}") from exc
+        tqdm.write(
+            f"{lost}; ftkit restarted it ({self.restarted} of grpo.vllm.restarts {self.restarts}) in "
+            f"{seconds:.1f} s with the weights it served, and the round goes on"
+        )
 
     def _load(self, policy, state: dict, round_index: int) -> None:
         name = f"round-{round_index}-{secrets.token_hex(3)}"  # a reused name would keep the old weights
         folder = self.folder / f"adapter-{name}"
         policy.save_pretrained(str(folder), state_dict=state)
         self._wake()
-        client.load_adapter(self.engine.url, name, str(folder.resolve()))
+        try:
+            client.load_adapter(self.engine.url, name, str(folder.resolve()))
+        except UserError:
+            shutil.rmtree(folder, ignore_errors=True)  # sent again under another name, if at all
+            raise
         if self.adapter is not None:
             client.unload_adapter(self.engine.url, self.adapter[0])
             shutil.rmtree(self.adapter[1], ignore_errors=True)
@@ -350,7 +349,7 @@ class EngineSampler:
     def _wait_ready(self) -> None:
         if self.ready:
             return
-        seconds = self.engine.wait_ready(self.cfg.grpo.vllm.start_timeout_s)
+        seconds = self.engine.wait_ready(self.cfg.grpo.vllm.start_timeout_s, say=tqdm.write)
         self.ready = True
         url, log = self.engine.url, self.engine.log
         # Only the main process holds the engine; tqdm.write keeps the line off the progress bar's.

@@ -22,8 +22,10 @@ on 127.0.0.1, one per process, stopped with the run). The client needs only `web
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -297,18 +299,31 @@ def add_reward(scores: dict, talks, weight: float) -> dict:
     return {**{k: v for k, v in scores.items() if k != "total"}, "environment": values, "total": total}
 
 
-@contextlib.contextmanager
-def served(settings, log: Path):
-    """The environment for the run: the server at `settings.url`, or `settings.app` served on 127.0.0.1
-    for the run (its output in `log`) and stopped at the end, however the run ends."""
+def check_before_run(settings) -> None:
+    """What can be checked before the run writes anything: the openenv extra installed, the server at
+    `settings.url` answering with the configured fields, or the app ftkit would serve found."""
     try:
         import websockets.sync.client  # noqa: F401
     except ImportError:
         raise UserError(f"{KEY}: needs the openenv extra: pip install 'ftkit[openenv]'") from None
     if settings.url:
-        environment = OpenEnv(settings, settings.url)
-        environment.check()
-        yield environment
+        OpenEnv(settings, settings.url).check()
+        return
+    where = settings.app.rpartition(":")[0]
+    if where.endswith(".py"):
+        if not Path(where).expanduser().is_file():
+            raise UserError(f"{KEY}.app: {where} does not exist")
+    elif importlib.machinery.PathFinder.find_spec(where.split(".")[0], [os.getcwd(), *sys.path]) is None:
+        raise UserError(f"{KEY}.app: no module {where.split('.')[0]} where the run is launched from")
+
+
+@contextlib.contextmanager
+def served(settings, log: Path):
+    """The environment for the run (`check_before_run` passed): the server at `settings.url`, or
+    `settings.app` served on 127.0.0.1 for the run (its output in `log`) and stopped at the end, however the
+    run ends."""
+    if settings.url:
+        yield OpenEnv(settings, settings.url)
         return
     from toolkit.engine.server import Engine, _end_with_parent, free_port
 
@@ -317,8 +332,6 @@ def served(settings, log: Path):
     app = [settings.app]
     if where.endswith(".py"):  # a file: its folder is where uvicorn imports it from
         path = Path(where).expanduser()
-        if not path.is_file():
-            raise UserError(f"{KEY}.app: {where} does not exist")
         app = [f"{path.stem}:{name}", "--app-dir", str(path.resolve().parent)]
     command = [sys.executable, "-m", "uvicorn", *app, "--host", "127.0.0.1", "--port", str(port)]
     log.parent.mkdir(parents=True, exist_ok=True)

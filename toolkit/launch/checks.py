@@ -36,7 +36,7 @@ from toolkit.model.facts import ModelFacts
 from toolkit.pipeline import stages
 from toolkit.train import head
 from toolkit.train.batches import grad_accum_steps
-from toolkit.typed_yaml import dotted, read_yaml_mapping
+from toolkit.typed_yaml import Sources, dotted, read_yaml_mapping
 
 # What each accelerate distributed_type starts, in ftkit's words. Others are refused: MULTI_CPU starts one
 # process, and the rest are other hardware or Megatron-LM.
@@ -106,7 +106,7 @@ def check_launch(
     launch: Launch,
     cfg: RecipeConfig,
     facts: ModelFacts,
-    recipe_source: str,
+    recipe_source: str | Sources,
     machine: Machine,
     env: MutableMapping[str, str],
 ) -> list[str]:
@@ -117,6 +117,7 @@ def check_launch(
     On RTX 40xx GPUs without peer-to-peer access this sets NCCL_P2P_DISABLE and NCCL_IB_DISABLE in `env`,
     which must happen before the Accelerator starts NCCL (accelerate only does so for drivers before 550).
     """
+    recipe_source = recipe_source if isinstance(recipe_source, Sources) else Sources(recipe_source)
     refuse_unsupported(launch)
     ga = grad_accum_steps(cfg.train, launch.mesh.data_parallel)
     refuse_parallelism(launch.parallel_sizes, launch.source)
@@ -145,15 +146,15 @@ def check_launch(
     if cfg.model.method == "qlora":
         _check_qlora(launch, cfg.model, facts, cfg.train.mixed_precision, recipe_source)
     if cfg.loss.head == "chunked":
-        _check_loss_head(facts, recipe_source)
+        head.check_loss_head(facts, recipe_source)
     set_keys = {"router_aux_loss_coef": cfg.moe.router_aux_loss_coef is not None}
     set_keys["expert_parallel"] = cfg.moe.expert_parallel > 1
     set_keys["experts_implementation"] = cfg.moe.experts_implementation != "auto"
     moe_keys = [key for key, on in set_keys.items() if on]
     if moe_keys and facts.raw is not None and not facts.experts:
         raise UserError(
-            f"moe.{moe_keys[0]} in {recipe_source}: {facts.path} ({facts.model_type}) is not a "
-            "mixture of experts; remove the moe section"
+            f"moe.{moe_keys[0]} {recipe_source:moe.{moe_keys[0]}}: {facts.path} ({facts.model_type}) is "
+            "not a mixture of experts; remove the moe section"
         )
     if cfg.moe.expert_parallel > 1:
         _check_expert_parallel(launch, cfg, facts, recipe_source)
@@ -165,15 +166,15 @@ def check_launch(
     return notes
 
 
-def _check_vision(launch: Launch, cfg: RecipeConfig, facts: ModelFacts, recipe_source: str) -> None:
+def _check_vision(launch: Launch, cfg: RecipeConfig, facts: ModelFacts, recipe_source: Sources) -> None:
     """A vision-language model trains on the data-parallel and sharded layouts; the model-parallel ones
     split the language model's layers or sequence in ways its image inputs do not follow yet."""
     if not vision.is_vision(facts.model_type):
         return
     if hasattr(cfg, "grpo"):
         raise UserError(
-            f"{recipe_source}: the grpo recipe samples text-only prompts; {cfg.model.path} is a "
-            f"vision-language model ({facts.model_type}): train it with the SFT or preference recipe"
+            f"{recipe_source.of('model.path')}: the grpo recipe samples text-only prompts; {cfg.model.path} "
+            f"is a vision-language model ({facts.model_type}): train it with the SFT or preference recipe"
         )
     split = {"tp": launch.mesh.tp, "pp": launch.mesh.pp, "sp": launch.mesh.sp}
     split["moe.expert_parallel"] = cfg.moe.expert_parallel
@@ -189,7 +190,8 @@ def _check_expert_parallel(launch: Launch, cfg: RecipeConfig, facts: ModelFacts,
     """Expert parallelism splits the experts over every launched process of a plain multi-process launch,
     evenly, on a model transformers has an expert-parallel plan for, with full weights or adapters
     outside the experts."""
-    size, key = cfg.moe.expert_parallel, f"moe.expert_parallel {cfg.moe.expert_parallel} in {recipe_source}"
+    size = cfg.moe.expert_parallel
+    key = f"moe.expert_parallel {size} {recipe_source:moe.expert_parallel}"
     if launch.backend != "ddp" or launch.parallel_sizes:
         raise UserError(
             f"{key}: it runs on a plain multi-process launch (accelerate_configs/ep.yaml), not under "
@@ -216,10 +218,10 @@ def _check_tensor_parallel(tp: int, cfg: RecipeConfig, facts: ModelFacts, recipe
     methods that cannot be split are refused before any data is prepared."""
     method = tensor_parallel.method_problem(cfg.model.method, cfg.lora.use_dora)
     if method:
-        raise UserError(f"{recipe_source}: tensor parallelism (tp {tp}) refuses {method}")
+        raise UserError(f"{recipe_source.of('model.method')}: tensor parallelism (tp {tp}) refuses {method}")
     problem = tensor_parallel.plan_problem(facts.config, tp) if facts.config is not None else None
     if problem:
-        raise UserError(f"model.path {cfg.model.path} in {recipe_source}: {problem}")
+        raise UserError(f"model.path {cfg.model.path} {recipe_source:model.path}: {problem}")
 
 
 def _check_sequence_parallel(
@@ -272,9 +274,10 @@ def _check_sequence_parallel(
     per_step = cfg.train.micro_batch_size * launch.world_size
     if cfg.train.global_batch_size % per_step:
         raise UserError(
-            f"{recipe_source}: train.global_batch_size ({cfg.train.global_batch_size}) is not divisible by "
-            f"train.micro_batch_size ({cfg.train.micro_batch_size}) x {launch.world_size} processes: under "
-            "sequence parallelism every process reads batches of its own, which its group then shares"
+            f"{recipe_source.of('train.global_batch_size')}: train.global_batch_size "
+            f"({cfg.train.global_batch_size}) is not divisible by train.micro_batch_size "
+            f"({cfg.train.micro_batch_size}) x {launch.world_size} processes: under sequence parallelism "
+            "every process reads batches of its own, which its group then shares"
         )
     return notes
 
@@ -288,7 +291,7 @@ def _live_reference(cfg) -> bool:
 
 def _check_pipeline(cfg: RecipeConfig, facts: ModelFacts, ga: int, recipe_source: str) -> None:
     """What a pipeline cannot run, refused before any data is prepared, naming the key."""
-    pipe, where = cfg.pipeline, f"{recipe_source}: pipeline.size {cfg.pipeline.size}"
+    pipe, where = cfg.pipeline, f"{recipe_source.of('pipeline.size')}: pipeline.size {cfg.pipeline.size}"
     refusals = {
         "model.method qlora": cfg.model.method == "qlora",
         "train.mixed_precision fp16 (use bf16)": cfg.train.mixed_precision == "fp16",
@@ -303,14 +306,16 @@ def _check_pipeline(cfg: RecipeConfig, facts: ModelFacts, ga: int, recipe_source
     interleaved = pipe.schedule == "interleaved_1f1b"
     if interleaved != (pipe.chunks_per_process > 1):
         raise UserError(
-            f"{recipe_source}: pipeline.schedule {pipe.schedule} with pipeline.chunks_per_process "
-            f"{pipe.chunks_per_process}: interleaved_1f1b needs 2 or more chunks per process, the others 1"
+            f"{recipe_source.of('pipeline.schedule')}: pipeline.schedule {pipe.schedule} with "
+            f"pipeline.chunks_per_process {pipe.chunks_per_process}: interleaved_1f1b needs 2 or more chunks "
+            "per process, the others 1"
         )
     if ga < pipe.size:
         raise UserError(
-            f"{recipe_source}: a pipeline of {pipe.size} processes needs at least {pipe.size} micro-batches "
-            f"per step, and train.global_batch_size {cfg.train.global_batch_size} / train.micro_batch_size "
-            f"{cfg.train.micro_batch_size} / replicas gives {ga}: lower train.micro_batch_size"
+            f"{recipe_source.of('pipeline.size')}: a pipeline of {pipe.size} processes needs at least "
+            f"{pipe.size} micro-batches per step, and train.global_batch_size {cfg.train.global_batch_size} "
+            f"/ train.micro_batch_size {cfg.train.micro_batch_size} / replicas gives {ga}: lower "
+            "train.micro_batch_size"
         )
     if facts.config is None:
         return
@@ -319,17 +324,7 @@ def _check_pipeline(cfg: RecipeConfig, facts: ModelFacts, ga: int, recipe_source
         pipe.layers, stage_count, facts.num_layers
     )
     if problem:
-        raise UserError(f"model.path {cfg.model.path} in {recipe_source}: {problem}")
-
-
-def _check_loss_head(facts: ModelFacts, recipe_source: str) -> None:
-    """A model that changes its logits after the head is refused before any data is prepared."""
-    problem = head.logit_change_problem(facts.config) if facts.config is not None else None
-    if problem:
-        raise UserError(
-            f"loss.head chunked in {recipe_source}: {facts.path} changes its logits after the head "
-            f"({problem}), which the chunked head does not reproduce; set loss.head: full"
-        )
+        raise UserError(f"model.path {cfg.model.path} {recipe_source:model.path}: {problem}")
 
 
 def _check_qlora(
@@ -339,40 +334,38 @@ def _check_qlora(
     name = backend_name(launch)
     if name == "fsdp1":
         raise UserError(
-            f"model.method qlora in {recipe_source} under FSDP1 ({launch.source}): "
+            f"model.method qlora {recipe_source:model.method} under FSDP1 ({launch.source}): "
             f"{quant.fsdp1_problem(launch.fsdp_settings)}; use accelerate_configs/fsdp.yaml (FSDP2)"
         )
     cast = quant.cast_dtype(launch.backend, launch.fsdp_version, mixed_precision)
     problem = quant.storage_problem(quant.storage_name(model.quant_storage, cast), cast, name)
     if problem:
-        raise UserError(f"{recipe_source}: {problem}")
+        raise UserError(f"{recipe_source.of('model.quant_storage')}: {problem}")
     if facts.raw is not None:  # a hub id not read here is checked once its config is downloaded
         # A vision-language model quantizes its language model, whose widths its text_config holds.
         problem = quant.width_problem(quant.layer_widths(facts.raw.get("text_config") or facts.raw))
         if problem:
-            raise UserError(f"model.path {model.path} in {recipe_source}: {problem}, which QLoRA needs")
+            raise UserError(f"model.path {model.path} {recipe_source:model.path}: {problem} (for QLoRA)")
 
 
 def _check_precision(launch: Launch, train: TrainConfig, recipe_source: str, machine: Machine) -> None:
-    wanted = train.mixed_precision
+    wanted, where = train.mixed_precision, f"{recipe_source:train.mixed_precision}"
     if launch.launcher_precision and launch.ds_config_file:
         raise UserError(
             f"mixed_precision {launch.launcher_precision} in {launch.source}: accelerate refuses it beside "
-            f"deepspeed_config_file; remove it (train.mixed_precision in {recipe_source} decides)"
+            f"deepspeed_config_file; remove it (train.mixed_precision {where} decides)"
         )
     if launch.launcher_precision and launch.launcher_precision != wanted:
         raise UserError(
             f"mixed_precision {launch.launcher_precision} in {launch.source} != {wanted} "
-            f"(train.mixed_precision in {recipe_source}): add train.mixed_precision="
+            f"(train.mixed_precision {where}): add train.mixed_precision="
             f"{launch.launcher_precision} to the command, or pass --mixed_precision {wanted} to the launcher"
         )
     if wanted == "fp16" and launch.on_cpu:
-        raise UserError(
-            f"train.mixed_precision fp16 in {recipe_source} needs a GPU: use bf16 or no without one"
-        )
+        raise UserError(f"train.mixed_precision fp16 {where} needs a GPU: use bf16 or no without one")
     if wanted == "bf16" and machine.gpu_count and not machine.bf16:
         gpu = machine.gpu_names[0] if machine.gpu_names else "this GPU"
-        raise UserError(f"train.mixed_precision bf16 in {recipe_source}: {gpu} has no bf16, use fp16")
+        raise UserError(f"train.mixed_precision bf16 {where}: {gpu} has no bf16, use fp16")
 
 
 def _check_deepspeed(launch: Launch, train: TrainConfig, recipe_source: str, ga: int) -> None:
@@ -388,7 +381,8 @@ def _check_deepspeed(launch: Launch, train: TrainConfig, recipe_source: str, ga:
         found = values.get(key, "auto")
         if str(found).lower() != "auto" and not _same(found, expected):
             raise UserError(
-                f"{key} {_show(found)} in {where} != {_show(expected)} ({recipe_key} in {recipe_source})"
+                f"{key} {_show(found)} in {where} != {_show(expected)} "
+                f"({recipe_key} {recipe_source:{recipe_key}})"
             )
     for block in ("optimizer", "scheduler"):
         if block in launch.ds_config:

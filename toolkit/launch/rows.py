@@ -27,8 +27,8 @@ def check_rows(cfg, sp: int, facts: ModelFacts, recipe_source: str, launch_sourc
     leak = family.leaks if family is not None else None
     if leak is not None and packed:
         raise UserError(
-            f"{PACKED[packed[0]]} in {recipe_source}: {cfg.model.path} ({family.model_type}) has {leak.name} "
-            f"layers, which let one packed example reach the next; set {packed[0]}: false "
+            f"{PACKED[packed[0]]} {recipe_source:{packed[0]}}: {cfg.model.path} ({family.model_type}) has "
+            f"{leak.name} layers, which let one packed example reach the next; set {packed[0]}: false "
             "(data.group_by_length pads less without joining examples)"
         )
     if family is not None and family.recurrent:
@@ -41,8 +41,8 @@ def check_rows(cfg, sp: int, facts: ModelFacts, recipe_source: str, launch_sourc
             )
     if sp > 1 and packed:
         raise UserError(
-            f"{launch_source}: parallelism_config_sp_size {sp} refuses {PACKED[packed[0]]} in "
-            f"{recipe_source} (sdpa would attend across the packed examples)"
+            f"{launch_source}: parallelism_config_sp_size {sp} refuses {PACKED[packed[0]]} "
+            f"{recipe_source:{packed[0]}} (sdpa would attend across the packed examples)"
         )
 
 

@@ -83,6 +83,17 @@ def install(model, chunk_tokens: int, fused: bool = False) -> None:
     layer.fused = chunk_math(layer.shape.scale, layer.shape.softcap) if fused else None
 
 
+def check_loss_head(facts, recipe_source) -> None:
+    """loss.head chunked on a model (`facts`: launch checks' ModelFacts) that changes its logits after the
+    head is refused before any data is prepared."""
+    problem = logit_change_problem(facts.config) if facts.config is not None else None
+    if problem:
+        raise UserError(
+            f"loss.head chunked {recipe_source:loss.head}: {facts.path} changes its logits after the head "
+            f"({problem}), which the chunked head does not reproduce; set loss.head: full"
+        )
+
+
 def logit_change_problem(config) -> str | None:
     """The config key by which a model changes its logits after the head in a way LogitShape does not
     cover, or None. A nested text config's scale or cap is read from there, where LogitShape does not
