@@ -150,14 +150,13 @@ class Run:
         loaders choose their own."""
         return data.VisionCollator(pad_id, self.images) if self.images is not None else None
 
-    def load_model(self, scalar_head: bool = False, bare: bool = False, num_labels: int = 1):
-        """The model to train (a reward model's with `scalar_head`, `num_labels` wide for a classifier; an
-        embedding model's `bare`), on this rank's device, announced; every forward pass counts as progress.
-
-        Under a pipeline each process keeps only its stages, and the processes of a machine load in turn:
-        its memory holds one whole model at a time, not one per process."""
+    def load_model(self, **head):
+        """The model to train, on this rank's device, announced; every forward pass counts as progress.
+        `head`: models.load_model's scalar_head (a reward model's), num_labels (a classifier's), bare (an
+        embedding model's). Under a pipeline each process keeps only its stages, and the processes of a
+        machine load in turn: its memory holds one whole model at a time, not one per process."""
         if self.launch.mesh.pp == 1:
-            return self._loaded(scalar_head, bare, num_labels)
+            return self._loaded(**head)
         model = None
         for turn in range(self.launch.procs_per_node):
             if turn == self.accelerator.local_process_index:
@@ -166,7 +165,7 @@ class Run:
             self.accelerator.wait_for_everyone()
         return model
 
-    def _loaded(self, scalar_head: bool = False, bare: bool = False, num_labels: int = 1):
+    def _loaded(self, **head):
         cfg = self.cfg
         cast = quant.cast_dtype(self.launch.backend, self.launch.fsdp_version, cfg.train.mixed_precision)
         model = models.load_model(
@@ -178,9 +177,7 @@ class Run:
             loss=cfg.loss,
             experts=cfg.moe,
             parts=cfg.vision,
-            scalar_head=scalar_head,
-            bare=bare,
-            num_labels=num_labels,
+            **head,
         )
         self.compiled = compile_cache.open_cache(
             cfg.model.compile_cache, self.output_dir, self.features.compile
@@ -309,15 +306,14 @@ class Run:
 
     @property
     def data_parallel(self) -> int:
-        """Processes that train on different batches (tensor-parallel ranks share theirs): the backend
-        averages gradients over these, and the global batch is split across these."""
+        """Processes that train on different batches (tensor-parallel ranks share theirs), over which the
+        backend averages gradients and the global batch is split."""
         return self.launch.mesh.data_parallel
 
     @property
     def gradient_ranks(self) -> int:
-        """Processes the backend divides the summed gradients by (see `loss.backward_scale`): the
-        data-parallel ones, except that DeepSpeed ZeRO-3's reduce-scatter divides by every process, the
-        sequence-parallel ranks of a group included (ZeRO-1/2 divide by the data-parallel processes)."""
+        """Processes the backend divides the summed gradients by (`loss.backward_scale`): the data-parallel
+        ones, but ZeRO-3's reduce-scatter divides by every process, a group's sequence-parallel ranks too."""
         if self.launch.mesh.sp > 1 and self.launch.zero_stage == 3:
             return self.launch.world_size
         return self.data_parallel
@@ -382,8 +378,7 @@ class Run:
 
     def evaluating(self, step: int) -> bool:
         """True when an evaluation is due after `step` (and it becomes what the watchdog reports)."""
-        due = every(step, self.cfg.train.eval_every_steps)
-        if due:
+        if due := every(step, self.cfg.train.eval_every_steps):
             self.watchdog.beat(f"the evaluation at step {step}")
         return due
 
@@ -428,9 +423,8 @@ class Run:
         return PREEMPTED_EXIT_CODE
 
     def finish(self, model, tokenizer, evaluator, export=export_final, closing=None) -> int:
-        """Collective: the last checkpoint (unless just written), the measured result, the exported model.
-        `export(accelerator, model, tokenizer, cfg, output_dir)` writes the model and returns its folder;
-        `closing(shown, final_dir)`: the closing lines of a recipe whose result is its own."""
+        """Collective: the last checkpoint (unless just written), the measured result, the model exported by
+        `export` (which returns its folder); `closing(shown, final_dir)`: a recipe's own closing lines."""
         max_steps = self.cfg.train.max_steps
         if self.schedule.last_step < max_steps:
             self._save(max_steps, {"tokens_seen": self.tokens_seen})
@@ -438,11 +432,9 @@ class Run:
         evaluator.report(max_steps, "after")
         self.watchdog.beat("the export")
         final_dir = export(self.accelerator, model, tokenizer, self.cfg, self.output_dir)
-        if closing is None:
-            image = first_image(evaluator.dataset) if self.images is not None else None
-            lines = closing_lines(evaluator.shown, final_dir, self.cfg.eval.sample_prompt, image)
-        else:
-            lines = closing(evaluator.shown, final_dir)
+        image = first_image(evaluator.dataset) if self.images is not None else None
+        shown, prompt = evaluator.shown, self.cfg.eval.sample_prompt
+        lines = closing(shown, final_dir) if closing else closing_lines(shown, final_dir, prompt, image)
         for line in lines:
             self.accelerator.print(line)
         distributed.end_training(self.accelerator)

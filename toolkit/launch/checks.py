@@ -349,23 +349,23 @@ def _check_qlora(
 
 
 def _check_precision(launch: Launch, train: TrainConfig, recipe_source: str, machine: Machine) -> None:
-    wanted, where = train.mixed_precision, f"{recipe_source:train.mixed_precision}"
+    wanted, key = train.mixed_precision, "train.mixed_precision"
     if launch.launcher_precision and launch.ds_config_file:
         raise UserError(
             f"mixed_precision {launch.launcher_precision} in {launch.source}: accelerate refuses it beside "
-            f"deepspeed_config_file; remove it (train.mixed_precision {where} decides)"
+            f"deepspeed_config_file; remove it (train.mixed_precision {recipe_source:{key}} decides)"
         )
     if launch.launcher_precision and launch.launcher_precision != wanted:
         raise UserError(
             f"mixed_precision {launch.launcher_precision} in {launch.source} != {wanted} "
-            f"(train.mixed_precision {where}): add train.mixed_precision="
+            f"(train.mixed_precision {recipe_source:{key}}): add train.mixed_precision="
             f"{launch.launcher_precision} to the command, or pass --mixed_precision {wanted} to the launcher"
         )
     if wanted == "fp16" and launch.on_cpu:
-        raise UserError(f"train.mixed_precision fp16 {where} needs a GPU: use bf16 or no without one")
+        raise UserError(f"{key} fp16 {recipe_source:{key}} needs a GPU: use bf16 or no without one")
     if wanted == "bf16" and machine.gpu_count and not machine.bf16:
         gpu = machine.gpu_names[0] if machine.gpu_names else "this GPU"
-        raise UserError(f"train.mixed_precision bf16 {where}: {gpu} has no bf16, use fp16")
+        raise UserError(f"train.mixed_precision bf16 {recipe_source:{key}}: {gpu} has no bf16, use fp16")
 
 
 def _check_deepspeed(launch: Launch, train: TrainConfig, recipe_source: str, ga: int) -> None:
