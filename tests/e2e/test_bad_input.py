@@ -38,7 +38,7 @@ CASES = {
     "missing data": (lambda tmp: ["data.train=no/such/file.jsonl"], "no/such/file.jsonl"),
     "qlora on a width the 4-bit kernel cannot take": (
         lambda tmp: ["model.method=qlora"],
-        "hidden_size 160 is not a multiple of the 4-bit block size 64, which QLoRA needs",
+        "hidden_size 160 is not a multiple of the 4-bit block size 64 (for QLoRA)",
     ),
     "zero lr": (lambda tmp: ["train.learning_rate=0"], "train.learning_rate: must be positive"),
 }
@@ -82,4 +82,4 @@ def test_a_mistake_met_first_by_a_non_main_rank_is_shown_once(tmp_path):
     result = run_launched(command, env, timeout=300)
     shown = [line for line in result.stderr.splitlines() if line.startswith("finetune_llm: error:")]
     assert result.returncode != 0 and len(shown) == 1, result.stderr[-3000:]
-    assert "train.mixed_precision fp16 in" in shown[0] and "needs a GPU" in shown[0]
+    assert "train.mixed_precision fp16 on the command line" in shown[0] and "needs a GPU" in shown[0]
