@@ -117,6 +117,22 @@ def test_a_seeded_round_past_one_scheduler_step_is_sampled_whole(engine):
     done = client.complete(engine.url, "base", prompts, list(range(len(prompts))), sampling, [2])
     assert [len(c.tokens) > 0 for c in done] == [True] * len(prompts)
     assert client.healthy(engine.url)
+    # A group asked for in one request (n 4, grpo.vllm.n_per_prompt) is the four asked one by one, seeded
+    # seed, seed + 1, ...: the same tokens and log-probs.
+    sampling = GrpoConfig(max_new_tokens=8, temperature=0.7)
+    at_once = client.complete(engine.url, "base", prompts[:3], [7, 70, 700], sampling, [2], n=4)
+    one_by_one = client.complete(
+        engine.url,
+        "base",
+        [p for p in prompts[:3] for _ in range(4)],
+        [s + g for s in (7, 70, 700) for g in range(4)],
+        sampling,
+        [2],
+    )
+    assert [c.tokens for c in at_once] == [c.tokens for c in one_by_one]
+    flat = lambda done: [logp for c in done for logp in c.logps]  # noqa: E731
+    assert flat(at_once) == pytest.approx(flat(one_by_one), abs=1e-6)
+    assert len({tuple(c.tokens) for c in at_once}) > 3  # the group's completions differ
 
 
 class EngineKiller(threading.Thread):
@@ -203,11 +219,14 @@ def launched(args: list[str], out, processes: int = 0, config: str = ""):
 
 @pytest.fixture(scope="module", params=["lora", "full"])
 def own(request, tmp_path_factory):
-    """One process, the engine started by the run itself: (method, output_dir, result, killed). LoRA: its
-    engine killed while round 1's requests are in flight, and restarted (grpo.vllm.restarts unset);
-    killed: what EngineKiller killed (None for full fine-tuning, left alone)."""
+    """One process, the engine started by the run itself: (method, output_dir, result, killed). LoRA: two
+    copies of it (grpo.vllm.replicas 2) asked a request per completion (grpo.vllm.n_per_prompt false: the
+    ZeRO-3 run below asks one engine for a group at once, and gets the same steps), the first copy killed
+    while round 1's requests are in flight, and restarted (grpo.vllm.restarts unset); killed: what
+    EngineKiller killed (None for full fine-tuning, left alone, a group a request)."""
     out = tmp_path_factory.mktemp(f"grpo-engine-{request.param}") / "run"
-    args = run_args(out, *distilled(request.param, request), method=request.param)
+    copies = ["grpo.vllm.replicas=2", "grpo.vllm.n_per_prompt=false"] if request.param == "lora" else []
+    args = run_args(out, *copies, *distilled(request.param, request), method=request.param)
     if request.param == "full":
         return request.param, out, run_script(RECIPE, args, out), None
     with EngineKiller(out, after=2) as killer:
@@ -235,11 +254,18 @@ def zero3(own, request, tmp_path_factory):
 
 def test_the_run_starts_its_engine_says_where_and_stops_it(own):
     method, out, result, _ = own
-    said = re.search(r"engine: vLLM started by ftkit at (\S+) in [\d.]+ s; log: (\S+)", result.stdout)
-    assert said, result.stdout[-2000:]
-    assert said.group(2) == str(out / "engine" / "vllm.log") and (out / "engine" / "vllm.log").is_file()
-    assert said.group(1).startswith("http://127.0.0.1:")
-    assert not client.healthy(said.group(1))  # stopped with the run
+    said = re.findall(
+        r"engine: vLLM started by ftkit at (\S+)( \(replica \d of 2\))? in [\d.]+ s; log: (\S+)",
+        result.stdout,
+    )
+    logs = ["vllm.log", "vllm-2.log"] if method == "lora" else ["vllm.log"]
+    assert [(copy, log) for _, copy, log in said] == [
+        (f" (replica {i + 1} of 2)" if method == "lora" else "", str(out / "engine" / name))
+        for i, name in enumerate(logs)
+    ], result.stdout[-2000:]
+    for url, _, log in said:
+        assert url.startswith("http://127.0.0.1:") and Path(log).is_file()
+        assert not client.healthy(url)  # stopped with the run
     assert own_engine(out) is None  # and so is the one started again after a kill (LoRA)
     # Only the last round's weights are kept (an adapter under a new name each round, the one before dropped).
     kept = "adapter-round-1" if method == "lora" else "weights-round-1"
@@ -307,7 +333,7 @@ def test_an_engine_killed_mid_round_is_started_again_and_the_round_goes_on(own):
         pytest.skip("the full fine-tune's engine is killed under ZeRO-3, without restarts (below)")
     assert killed is not None, "the engine was not caught with a round in flight"
     said = re.findall(
-        r"grpo.vllm: the engine exited \(code -9\): .*; "
+        r"grpo.vllm: the engine \(replica 1 of 2\) exited \(code -9\): .*; "
         r"ftkit restarted it \(1 of grpo.vllm.restarts 2\) in [\d.]+ s.*",
         result.stdout,
     )

@@ -71,11 +71,12 @@ class FakeEngine:
 def sampler(monkeypatch):
     fake = FakeEngine()
 
-    def complete(url, name, prompts, seeds, sampling, stop_ids):
+    def complete(url, name, prompts, seeds, sampling, stop_ids, max_tokens=None, stop=None, n=1):
         fake.note("sent", name)
         time.sleep(0.2)
         fake.note("back", name)
-        return [client.Completion([seed % 7 + 3, 2], [-1.0, -0.5]) for seed in seeds]
+        # n completions per request, the i-th seeded seed + i (as vLLM's).
+        return [client.Completion([(s + i) % 7 + 3, 2], [-1.0, -0.5]) for s in seeds for i in range(n)]
 
     def load(policy, state, round_index):
         fake.note("sync", f"round-{round_index}")
@@ -89,7 +90,14 @@ def sampler(monkeypatch):
     )
     # Three rounds of one step: the last sends none ahead.
     cfg = load_grpo_config(
-        None, [*ENGINE, "grpo.async_rounds=1", "grpo.max_new_tokens=4", "train.max_steps=3"]
+        None,
+        [
+            *ENGINE,
+            "grpo.async_rounds=1",
+            "grpo.max_new_tokens=4",
+            "train.max_steps=3",
+            "grpo.num_generations=4",
+        ],
     )
     built = EngineSampler(accelerator, cfg, fake)
     built.ready, built._load = True, load

@@ -19,6 +19,7 @@ from toolkit.grpo.config import check_engine_machine, load_grpo_config, sleep_le
 from toolkit.grpo.engine import EngineSampler
 
 ENGINE = ["model.adapter=null", "grpo.generation=vllm", "grpo.max_new_tokens=4", "train.max_steps=3"]
+ENGINE += ["grpo.vllm.n_per_prompt=false"]  # a request per completion: the two calls below
 # A LoRA round after the first, asleep since the last: wake, swap the adapter, generate, sleep.
 LORA_ROUND = [
     "/wake_up",

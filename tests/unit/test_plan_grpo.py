@@ -162,6 +162,11 @@ def test_text_and_json_show_the_generation_phase(capsys):
         (["--engine", "own"], "--engine is for --objective grpo"),
         (["--objective", "grpo", "--engine", "own"], "--engine is for --generation vllm"),
         (["--objective", "grpo", "--gpu-memory-utilization", "0.5"], "is for --generation vllm"),
+        (["--objective", "grpo", "--replicas", "2"], "--replicas is for --generation vllm"),
+        (
+            ["--objective", "grpo", "--generation", "vllm", "--replicas", "2"],
+            "--replicas 2: copies of the engine run on GPUs of their own; add --engine own",
+        ),
         (["--objective", "grpo", "--generation", "vllm", "--gpu-memory-utilization", "1.5"], "--gpu-memory-"),
     ],
 )
@@ -212,6 +217,23 @@ def test_an_engine_of_its_own_leaves_the_training_gpus_to_training():
     assert ddp.engine == 0 and "engine" not in ddp.per_gpu()
     assert ddp.per_gpu()["total"] == hf["training"]
     assert plan.choice is not None and "grpo.vllm.url=" in plan.command
+
+
+def test_copies_of_the_engine_each_take_a_gpu_and_the_launch_line_names_them(at_the_checkout_root, capsys):
+    """grpo.vllm.replicas 3 at U 0.9: 3 x 35 rows at once, the GPUs after training's named for them."""
+    plan = grpo_plan(generation="vllm", engine="own", gpu_memory_utilization=0.9, replicas=3)
+    assert (
+        plan.engine.rows == 35
+        and row(plan, "ddp").per_gpu()["total"] == row(grpo_plan(), "ddp").per_gpu()["training"]
+    )
+    config = "recipes/configs/demo-grpo.yaml"
+    cfg = load_grpo_config(config, shlex.split(plan.command.split(config, 1)[1]))
+    assert (cfg.grpo.vllm.replicas, cfg.grpo.vllm.gpus, cfg.grpo.vllm.url) == (3, "2,3,4", None)
+    argv = ["plan", "--model", GRPO["model"], "--gpus", "2", "--objective", "grpo", "--generation", "vllm"]
+    cli.main([*argv, "--engine", "own", "--replicas", "3", "--gpu-memory-utilization", "0.9"])
+    out = capsys.readouterr().out
+    assert "3 copies (grpo.vllm.replicas), a GPU each: 105 rows at once in all" in out
+    assert "the run takes 2 training GPUs + 3" in out and "each of 3 GPUs of 24 GiB" in out
 
 
 def test_the_engines_launch_line_is_a_config_the_recipe_accepts(at_the_checkout_root):

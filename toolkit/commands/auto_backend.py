@@ -98,7 +98,8 @@ def _with_grpo(request: PlanRequest, cfg: GrpoRecipeConfig) -> PlanRequest:
         beta=grpo.beta,
         generation=grpo.generation,
         gpu_memory_utilization=grpo.vllm.gpu_memory_utilization,
-        engine="own" if grpo.vllm.url else "shared",
+        engine="own" if grpo.vllm.url or grpo.vllm.gpus else "shared",
+        replicas=grpo.vllm.replicas,
     )
 
 

@@ -176,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         help="grpo with vllm: on the main process's GPU (default) or its own (grpo.vllm.gpus or .url)",
     )
     plan.add_argument(
+        "--replicas",
+        type=int,
+        help="grpo with vllm, --engine own: copies of the engine (grpo.vllm.replicas, 1)",
+    )
+    plan.add_argument(
         "--images-per-row", type=int, help="vision-language models: images in each row (default 1)"
     )
     plan.add_argument(

@@ -82,14 +82,17 @@ def complete(
     stop_ids: list[int],
     max_tokens: list[int] | None = None,
     stop: list[str] | None = None,
-):
-    """One completion per (prompt, seed), in their order, sampled per `sampling` (max_new_tokens,
+    n: int = 1,
+) -> list[Completion]:
+    """`n` completions per (prompt, seed), in their order, sampled per `sampling` (max_new_tokens,
     temperature, top_k, top_p). The requests go at once, so the engine batches them; each one's seed alone
-    decides its draws. `max_tokens`: each row's own budget (else max_new_tokens); `stop`: strings that end
-    a completion, kept in it (a tool call's close)."""
+    decides its draws: with `n` > 1 one request asks for all n, and vLLM seeds its i-th with seed + i
+    (v1/engine/parallel_sampling.py), so they are the n completions seeded seed, seed + 1, ... asked for
+    one by one, the prompt sent once. `max_tokens`: each row's own budget (else max_new_tokens); `stop`:
+    strings that end a completion, kept in it (a tool call's close)."""
     budgets = max_tokens or [sampling.max_new_tokens] * len(prompts)
 
-    def one(prompt: list[int], seed: int, budget: int) -> Completion:
+    def one(prompt: list[int], seed: int, budget: int) -> list[Completion]:
         payload = {
             "model": model,
             "prompt": prompt,
@@ -101,14 +104,15 @@ def complete(
             "logprobs": 0,
             "return_token_ids": True,
             "stop_token_ids": stop_ids,
+            "n": n,
         }
         if stop:
             payload.update(stop=stop, include_stop_str_in_output=True)
-        choice = post(url, "/v1/completions", payload)["choices"][0]
-        return Completion(choice["token_ids"], choice["logprobs"]["token_logprobs"])
+        choices = sorted(post(url, "/v1/completions", payload)["choices"], key=lambda c: c.get("index", 0))
+        return [Completion(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in choices]
 
     with ThreadPoolExecutor(max_workers=min(64, max(1, len(prompts)))) as pool:
-        return list(pool.map(one, prompts, seeds, budgets))
+        return [done for group in pool.map(one, prompts, seeds, budgets) for done in group]
 
 
 def load_adapter(url: str, name: str, path: str) -> None:

@@ -69,6 +69,9 @@ class ServeSpec:
     """The GPUs it runs on, as the engine's CUDA_VISIBLE_DEVICES ("": those the run's process sees)."""
     tensor_parallel_size: int = 0
     """GPUs one copy of the model is split over (0: vLLM's own default, one)."""
+    cpus: str = ""
+    """The cores a CPU engine's threads are bound to ("0-3", as VLLM_CPU_OMP_THREADS_BIND; "": vLLM's
+    choice), so copies of it (grpo.vllm.replicas) share the machine's cores rather than fight for them."""
 
 
 def engine_python(venv: Path = ENGINE_VENV) -> Path:
@@ -132,6 +135,8 @@ def serve_environment(spec: ServeSpec, base: dict[str, str]) -> dict[str, str]:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     if spec.gpus:
         env["CUDA_VISIBLE_DEVICES"] = spec.gpus
+    if spec.cpus:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpus
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gb))
     return env
 

@@ -49,6 +49,14 @@ class VllmConfig:
     """The engine ftkit starts sleeps between rounds (vLLM's sleep mode, GPU only): its memory freed once
     a round's completions are back, taken again before the next sync. Unset: on when it shares the main
     process's GPU (no url, no gpus, grpo.async_rounds 0, a loopback host, a GPU here), off otherwise."""
+    replicas: PositiveInt = 1
+    """Copies of the engine ftkit starts (data parallel), a round's prompts split between them: each on
+    grpo.vllm.tensor_parallel_size GPUs of its own from grpo.vllm.gpus on a GPU machine; here N CPU engines.
+    The completions are the same as one engine's (each is decided by its prompt and seed)."""
+    n_per_prompt: bool | None = None
+    """One request per prompt asks for its group's grpo.num_generations completions (vLLM's n, the i-th
+    seeded seed + i): the prompt is sent and prefilled once, the completions the same as asked one by one.
+    Unset: on for single-turn rounds; a conversation's turns (grpo.environment) are asked one by one."""
     restarts: NonNegativeInt | None = None
     """Times the engine ftkit starts is started again when it dies or stops answering mid-run, the round
     going on (unset: 2; an engine at grpo.vllm.url is never restarted: 0). Past them the run saves a
@@ -231,6 +239,16 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
         raise UserError(
             "grpo.async_rounds: multi-turn rollouts (grpo.environment) are sampled round by round"
         )
+    if grpo.vllm.n_per_prompt and grpo.generation != "vllm":
+        raise UserError(
+            "grpo.vllm.n_per_prompt: HF generate cannot keep a seed per completion when one request asks for "
+            "n (a group drawn from one generator); it samples each completion with its own seed: unset it"
+        )
+    if grpo.vllm.n_per_prompt and (grpo.environment.tools or served):
+        raise UserError(
+            "grpo.vllm.n_per_prompt: a conversation's turns after the first differ from its group's, so "
+            "multi-turn rounds (grpo.environment) ask for them one by one: unset it"
+        )
     if grpo.generation == "vllm":
         validate_engine(cfg)
     else:
@@ -297,6 +315,15 @@ def validate_placement(cfg: GrpoRecipeConfig) -> None:
             f"grpo.vllm.host: {settings.host} would expose vLLM's development endpoints, which sleep mode "
             "opens; keep it on 127.0.0.1"
         )
+    if settings.replicas > 1 and settings.url:
+        raise UserError(
+            "grpo.vllm.replicas: ftkit starts its copies of the engine; yours at grpo.vllm.url is one engine"
+        )
+    if settings.replicas > 1 and settings.sleep:
+        raise UserError(
+            "grpo.vllm.sleep: copies of the engine (grpo.vllm.replicas) run on GPUs of their own, apart "
+            "from training's; there is no GPU to hand back: leave it unset"
+        )
     if settings.restarts and settings.url:
         raise UserError(
             "grpo.vllm.restarts: ftkit restarts only the engine it starts, not yours at grpo.vllm.url"
@@ -313,6 +340,31 @@ def validate_placement(cfg: GrpoRecipeConfig) -> None:
             f"grpo.vllm.tensor_parallel_size: {settings.tensor_parallel_size} is more than grpo.vllm.gpus "
             f"({len(gpus)})"
         )
+    wanted = settings.replicas * max(1, settings.tensor_parallel_size)
+    if gpus and len(gpus) < wanted:
+        raise UserError(
+            f"grpo.vllm.replicas: {settings.replicas} engines of {max(1, settings.tensor_parallel_size)} "
+            f"GPU each need {wanted} GPUs; grpo.vllm.gpus names {len(gpus)} ({','.join(gpus)})"
+        )
+
+
+def replica_gpus(cfg: GrpoRecipeConfig) -> list[list[str]]:
+    """Each engine copy's GPUs: grpo.vllm.gpus split in order, grpo.vllm.tensor_parallel_size each (unset:
+    an equal share); [[]] * replicas when no GPUs are named."""
+    gpus, replicas = engine_gpus(cfg), cfg.grpo.vllm.replicas
+    if not gpus:
+        return [[] for _ in range(replicas)]
+    each = cfg.grpo.vllm.tensor_parallel_size or len(gpus) // replicas
+    return [gpus[i * each : (i + 1) * each] for i in range(replicas)]
+
+
+def n_per_prompt(cfg: GrpoRecipeConfig) -> bool:
+    """grpo.vllm.n_per_prompt as the run uses it: unset, on for single-turn rounds."""
+    setting = cfg.grpo.vllm.n_per_prompt
+    if setting is not None:
+        return setting
+    environment = cfg.grpo.environment
+    return not (environment.tools or environment.openenv.url or environment.openenv.app)
 
 
 def engine_restarts(cfg: GrpoRecipeConfig) -> int:
@@ -363,6 +415,11 @@ def check_engine_machine(cfg: GrpoRecipeConfig, gpu: bool, env: dict[str, str]) 
     gpus = engine_gpus(cfg)
     if gpus and not gpu:
         raise UserError(f"grpo.vllm.gpus: {','.join(gpus)} named, but no GPU here (nvidia-smi not found)")
+    if cfg.grpo.vllm.replicas > 1 and gpu and not gpus:
+        raise UserError(
+            f"grpo.vllm.replicas: {cfg.grpo.vllm.replicas} engines need GPUs of their own, apart from "
+            f"training's ({','.join(training_gpus(env))}): name them in grpo.vllm.gpus"
+        )
     shared = sorted(set(gpus) & set(training_gpus(env)), key=int)
     if shared:
         raise UserError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import secrets
 import shutil
 import time
@@ -30,9 +31,10 @@ from toolkit.checkpoint.gather import adapter_state, write_weights
 from toolkit.checkpoint.rundir import ENGINE_DIR
 from toolkit.distributed import agreed_error, any_rank
 from toolkit.engine import client
+from toolkit.engine.replicas import Replicas
 from toolkit.engine.server import BASE_NAME, Engine, ServeSpec, has_gpu
 from toolkit.errors import UserError
-from toolkit.grpo.config import engine_gpus, engine_restarts, sleep_level, steps_per_round
+from toolkit.grpo.config import engine_restarts, n_per_prompt, replica_gpus, sleep_level, steps_per_round
 from toolkit.grpo.sampled import AHEAD, Sampled
 
 FOLDED_BASE = "base"
@@ -45,10 +47,15 @@ class EngineLost(UserError):
 
 
 class EngineSampler:
-    """The engine a run samples with: held by the main process (None elsewhere), its adapter per round."""
+    """The engine a run samples with (or its copies, grpo.vllm.replicas): held by the main process (None
+    elsewhere), its adapter per round."""
 
-    def __init__(self, accelerator, cfg, engine: Engine | None, folder: Path | None = None, sleep_level=0):
-        self.accelerator, self.cfg, self.engine = accelerator, cfg, engine
+    def __init__(self, accelerator, cfg, engine, folder: Path | None = None, sleep_level=0):
+        self.accelerator, self.cfg = accelerator, cfg
+        self.engines = engine if engine is None or isinstance(engine, Replicas) else Replicas([engine])
+        """The engines (a Replicas), or None on every process but the main one."""
+        self.n = cfg.grpo.num_generations if n_per_prompt(cfg) else 1
+        """Completions one request asks for (vLLM's n): a group's, or one."""
         self.sleep_level = sleep_level
         """vLLM's sleep level between rounds (grpo.vllm.sleep; 0: the engine never sleeps)."""
         self.sleeping: set[str] = set()
@@ -76,8 +83,10 @@ class EngineSampler:
         self.ahead_call = None
         """The main process's request of the round sent ahead, to send again to a restarted engine."""
         self.restarts = engine_restarts(cfg)
-        """Restarts of a lost engine the run may still make (grpo.vllm.restarts)."""
+        """Restarts of a lost engine the run may make (grpo.vllm.restarts, all copies together)."""
         self.restarted = 0
+        self.lost_replica = 0
+        """The copy whose call failed last."""
 
     @classmethod
     @contextlib.contextmanager
@@ -127,7 +136,7 @@ class EngineSampler:
         result = call()
         if self.sleep_level:
             started = time.perf_counter()
-            client.sleep(self.engine.url, self.sleep_level)
+            self.engines.each(lambda engine: client.sleep(engine.url, self.sleep_level))
             self.sleeping = {"weights", "kv_cache"}
             self.sleep_seconds = time.perf_counter() - started
         return result
@@ -138,7 +147,7 @@ class EngineSampler:
         if not wanted & self.sleeping:
             return
         started = time.perf_counter()
-        client.wake_up(self.engine.url, tags)
+        self.engines.each(lambda engine: client.wake_up(engine.url, tags))
         self.sleeping -= wanted
         self.wake_seconds += time.perf_counter() - started
 
@@ -155,8 +164,9 @@ class EngineSampler:
         """Main process (the calling thread or the one sending ahead: HTTP calls only, no collective): the
         round's completions from the engine."""
         started = time.time()
-        self.engine.check_alive()
-        done = client.complete(self.engine.url, name, prompts, seeds, self.cfg.grpo, stop_ids)
+        self.engines.check_alive()
+        n = self.n  # a group's completions are seeded seed, seed + 1, ... (rollout.engine_request)
+        done = self.engines.complete(name, prompts[::n], seeds[::n], self.cfg.grpo, stop_ids, n=n)
         sampled = Sampled.empty(round_index, len(prompts), self.cfg.grpo.max_new_tokens, version)
         for i, completion in enumerate(done):
             sampled.lengths[i] = len(completion.tokens)
@@ -182,7 +192,7 @@ class EngineSampler:
     def _send_ahead(self, round_index: int, prompts, seeds, stop_ids) -> None:
         """Round `round_index` sent to the engine from a thread of the main process while this one trains."""
         self.ahead = (round_index, len(prompts))
-        if self.engine is None:
+        if self.engines is None:
             return
         if self.pool is None:
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-round")
@@ -219,8 +229,8 @@ class EngineSampler:
 
     def close(self) -> None:
         """The thread sending ahead finished: an engine ftkit started is stopped first, failing its calls."""
-        if self.engine is not None:
-            self.engine.stop()
+        if self.engines is not None:
+            self.engines.stop()
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
@@ -229,7 +239,7 @@ class EngineSampler:
         every process (pickled between the run's own processes); an engine's error is one line on all."""
 
         def checked():
-            self.engine.check_alive()
+            self.engines.check_alive()
             return work(self)
 
         result, problem = self._on_main(checked)
@@ -241,10 +251,9 @@ class EngineSampler:
     def complete(self, prompts, seeds, max_tokens: list[int], stop_ids: list[int], stop: list[str]):
         """Main process: one `client.Completion` per prompt from the weights served now, each row with its
         own seed and token budget, ended by `stop_ids` or the first of the `stop` strings (kept)."""
-        name = self.adapter[0] if self.adapter else "base"
-        grpo = self.cfg.grpo
-        return client.complete(
-            self.engine.url, name, prompts, seeds, grpo, stop_ids, max_tokens=max_tokens, stop=stop
+        name = self.adapter[0] if self.adapter else BASE_NAME
+        return self.engines.complete(
+            name, prompts, seeds, self.cfg.grpo, stop_ids, max_tokens=max_tokens, stop=stop
         )
 
     def sync(self, model, round_index: int) -> float:
@@ -256,7 +265,7 @@ class EngineSampler:
         state = folder = None
         if self.cfg.model.method == "full":  # written a block at a time as it is gathered
             folder = self.folder / f"weights-round-{round_index}"
-            writes = self.engine is not None and problem is None
+            writes = self.engines is not None and problem is None
             gathered = write_weights(self.accelerator, model, folder if writes else None)
         else:
             state, gathered = adapter_state(self.accelerator, model)
@@ -275,15 +284,17 @@ class EngineSampler:
         """Main process: (`call()`'s result, None), or (None, the error every process will raise). An engine
         lost mid-run is restarted while grpo.vllm.restarts allows, and `again()` (else `call()`) sent to the
         new one; past that, the error is EngineLost."""
-        if self.engine is None:
+        if self.engines is None:
             return None, None
         while True:
             try:
                 return call(), None
             except UserError as exc:
-                why = self.engine.lost(exc) if self.ready else ""
+                self.lost_replica = getattr(exc, "replica", 0)
+                cause = getattr(exc, "cause", exc)
+                why = self._lost_engine().lost(cause) if self.ready else ""
                 if not why:
-                    return None, UserError(self._mid_run(exc))
+                    return None, UserError(self._mid_run(cause))
             try:
                 self._restart(why)
             except EngineLost as exc:
@@ -301,19 +312,20 @@ class EngineSampler:
     def _restart(self, why: str) -> None:
         """Main process: the engine ftkit started, lost (`why`), started again with the weights it served, or
         EngineLost when grpo.vllm.restarts are spent or the new engine fails too."""
-        lost = f"grpo.vllm: the engine {why}"
-        if self.engine.relaunch is None or self.restarted >= self.restarts:
+        replica, engines = self.lost_replica, self.engines.engines
+        lost = f"grpo.vllm: the engine{self.engines.label(replica)} {why}"
+        if engines[replica].relaunch is None or self.restarted >= self.restarts:
             spent = f" (grpo.vllm.restarts {self.restarts} spent)" if self.restarts else ""
             raise EngineLost(lost + spent)
         self.restarted += 1
         try:
-            self.engine = self.engine.restarted()
-            seconds = self.engine.wait_ready(self.cfg.grpo.vllm.start_timeout_s, say=tqdm.write)
+            engine = engines[replica] = engines[replica].restarted()
+            seconds = engine.wait_ready(self.cfg.grpo.vllm.start_timeout_s, say=tqdm.write)
             self.sleeping = set()
             if self.adapter is not None:
-                client.load_adapter(self.engine.url, self.adapter[0], str(self.adapter[1].resolve()))
+                client.load_adapter(engine.url, self.adapter[0], str(self.adapter[1].resolve()))
             if self.weights is not None:
-                client.reload_weights(self.engine.url, str(self.weights.resolve()))
+                client.reload_weights(engine.url, str(self.weights.resolve()))
         except UserError as exc:
             raise EngineLost(f"{lost}; restarting it failed: {exc}") from exc
         tqdm.write(
@@ -327,12 +339,13 @@ class EngineSampler:
         policy.save_pretrained(str(folder), state_dict=state)
         self._wake()
         try:
-            client.load_adapter(self.engine.url, name, str(folder.resolve()))
+            self.engines.each(lambda engine: client.load_adapter(engine.url, name, str(folder.resolve())))
         except UserError:
             shutil.rmtree(folder, ignore_errors=True)  # sent again under another name, if at all
             raise
         if self.adapter is not None:
-            client.unload_adapter(self.engine.url, self.adapter[0])
+            old = self.adapter[0]
+            self.engines.each(lambda engine: client.unload_adapter(engine.url, old))
             shutil.rmtree(self.adapter[1], ignore_errors=True)
         self.adapter = (name, folder)
 
@@ -340,7 +353,7 @@ class EngineSampler:
         """The whole weights, written to `folder`, read by the engine in place of its own (the folder before
         deleted)."""
         self._wake("weights")  # after a level-2 sleep the KV cache comes back once the weights are in
-        client.reload_weights(self.engine.url, str(folder.resolve()))
+        self.engines.each(lambda engine: client.reload_weights(engine.url, str(folder.resolve())))
         self._wake("kv_cache")
         if self.weights is not None:
             shutil.rmtree(self.weights, ignore_errors=True)
@@ -349,21 +362,29 @@ class EngineSampler:
     def _wait_ready(self) -> None:
         if self.ready:
             return
-        seconds = self.engine.wait_ready(self.cfg.grpo.vllm.start_timeout_s, say=tqdm.write)
+        for replica, engine in enumerate(self.engines.engines):  # they started together
+            self.lost_replica = replica
+            seconds = engine.wait_ready(self.cfg.grpo.vllm.start_timeout_s, say=tqdm.write)
+            # Only the main process holds the engine; tqdm.write keeps the line off the progress bar's.
+            if engine.process is None:
+                tqdm.write(f"engine: vLLM at {engine.url} (yours)")
+            else:
+                at = f"{engine.url}{self.engines.label(replica)}"
+                tqdm.write(f"engine: vLLM started by ftkit at {at} in {seconds:.1f} s; log: {engine.log}")
         self.ready = True
-        url, log = self.engine.url, self.engine.log
-        # Only the main process holds the engine; tqdm.write keeps the line off the progress bar's.
-        if self.engine.process is None:
-            tqdm.write(f"engine: vLLM at {url} (yours)")
-        else:
-            tqdm.write(f"engine: vLLM started by ftkit at {url} in {seconds:.1f} s; log: {log}")
 
     def _mid_run(self, exc: UserError) -> str:
         """The error to raise: an engine ftkit started that has died says so (and why, from its log)."""
-        process = self.engine.process
+        engine = self._lost_engine()
+        process, copy = engine.process, self.engines.label(self.lost_replica)
         if process is not None and process.poll() is not None and self.ready:
-            return f"grpo.vllm: the engine exited mid-run (code {process.returncode}): {self.engine.reason()}"
-        return self.engine.failure(str(exc))
+            return (
+                f"grpo.vllm: the engine{copy} exited mid-run (code {process.returncode}): {engine.reason()}"
+            )
+        return engine.failure(str(exc))
+
+    def _lost_engine(self) -> Engine:
+        return self.engines.engines[self.lost_replica]
 
     def _shared(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.accelerator.num_processes == 1:
@@ -373,12 +394,38 @@ class EngineSampler:
         return values.cpu()
 
 
-def _start_or_connect(cfg, folder) -> Engine:
+def _start_or_connect(cfg, folder) -> Replicas:
+    """The engine at grpo.vllm.url, or grpo.vllm.replicas engines started (each logs to its own file)."""
     settings = cfg.grpo.vllm
     if settings.url:
-        return Engine.connect(settings.url)
-    spec = ServeSpec(
-        model=_served_base(cfg, folder),
+        return Replicas([Engine.connect(settings.url)])
+    model, engines = _served_base(cfg, folder), []
+    cores = _core_shares(settings.replicas) if not has_gpu() else [""] * settings.replicas
+    try:
+        for replica, gpus in enumerate(replica_gpus(cfg)):
+            log = folder / ("vllm.log" if replica == 0 else f"vllm-{replica + 1}.log")
+            port = settings.port + replica if settings.port else 0
+            spec = _spec(cfg, model, gpus, cores[replica])
+            engines.append(Engine.start(spec, log, settings.host, port))
+    except UserError:
+        Replicas(engines).stop()
+        raise
+    return Replicas(engines)
+
+
+def _core_shares(replicas: int) -> list[str]:
+    """CPU engines: this process's cores split in order between the copies ("" each for one engine)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if replicas == 1 or len(cores) < replicas:
+        return [""] * replicas
+    shares = [cores[len(cores) * i // replicas : len(cores) * (i + 1) // replicas] for i in range(replicas)]
+    return [",".join(map(str, share)) for share in shares]
+
+
+def _spec(cfg, model: str, gpus: list[str], cpus: str = "") -> ServeSpec:
+    settings = cfg.grpo.vllm
+    return ServeSpec(
+        model=model,
         reloads_weights=cfg.model.method == "full",
         dtype=_engine_dtype(cfg),
         max_model_len=cfg.data.max_length + cfg.grpo.max_new_tokens,
@@ -387,10 +434,10 @@ def _start_or_connect(cfg, folder) -> Engine:
         kv_cache_gb=settings.kv_cache_gb,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         sleep=sleep_level(cfg, has_gpu()) > 0,
-        gpus=",".join(engine_gpus(cfg)),
-        tensor_parallel_size=settings.tensor_parallel_size or len(engine_gpus(cfg)),
+        gpus=",".join(gpus),
+        tensor_parallel_size=settings.tensor_parallel_size or len(gpus),
+        cpus=cpus,
     )
-    return Engine.start(spec, folder / "vllm.log", settings.host, settings.port)
 
 
 def _served_base(cfg, folder: Path) -> str:

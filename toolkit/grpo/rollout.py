@@ -259,8 +259,10 @@ def generate(
 
 
 def engine_request(prompts, cfg, round_index: int) -> tuple[list[list[int]], list[int]]:
-    """Round `round_index`'s (prompt ids, seeds) as the engine is asked for them."""
-    _, _, seeds, ids = round_request(prompts, cfg, round_index)
+    """Round `round_index`'s (prompt ids, seeds) as the engine is asked for them: a group's seeds
+    consecutive (sampling.group_seed), so one request can ask for the group (grpo.vllm.n_per_prompt)."""
+    picked, slots, _, ids = round_request(prompts, cfg, round_index)
+    seeds = [sampling.group_seed(cfg.seed, round_index, s, picked[s]) + g for s, g in slots]
     return ids, seeds
 
 

@@ -34,6 +34,13 @@ def completion_seed(seed: int, round_index: int, slot: int, prompt: int, sample:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
+def group_seed(seed: int, round_index: int, slot: int, prompt: int) -> int:
+    """The engine's seed of a prompt's first completion; its sample g is seeded this + g, as vLLM seeds the
+    g-th of n completions one request asks for (grpo.vllm.n_per_prompt), so asked one by one or n at once
+    they are the same. 55 bits: the group's seeds stay below 2**63."""
+    return completion_seed(seed, round_index, slot, prompt, 0) >> 8
+
+
 class SeededSampling(LogitsProcessor):
     """Temperature, top-k, top-p, then each row's Gumbel noise, a function of its seed, the new token's
     place in its completion and the vocabulary index alone: one batched computation per token."""

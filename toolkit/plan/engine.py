@@ -22,7 +22,8 @@ between rounds there (grpo.vllm.sleep), which frees its U x G while training run
 optimizer states and cached blocks stay on the GPU while it generates: the plan does not split the two
 phases and counts both together, an upper bound. Own (`--engine own`): the engine on GPUs of its own
 (grpo.vllm.gpus, or yours at grpo.vllm.url; taken as large as a training GPU): the training GPUs hold
-training only, the engine's GPU U x G.
+training only, the engine's GPU U x G. With grpo.vllm.replicas R (own GPUs only) each copy takes a GPU of
+its own: R GPUs of U x G, R times the rows at once, the run on training's GPUs + R.
 """
 
 from __future__ import annotations
@@ -91,6 +92,11 @@ def report_lines(engine: EngineBytes, request, training_peak: int | None, comple
         f"{share:.1f} GiB = weights {weights:.1f} + KV cache {kv:.1f} (at most: vLLM's activations come "
         f"out of it), {engine.rows} rows of {r.row_tokens} tokens at once ({completions} a round)"
     ]
+    if r.replicas > 1:
+        lines.append(
+            f"  {r.replicas} copies (grpo.vllm.replicas), a GPU each: {engine.rows * r.replicas} rows at "
+            f"once in all, the round split between them; the run takes {r.gpus} training GPUs + {r.replicas}"
+        )
     if not engine.starts:
         lines.append(
             f"  the engine does not start: its {share:.1f} GiB hold less than its weights and one row's "
@@ -106,8 +112,12 @@ def report_lines(engine: EngineBytes, request, training_peak: int | None, comple
         )
     else:
         lines.append(
-            f"  own GPU (grpo.vllm.gpus, or yours at grpo.vllm.url): a GPU of {r.gpu_mem:g} GiB beside the "
-            f"{r.gpus} training GPUs holds the engine's {share:.1f} GiB; the training GPUs hold training "
-            f"{peak}only"
+            f"  own GPU (grpo.vllm.gpus, or yours at grpo.vllm.url): {_gpus(r.replicas)} of "
+            f"{r.gpu_mem:g} GiB beside the {r.gpus} training GPUs holds the engine's {share:.1f} GiB; the "
+            f"training GPUs hold training {peak}only"
         )
     return lines
+
+
+def _gpus(replicas: int) -> str:
+    return "a GPU" if replicas == 1 else f"each of {replicas} GPUs"

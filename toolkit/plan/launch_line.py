@@ -63,7 +63,11 @@ def launch_line(
         }
         if request.generation == "vllm":
             wanted["grpo.vllm.gpu_memory_utilization"] = request.gpu_memory_utilization
-        if request.generation == "vllm" and request.engine == "own":
+        if request.generation == "vllm" and request.replicas > 1:
+            wanted["grpo.vllm.replicas"] = request.replicas
+            first = request.gpus  # after the training GPUs
+            wanted["grpo.vllm.gpus"] = ",".join(str(first + i) for i in range(request.replicas))
+        elif request.generation == "vllm" and request.engine == "own":
             wanted["grpo.vllm.url"] = "http://ENGINE_HOST:PORT"  # yours: the plan cannot know its address
     overrides = [f"{key}={_yaml_value(value)}" for key, value in wanted.items() if current[key] != value]
     overrides.append(f"train.micro_batch_size={row.micro_batch}")

@@ -96,6 +96,8 @@ class PlanRequest:
     engine: EngineLayout = "shared"
     """grpo with vllm: shared (ftkit starts it on the main process's GPU) or own (yours at grpo.vllm.url, on
     a GPU of its own)."""
+    replicas: PositiveInt = VllmConfig.replicas
+    """grpo with vllm: copies of the engine (grpo.vllm.replicas), each on a GPU of its own (--engine own)."""
     images_per_row: NonNegativeInt = 1
     """Vision-language models: images in each row (under dpo: in each pair's prompt, read by both rows)."""
     max_pixels: PositiveInt | None = VisionConfig.max_pixels
@@ -151,6 +153,10 @@ class PlanRequest:
         changed = [name for name in ENGINE_OPTIONS if getattr(self, name) != defaults[name]]
         if changed and self.generation != "vllm":
             raise UserError(f"--{_flag(changed[0])} is for --generation vllm")
+        if self.replicas > 1 and self.engine == "shared":
+            raise UserError(
+                f"--replicas {self.replicas}: copies of the engine run on GPUs of their own; add --engine own"
+            )
 
     @property
     def rows_per_example(self) -> int:
@@ -218,9 +224,10 @@ GRPO_OPTIONS = (
     "generation",
     "gpu_memory_utilization",
     "engine",
+    "replicas",
 )
 """The options only --objective grpo reads."""
-ENGINE_OPTIONS = ("gpu_memory_utilization", "engine")
+ENGINE_OPTIONS = ("gpu_memory_utilization", "engine", "replicas")
 """The options only --generation vllm reads."""
 VISION_KEYS = ("train_projector", "train_tower", "tower_blocks", "max_pixels")
 """The options that are the recipe's vision keys, named alike."""
