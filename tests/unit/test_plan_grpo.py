@@ -230,6 +230,7 @@ def test_copies_of_the_engine_each_take_a_gpu_and_the_launch_line_names_them(at_
     cfg = load_grpo_config(config, shlex.split(plan.command.split(config, 1)[1]))
     assert (cfg.grpo.vllm.replicas, cfg.grpo.vllm.gpus, cfg.grpo.vllm.url) == (3, "2,3,4", None)
     argv = ["plan", "--model", GRPO["model"], "--gpus", "2", "--objective", "grpo", "--generation", "vllm"]
+    argv += ["--seq-len", "1024", "--max-new-tokens", "512", "--global-batch", "32", "--micro-batch", "1"]
     cli.main([*argv, "--engine", "own", "--replicas", "3", "--gpu-memory-utilization", "0.9"])
     out = capsys.readouterr().out
     assert "3 copies (grpo.vllm.replicas), a GPU each: 105 rows at once in all" in out
