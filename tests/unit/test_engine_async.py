@@ -21,7 +21,7 @@ from toolkit.grpo.sampled import Sampled
 ENGINE = ["model.adapter=null", "grpo.generation=vllm"]
 
 
-def test_async_rounds_need_the_engine_and_single_turn_rollouts(tmp_path):
+def test_async_rounds_need_the_engine_and_take_multi_turn_rollouts(tmp_path):
     with pytest.raises(
         UserError, match=r"grpo.async_rounds: 1 needs grpo.generation=vllm \(HF generate runs"
     ):
@@ -29,9 +29,11 @@ def test_async_rounds_need_the_engine_and_single_turn_rollouts(tmp_path):
     with pytest.raises(UserError, match="grpo.async_rounds"):
         load_grpo_config(None, [*ENGINE, "grpo.async_rounds=2"])
     tool = tmp_path / "tools.py"
-    tool.write_text("def add(a: int, b: int) -> int:\n    return a + b\n")
-    with pytest.raises(UserError, match="grpo.async_rounds: multi-turn rollouts"):
-        load_grpo_config(None, [*ENGINE, "grpo.async_rounds=1", f"grpo.environment.tools=[{tool}:add]"])
+    tool.write_text(
+        'def add(a: int, b: int) -> int:\n    """Add.\n\n    Args:\n        a: one\n        b: two\n    """\n    return a + b\n'
+    )
+    tools = f"grpo.environment.tools=[{tool}:add]"
+    assert load_grpo_config(None, [*ENGINE, "grpo.async_rounds=1", tools]).grpo.async_rounds == 1
     assert load_grpo_config(None, [*ENGINE, "grpo.async_rounds=1"]).grpo.async_rounds == 1
     assert load_grpo_config(None, ENGINE).grpo.async_rounds == 0
 
