@@ -152,8 +152,9 @@ class GrpoConfig:
     """grpo.generation=vllm: a weight above grpo.engine_is_cap counts as the cap (truncate) | a weight
     outside [1 / cap, cap] drops its token (or completion) from the policy term (mask)."""
     async_rounds: Annotated[int, Range(low=0, high=1)] = 0
-    """grpo.generation=vllm: 1 samples round k+1 on the engine while round k trains, with the weights
-    synced before round k (one round stale, corrected by grpo.engine_is_cap); 0: each round waits."""
+    """grpo.generation=vllm: 1 samples round k+1 on the engine while round k trains (multi-turn: the whole
+    round, its environment's turns too), with the weights synced before round k (one round stale, corrected
+    by grpo.engine_is_cap); 0: each round waits."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """The engine of grpo.generation=vllm: started by ftkit, or yours at grpo.vllm.url."""
     reference_model: str | None = None
