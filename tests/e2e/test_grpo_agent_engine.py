@@ -9,11 +9,15 @@ on one process and on DDP x2: the main process steps the sessions between turns,
 rounds; the observations are masked user turns (after the template's end of turn where the model's turn
 ended at its close), the episodes' rewards logged; the held-out episodes (HF generate on every process, the
 sessions on the main one) score the same on both, and process 1's server is never asked for a session.
+With grpo.async_rounds the tools' whole round (engine turns and tool calls) is sent ahead while the round
+before trains: it trains one round stale, and a relaunch from a checkpoint that kept the round in flight
+logs the very steps of the run that went through.
 
 These need .venv-vllm (`make install-vllm`) and skip, saying so, where it is missing.
 """
 
 import re
+import shutil
 
 import pytest
 import scripted_agent
@@ -46,9 +50,9 @@ def calls(trajectories):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(model folder, one process's run folder, ZeRO-3 x2's, the OpenEnv runs' on one process and DDP x2),
-    all sampled by one engine."""
+def engine(tmp_path_factory):
+    """(the scripted agent's folder, a function of (output_dir, *more settings) giving a run's arguments):
+    every run of the module is sampled by one engine, stopped once they are done."""
     root = tmp_path_factory.mktemp("grpo-agent-engine")
     model = scripted_agent.build(root / "agent")
     (root / "rewards.py").write_text(REWARDS)
@@ -57,32 +61,42 @@ def runs(tmp_path_factory):
     )
     try:
         served.wait_ready(600)
-        args = lambda out, environment=(f"grpo.environment.tools=[{CALCULATOR}]",): [  # noqa: E731
-            *short_grpo_args(out, STEPS, 8, 4),
-            f"model.path={model}",
-            "model.method=lora",
-            f"lora.r={LORA_RANK}",
-            f"lora.alpha={2 * LORA_RANK}",
-            "train.learning_rate=5e-3",
-            "train.save_every_steps=1",
-            "data.max_length=64",
-            "data.eval_fraction=0.02",
-            "grpo.num_generations=4",
-            f"grpo.max_new_tokens={BUDGET}",
-            "grpo.max_turns=3",
-            "grpo.beta=0.05",
-            f"grpo.rewards=[format,{root / 'rewards.py'}:calls]",
-            "grpo.format_pattern=.*7.*",
-            *environment,
-            "grpo.generation=vllm",
-            f"grpo.vllm.url={served.url}",
-        ]
-        run_script(RECIPE, args(root / "one"), root / "one")
-        run_script(RECIPE, args(root / "zero3"), root / "zero3", 2, "zero3")
-        run_script(RECIPE, args(root / "openenv", COUNTDOWN), root / "openenv")
-        run_script(RECIPE, args(root / "openenv-ddp", COUNTDOWN), root / "openenv-ddp", 2, "ddp")
+        yield (
+            model,
+            lambda out, *more: [
+                *short_grpo_args(out, STEPS, 8, 4),
+                f"model.path={model}",
+                "model.method=lora",
+                f"lora.r={LORA_RANK}",
+                f"lora.alpha={2 * LORA_RANK}",
+                "train.learning_rate=5e-3",
+                "train.save_every_steps=1",
+                "data.max_length=64",
+                "data.eval_fraction=0.02",
+                "grpo.num_generations=4",
+                f"grpo.max_new_tokens={BUDGET}",
+                "grpo.max_turns=3",
+                "grpo.beta=0.05",
+                f"grpo.rewards=[format,{root / 'rewards.py'}:calls]",
+                "grpo.format_pattern=.*7.*",
+                "grpo.generation=vllm",
+                f"grpo.vllm.url={served.url}",
+                *(more or (f"grpo.environment.tools=[{CALCULATOR}]",)),
+            ],
+        )
     finally:
         served.stop()
+
+
+@pytest.fixture(scope="module")
+def runs(engine, tmp_path_factory):
+    """(model folder, one process's run folder, ZeRO-3 x2's, the OpenEnv runs' on one process and DDP x2)."""
+    model, args = engine
+    root = tmp_path_factory.mktemp("grpo-agent-engine-runs")
+    run_script(RECIPE, args(root / "one"), root / "one")
+    run_script(RECIPE, args(root / "zero3"), root / "zero3", 2, "zero3")
+    run_script(RECIPE, args(root / "openenv", *COUNTDOWN), root / "openenv")
+    run_script(RECIPE, args(root / "openenv-ddp", *COUNTDOWN), root / "openenv-ddp", 2, "ddp")
     return model, root / "one", root / "zero3", (root / "openenv", root / "openenv-ddp")
 
 
@@ -194,3 +208,42 @@ def segments(tokens: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:
         else:
             runs.append((trained, [token]))
     return runs
+
+
+# grpo.async_rounds=1 with the tools: four rounds of one step, each kept by a checkpoint.
+AHEAD_STEPS = 4
+AHEAD = [f"grpo.environment.tools=[{CALCULATOR}]", "grpo.async_rounds=1", f"train.max_steps={AHEAD_STEPS}"]
+
+
+def test_async_multi_turn_rounds_train_one_round_stale_and_resume_exactly(engine, tmp_path_factory):
+    """Stopped after step 2 (round 2's conversations in flight, kept by the checkpoint), relaunched: the
+    resumed run trains on the kept round, so it logs the very steps of the run that went through."""
+    _, args = engine
+    root = tmp_path_factory.mktemp("grpo-agent-engine-ahead")
+    run_script(RECIPE, args(root / "run", *AHEAD), root / "run")
+    lines = train_lines(root / "run")
+    assert [r["step"] for r in lines] == list(range(1, AHEAD_STEPS + 1))
+    # Round 0 is sampled before anything trains; every later one with the weights of a round before.
+    assert [r["staleness"] for r in lines] == [0] + [1] * (AHEAD_STEPS - 1)
+    assert all(r["grad_norm"] > 0 for r in lines) and any(r["turns"] > 1 for r in lines)
+    assert lines[0]["engine_logprob_gap_max"] < 1e-4  # the first round's weights are the trainer's
+    for before, after in zip(lines, lines[1:]):  # round k+1's requests went out before round k's step ended
+        assert after["generation_started_at"] < before["time"]
+    kept = read_recipe_state(root / "run" / "checkpoints" / "step-2")
+    assert kept["ahead.about"].tolist() == [2, 1], "round 2, sampled by the weights of round 1"
+    resumed = root / "resumed"
+    shutil.copytree(root / "run", resumed)
+    for later in (resumed / "checkpoints").glob("step-*"):
+        if int(later.name[5:]) > 2:
+            shutil.rmtree(later)
+    shutil.rmtree(resumed / "final")
+    result = run_script(RECIPE, args(resumed, *AHEAD), resumed)
+    assert "resum" in result.stdout
+    got = train_lines(resumed)
+    assert [r["step"] for r in got] == list(range(1, AHEAD_STEPS + 1))
+    keys = ("loss", "reward", "reward_calls", "kl", "grad_norm", "staleness", "turns", "tool_calls")
+    for a, b in zip(lines, got, strict=True):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key)
+    # Round 2 trained on the conversations the checkpoint kept, sampled before the stop, not on new ones.
+    assert got[2]["generation_started_at"] == lines[2]["generation_started_at"]

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import REPO
+from safetensors.torch import load, save
 
 from toolkit.engine import client
 from toolkit.errors import UserError
@@ -16,22 +18,20 @@ from toolkit.grpo import engine as engine_module
 from toolkit.grpo.config import load_grpo_config
 from toolkit.grpo.engine import EngineLost, EngineSampler
 from toolkit.grpo.rollout import Rollout
-from toolkit.grpo.sampled import Sampled
+from toolkit.grpo.sampled import Conversation, Sampled, SampledConversations
 
 ENGINE = ["model.adapter=null", "grpo.generation=vllm"]
 
 
-def test_async_rounds_need_the_engine_and_single_turn_rollouts(tmp_path):
+def test_async_rounds_need_the_engine_and_take_multi_turn_rollouts():
     with pytest.raises(
         UserError, match=r"grpo.async_rounds: 1 needs grpo.generation=vllm \(HF generate runs"
     ):
         load_grpo_config(None, ["grpo.async_rounds=1"])
     with pytest.raises(UserError, match="grpo.async_rounds"):
         load_grpo_config(None, [*ENGINE, "grpo.async_rounds=2"])
-    tool = tmp_path / "tools.py"
-    tool.write_text("def add(a: int, b: int) -> int:\n    return a + b\n")
-    with pytest.raises(UserError, match="grpo.async_rounds: multi-turn rollouts"):
-        load_grpo_config(None, [*ENGINE, "grpo.async_rounds=1", f"grpo.environment.tools=[{tool}:add]"])
+    tools = f"grpo.environment.tools=[{REPO / 'toolkit' / 'assets' / 'demo' / 'calculator.py'}:calculator]"
+    assert load_grpo_config(None, [*ENGINE, "grpo.async_rounds=1", tools]).grpo.async_rounds == 1
     assert load_grpo_config(None, [*ENGINE, "grpo.async_rounds=1"]).grpo.async_rounds == 1
     assert load_grpo_config(None, ENGINE).grpo.async_rounds == 0
 
@@ -153,6 +153,56 @@ def test_a_checkpoint_keeps_the_round_in_flight_and_a_resumed_run_trains_on_it(s
     assert (again.round_index, again.version) == (1, 0)
     assert torch.equal(again.tokens, Sampled.from_state_dict(state).tokens)
     assert sum(c[0] == "sent" for c in fake.calls) == sent + 1  # only round 2, sent ahead
+    resumed.close()
+
+
+def conversations_of(fake):
+    """An ask (multi-turn's in place of single-turn completions) whose conversations take a while: every
+    field a trained round and its rewards read, with log-probs whose last bits matter."""
+
+    def ask(sampler, round_index, prompts, seeds, version):
+        fake.note("sent", f"conversations of round {round_index}")
+        time.sleep(0.2)
+        talks = [
+            Conversation(
+                [seed % 7 + 3, 9, 2],
+                [1, 0, 1],
+                [-1 / (seed + 3), 0.0, -(2**-40) * seed],
+                f"answer {seed}",
+                [{"role": "assistant", "content": f"<tool_call>{seed}"}, {"role": "tool", "content": "é"}],
+                True,
+                None if seed % 2 else seed / 3,
+                {"turns": 2, "tool_calls": 1, "tool_errors": seed % 2, "tool_timeouts": 0},
+            )
+            for seed in seeds
+        ]
+        return SampledConversations(
+            round_index, talks, version, torch.tensor([1.5, 2.5], dtype=torch.float64)
+        )
+
+    return ask
+
+
+def test_a_multi_turn_round_is_sent_ahead_whole_and_a_checkpoint_keeps_its_conversations_exactly(sampler):
+    built, fake = sampler
+    ask = conversations_of(fake)
+    first, _ = built.sample(None, 0, requests, [], ask)
+    assert isinstance(first, SampledConversations) and (first.round_index, first.version) == (0, 0)
+    assert built.ahead == (1, None)  # round 1's conversations in flight while round 0 trains
+    second, _ = built.sample(None, 1, requests, [], ask)
+    assert (second.round_index, second.version) == (1, 0)  # one round stale
+    assert [t.answer for t in second.talks] == [f"answer {s}" for s in requests(1)[1]]
+    state = load(save(built.state_dict()))  # waits for round 2, kept as a checkpoint keeps it
+    assert built.ahead is None and state["ahead.about"].tolist() == [2, 1]
+    resumed = EngineSampler(built.accelerator, built.cfg, fake)
+    resumed.ready, resumed._load = True, built._load
+    resumed.restore({**state, "round_index": torch.tensor(1)})
+    sent = sum(c[0] == "sent" for c in fake.calls)
+    again, _ = resumed.sample(None, 2, requests, [], ask)
+    assert sum(c[0] == "sent" for c in fake.calls) == sent, "the kept round, not sampled again (the last)"
+    expected = conversations_of(fake)(None, 2, *requests(2), 1)
+    assert again.talks == expected.talks  # every float to the last bit, the missing reward still None
+    assert (again.round_index, again.version) == (2, 1) and torch.equal(again.times, expected.times)
     resumed.close()
 
 

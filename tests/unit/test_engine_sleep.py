@@ -142,10 +142,9 @@ def test_multi_turn_rounds_sleep_after_their_last_turn(fake_engine, monkeypatch,
     monkeypatch.setattr(multiturn, "_engine_turns", turns)
     for _ in range(2):
         calls.clear()
-        talks, _ = multiturn.engine_conversations(
-            sampler, None, [[1], [2]], [0, 1], sampler.cfg, None, None, 0
-        )
-        assert len(talks) == 2
+        requests = lambda round_index: ([[1], [2]], [0, 1])  # noqa: E731
+        sampled, _ = multiturn.engine_conversations(sampler, None, requests, sampler.cfg, None, None, 0)
+        assert len(sampled.talks) == 2
     assert [call.split("?")[0] if "lora" in call else call for call in calls] == LORA_ROUND
 
 

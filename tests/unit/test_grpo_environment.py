@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from transformers import AutoTokenizer
 
 from toolkit.data.chat import ensure_chat_template
 from toolkit.data.encode import IGNORE
+from toolkit.engine import client
 from toolkit.errors import UserError
 from toolkit.grpo import loss as grpo_loss
 from toolkit.grpo import multiturn, sampling
@@ -46,6 +48,21 @@ def broken(x: int) -> int:
         x: anything
     """
     raise RuntimeError("out of order")
+
+
+FINISHED = []
+
+
+def nap(seconds: float, tag: int) -> str:
+    """Sleep, then say so (each call noted in FINISHED as it ends).
+
+    Args:
+        seconds: how long
+        tag: what to say
+    """
+    time.sleep(seconds)
+    FINISHED.append(tag)
+    return f"woke {tag}"
 
 
 def untyped(x):
@@ -332,3 +349,73 @@ def test_tool_turns_are_written_as_qwen_and_llama3_templates_write_them(
     results = [env.run(call) for call in calls]
     ids = multiturn.environment_turns(tok, written, calls, results, env.schemas)
     assert tok.decode(ids) == said
+
+
+def napping_turn(turn: int, rows: int, tokenizer) -> list[list[int]]:
+    """Turn `turn` of `rows` scripted conversations: first each row's tool calls, in their order a slow call
+    that times out, a call that fails, two naps in one turn, then naps shorter row after row (so a turn's
+    calls run at once end in reverse); then each row's answer, which ends it."""
+    call = lambda name, **arguments: (  # noqa: E731
+        f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+    )
+    texts = [f"done {k}" for k in range(rows)]
+    if turn == 0:
+        naps = [call("nap", seconds=round(0.15 * (rows - k), 2), tag=k) for k in range(rows)]
+        texts = [
+            call("slow", seconds=8),
+            call("broken", x=1),
+            naps[2] + call("nap", seconds=0, tag=20),
+            *naps[3:],
+        ]
+    return [
+        tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in texts
+    ]
+
+
+@pytest.mark.parametrize("path", ["hf", "engine"])
+def test_a_turns_tool_calls_run_at_once_and_the_conversations_are_those_of_one_at_a_time(
+    path, monkeypatch, tmp_path, tokenizer
+):
+    """With grpo.environment.concurrency the tool calls of a turn run at once across the conversations (they
+    end out of order) and give the very conversations calls made one at a time give: tokens, masks, the
+    engine's log-probs, messages, counts, the timeout and the error alike; a conversation's own calls keep
+    their order."""
+    rows, prompts, seeds = 8, [[1, 2]] * 8, list(range(40, 48))
+    env = environment(tmp_path, "slow", "broken", "nap", timeout=1.0)
+    finished = env.tools["nap"].__globals__["FINISHED"]
+    turns = []
+
+    def sample(policy, contexts, seeds, cfg, pad_id, end_ids, synced, stops=None):
+        turns.append(len(turns))
+        return napping_turn(turns[-1], len(contexts), tokenizer)
+
+    def complete(prompts, seeds, max_tokens, stop_ids, stop):
+        return [client.Completion(t, [-0.25] * len(t)) for t in sample(None, prompts, seeds, None, 0, [], 0)]
+
+    monkeypatch.setattr(sampling, "sample", sample)
+    monkeypatch.setattr(sampling, "generating", lambda *a: contextlib.nullcontext((None, False)))
+    by_concurrency = {}
+    for concurrency in (1, rows):
+        cfg = GrpoRecipeConfig(grpo=GrpoConfig(max_new_tokens=256, max_turns=3))
+        cfg.grpo.environment.concurrency = concurrency
+        turns.clear()
+        finished.clear()
+        if path == "hf":
+            talks = multiturn.conversations(FakeRun(), None, prompts, seeds, cfg, tokenizer, env)
+        else:
+            sampler = type("Sampler", (), {"complete": staticmethod(complete)})()
+            talks = multiturn._engine_turns(sampler, prompts, seeds, cfg.grpo, tokenizer, env)
+        by_concurrency[concurrency] = talks, list(finished)
+    (one_at_a_time, in_turn), (at_once, as_they_ended) = by_concurrency[1], by_concurrency[rows]
+    assert at_once == one_at_a_time
+    assert in_turn == [2, 20, 3, 4, 5, 6, 7] and sorted(as_they_ended) == sorted(in_turn)
+    assert as_they_ended != in_turn and as_they_ended.index(2) < as_they_ended.index(20)
+    stats = [talk.stats for talk in at_once]
+    assert [s["tool_calls"] for s in stats] == [1, 1, 2, 1, 1, 1, 1, 1] and {s["turns"] for s in stats} == {2}
+    assert [(s["tool_timeouts"], s["tool_errors"]) for s in stats[:3]] == [(1, 0), (0, 1), (0, 0)]
+    for k, talk in enumerate(at_once):
+        assert talk.answer == f"done {k}" and 0 in talk.trained
+        if k >= 2:
+            assert talk.messages[1]["content"] == f"woke {k}"
+        if path == "engine":
+            assert talk.logps == [-0.25 if trained else 0.0 for trained in talk.trained]

@@ -110,9 +110,11 @@ def talk_with(url, model, tokenizer, seeds, engine=None, **overrides):
     if engine is None:
         talks = multiturn.conversations(Run(), model, asked, seeds, cfg, tokenizer, environment)
     else:
-        talks, _ = multiturn.engine_conversations(
-            engine(cfg), model, asked, seeds, cfg, tokenizer, environment, 0
+        requests = lambda round_index: (asked, seeds)  # noqa: E731
+        sampled, _ = multiturn.engine_conversations(
+            engine(cfg), model, requests, cfg, tokenizer, environment, 0
         )
+        talks = sampled.talks
     served = countdown.COUNTS - before
     return talks, served, environment.requests
 
@@ -155,7 +157,7 @@ def test_the_embedded_model_plays_an_episode_per_conversation_and_each_stops_by_
     countdown.SEEDS.clear()
     talks, served, requests = talk_with(url, model, tokenizer, seeds)
     # Each conversation was reset once, with its own seed and its prompt's text.
-    assert [seed for seed, _ in countdown.SEEDS] == seeds
+    assert sorted(seed for seed, _ in countdown.SEEDS) == seeds  # sent at once: in any order
     assert all("Count down from" in prompt for _, prompt in countdown.SEEDS)
     # Bounded: one reset per conversation, one step per model turn, nothing else.
     turns = [talk.stats["turns"] for talk in talks]
@@ -201,7 +203,7 @@ def test_on_the_engine_the_main_process_drives_the_sessions_as_hf_generate_does(
     countdown.SEEDS.clear()
     engine, payloads = fake_engine(monkeypatch, model, tokenizer)
     talks, served, requests = talk_with(url, model, tokenizer, seeds, engine)
-    assert [seed for seed, _ in countdown.SEEDS] == seeds
+    assert sorted(seed for seed, _ in countdown.SEEDS) == seeds  # sent at once: in any order
     assert all("Count down from" in prompt for _, prompt in countdown.SEEDS)
     assert served == hf_served and requests == served["reset"] + served["step"]
     assert [(t.tokens, t.trained, t.reward, t.stats, t.messages, t.done) for t in talks] == [
@@ -319,10 +321,6 @@ def test_a_server_that_does_not_answer_or_lacks_the_fields_is_one_line(url):
         ),
         (["grpo.environment.openenv.url=127.0.0.1:8000"], "is not http://host:port"),
         (["grpo.environment.openenv.app=server.py"], "is not module:app or file.py:app"),
-        (
-            ["grpo.environment.openenv.app=m:app", "grpo.generation=vllm", "grpo.async_rounds=1"],
-            r"grpo.async_rounds: multi-turn rollouts \(grpo.environment\) are sampled round by round",
-        ),
     ],
 )
 def test_bad_openenv_settings_are_one_line(overrides, message):
@@ -332,10 +330,10 @@ def test_bad_openenv_settings_are_one_line(overrides, message):
 
 
 def test_openenv_on_the_vllm_engine_is_a_valid_config():
-    cfg = load_grpo_config(
-        None, ["model.adapter=null", "grpo.environment.openenv.app=m:app", "grpo.generation=vllm"]
-    )
+    settings = ["model.adapter=null", "grpo.environment.openenv.app=m:app", "grpo.generation=vllm"]
+    cfg = load_grpo_config(None, settings)
     assert cfg.grpo.generation == "vllm" and cfg.grpo.environment.openenv.app == "m:app"
+    assert load_grpo_config(None, [*settings, "grpo.async_rounds=1"]).grpo.async_rounds == 1
 
 
 def test_ftkit_serves_the_app_for_the_run_and_stops_it(monkeypatch, tmp_path):
@@ -353,3 +351,74 @@ def test_ftkit_serves_the_app_for_the_run_and_stops_it(monkeypatch, tmp_path):
     ):
         pass
     assert "\n" not in str(caught.value)
+
+
+class NappingSession:
+    """A session on a made-up server that answers later the lower its episode's seed (so a turn's steps
+    sent at once end in reverse); its episode lasts 1 + seed % 3 steps. Every request is noted: how many
+    were in flight at once, over all sessions and per session."""
+
+    lock = threading.Lock()
+    busy = {"all": 0, "peak": 0, "peak per session": 0}
+    ended: list[tuple[int, int]] = []
+
+    def __init__(self, url, timeout_s):
+        self.lost, self.requests, self.in_flight, self.seed, self.steps = "", 0, 0, None, 0
+
+    def reset(self, seed: int, prompt: str) -> openenv.Reply:
+        self.seed = seed
+        self._wait()
+        return openenv.Reply("", {"text": "go"})
+
+    def step(self, action: dict) -> openenv.Reply:
+        self._wait()
+        self.steps += 1
+        self.ended.append((self.seed, self.steps))
+        text = f"seed {self.seed} step {self.steps} read {len(action['message'])} characters"
+        done = self.steps == 1 + self.seed % 3
+        return openenv.Reply("", {"text": text}, reward=self.seed / 4 + self.steps, done=done)
+
+    def _wait(self) -> None:
+        self.requests += 1
+        with self.lock:
+            self.in_flight += 1
+            self.busy["all"] += 1
+            self.busy["peak"] = max(self.busy["peak"], self.busy["all"])
+            self.busy["peak per session"] = max(self.busy["peak per session"], self.in_flight)
+        time.sleep(0.06 * (8 - self.seed))
+        with self.lock:
+            self.in_flight -= 1
+            self.busy["all"] -= 1
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_turns_steps_go_at_once_and_give_the_conversations_of_one_at_a_time(monkeypatch, tokenizer):
+    """With grpo.environment.concurrency the resets, and each turn's steps, are sent at once across the
+    sessions (they end out of order), a session never more than one request at a time, and the
+    conversations are those of one request at a time: tokens, masks, observations, rewards, counts."""
+    monkeypatch.setattr(openenv, "Session", NappingSession)
+    seeds = list(range(8))
+    runs = {}
+    for concurrency in (1, 8):
+        scripted(monkeypatch, tokenizer, ["one", "three", "five!", "seven"])
+        cfg = recipe("http://127.0.0.1:1")
+        cfg.grpo.environment.concurrency = concurrency
+        environment = openenv.OpenEnv(cfg.grpo.environment.openenv, "http://127.0.0.1:1")
+        NappingSession.ended.clear()
+        NappingSession.busy.update({"peak": 0, "peak per session": 0})
+        talks = multiturn.conversations(
+            Run(), None, prompts(tokenizer, 8), seeds, cfg, tokenizer, environment
+        )
+        runs[concurrency] = talks, list(NappingSession.ended), dict(NappingSession.busy), environment.requests
+    (one, in_turn, alone, sent), (at_once, as_they_ended, together, sent_at_once) = runs[1], runs[8]
+    assert at_once == one and sent_at_once == sent == 8 + sum(t.stats["turns"] for t in one)
+    assert sorted(as_they_ended) == sorted(in_turn) and as_they_ended != in_turn
+    assert alone["peak"] == 1 and together["peak"] > 1 and together["peak per session"] == 1
+    for seed, talk in zip(seeds, at_once, strict=True):  # each its own episode: its seed's steps, rewards
+        assert talk.stats["turns"] == 1 + seed % 3 and talk.done
+        assert talk.reward == sum(seed / 4 + step for step in range(1, talk.stats["turns"] + 1))
+        observed = [m["content"] for m in talk.messages if m["role"] == "user"]
+        steps = [text.split(" read ")[0] for text in observed]
+        assert steps == [f"seed {seed} step {k}" for k in range(1, talk.stats["turns"])]

@@ -55,10 +55,10 @@ class FakeEngine:
     def __init__(self):
         self.calls = itertools.count()
 
-    def complete(self, url, name, prompts, seeds, sampling, stop_ids):
+    def complete(self, url, name, prompts, seeds, sampling, stop_ids, max_tokens=None, stop=None, n=1):
         call = next(self.calls)
         done = []
-        for seed in seeds:
+        for seed in [s + i for s in seeds for i in range(n)]:  # the i-th of n seeded seed + i, as vLLM's
             gen = torch.Generator().manual_seed((seed * 7 + call) % 2**62)
             length = int(torch.randint(1, WIDTH + 1, (1,), generator=gen))
             tokens = torch.randint(2, 64, (length,), generator=gen).tolist()

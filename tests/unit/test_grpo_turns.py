@@ -187,9 +187,11 @@ def test_on_the_engine_the_main_process_asks_each_turn_and_keeps_the_models_log_
     engine = EngineSampler(type("Accelerator", (), {"num_processes": 1})(), cfg, held)
     monkeypatch.setattr(engine, "sync", lambda model, round_index: 0.25)
     prompt = agent_prompt(tokenizer)
-    talks, sync_seconds = multiturn.engine_conversations(
-        engine, model, [prompt] * len(seeds), seeds, cfg, tokenizer, Environment.build(cfg.grpo), 0
+    requests = lambda round_index: ([prompt] * len(seeds), seeds)  # noqa: E731
+    sampled, sync_seconds = multiturn.engine_conversations(
+        engine, model, requests, cfg, tokenizer, Environment.build(cfg.grpo), 0
     )
+    talks = sampled.talks
     assert sync_seconds == 0.25
     assert [(t.tokens, t.trained, t.stats) for t in talks] == [
         (t.tokens, t.trained, t.stats) for t in expected

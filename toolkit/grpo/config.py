@@ -91,6 +91,9 @@ class EnvironmentConfig:
     a docstring with an Args section: their JSON schemas come from them); empty: single-turn GRPO."""
     tool_timeout_s: PositiveFloat = 5.0
     """Seconds a tool call may run; past it the model reads a timeout error as the tool's answer."""
+    concurrency: PositiveInt = 8
+    """Conversations whose tool calls (or OpenEnv resets and steps) of a turn run at once (1: one after
+    another); the conversations come out the same either way."""
     openenv: OpenEnvConfig = field(default_factory=OpenEnvConfig)
     """An OpenEnv environment instead of tools (`pip install ftkit[openenv]`, docs/grpo.md): the model's
     turns are its actions, its observations the user turns between them."""
@@ -157,8 +160,9 @@ class GrpoConfig:
     """grpo.generation=vllm: a weight above grpo.engine_is_cap counts as the cap (truncate) | a weight
     outside [1 / cap, cap] drops its token (or completion) from the policy term (mask)."""
     async_rounds: Annotated[int, Range(low=0, high=1)] = 0
-    """grpo.generation=vllm: 1 samples round k+1 on the engine while round k trains, with the weights
-    synced before round k (one round stale, corrected by grpo.engine_is_cap); 0: each round waits."""
+    """grpo.generation=vllm: 1 samples round k+1 on the engine while round k trains (multi-turn: the whole
+    round, its environment's turns too), with the weights synced before round k (one round stale, corrected
+    by grpo.engine_is_cap); 0: each round waits."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """The engine of grpo.generation=vllm: started by ftkit, or yours at grpo.vllm.url."""
     reference_model: str | None = None
@@ -234,10 +238,6 @@ def validate_grpo(cfg: GrpoRecipeConfig) -> None:
         raise UserError(
             "grpo.async_rounds: 1 trains on samples of weights one round old, which grpo.engine_is_cap "
             "corrects; with grpo.engine_is_cap 0 nothing would: set a cap (2.0) or grpo.async_rounds 0"
-        )
-    if grpo.async_rounds and (grpo.environment.tools or served):
-        raise UserError(
-            "grpo.async_rounds: multi-turn rollouts (grpo.environment) are sampled round by round"
         )
     if grpo.vllm.n_per_prompt and grpo.generation != "vllm":
         raise UserError(

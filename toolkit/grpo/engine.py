@@ -35,7 +35,7 @@ from toolkit.engine.replicas import Replicas
 from toolkit.engine.server import BASE_NAME, Engine, ServeSpec, has_gpu
 from toolkit.errors import UserError
 from toolkit.grpo.config import engine_restarts, n_per_prompt, replica_gpus, sleep_level, steps_per_round
-from toolkit.grpo.sampled import AHEAD, Sampled
+from toolkit.grpo.sampled import AHEAD, Sampled, ahead_round
 
 FOLDED_BASE = "base"
 """Under the run's engine/: model.path with model.adapter folded in, the base ftkit's engine serves."""
@@ -73,8 +73,9 @@ class EngineSampler:
         self.ready = False
         self.version = 0
         """Rounds trained into the weights synced last."""
-        self.ahead: tuple[int, int] | None = None
-        """(round, completions) sent ahead and not yet taken (every process)."""
+        self.ahead: tuple[int, int | None] | None = None
+        """(round, completions) sent ahead and not yet taken (every process); completions None for a round
+        an `ask` samples, shared whole."""
         self.future = None
         """The main process's thread's answer to the round sent ahead."""
         self.landed: Sampled | None = None
@@ -112,24 +113,36 @@ class EngineSampler:
         finally:
             sampler.close()
 
-    def sample(self, model, round_index: int, requests, stop_ids: list[int]) -> tuple[Sampled, float]:
+    def sample(
+        self, model, round_index: int, requests, stop_ids: list[int], ask=None
+    ) -> tuple[Sampled, float]:
         """Collective: round `round_index`'s completions, the same on every process, and the seconds the
         weight sync took. `requests(r)`: round r's (prompt ids, seeds) in their fixed order. With
         grpo.async_rounds the round was sent ahead while the one before trained, and the next one is sent
         now with the weights synced here: the sync waits for the round in flight, so it never changes the
-        weights mid-round, and every round but the first is sampled one round stale, on every layout."""
+        weights mid-round, and every round but the first is sampled one round stale, on every layout.
+        `ask(sampler, r, prompts, seeds, version)`, when given, is what the main process runs for round r in
+        place of single-turn completions (multi-turn's conversations): its result is shared whole."""
         sampled = self._landed(round_index)
         sync_seconds = self.sync(model, round_index)
         if sampled is None:  # the first round, or the first after a resume that kept none ahead
             prompts, seeds = requests(round_index)
-            asked = functools.partial(self._requested, round_index, prompts, seeds, stop_ids, *self._served())
-            sampled = self._shared_round(round_index, len(prompts), functools.partial(self.then_rest, asked))
+            asked = functools.partial(self.then_rest, self._asked(round_index, prompts, seeds, stop_ids, ask))
+            sampled = self._shared_round(round_index, None if ask else len(prompts), asked)
         if (
             self.cfg.grpo.async_rounds
             and (round_index + 1) * steps_per_round(self.cfg) < self.cfg.train.max_steps
         ):
-            self._send_ahead(round_index + 1, *requests(round_index + 1), stop_ids)  # a round that will train
+            self._send_ahead(
+                round_index + 1, *requests(round_index + 1), stop_ids, ask
+            )  # a round that will train
         return sampled, sync_seconds
+
+    def _asked(self, round_index: int, prompts, seeds, stop_ids, ask):
+        """Main process: the call that samples the round from the weights synced last."""
+        if ask is not None:
+            return functools.partial(ask, self, round_index, prompts, seeds, self.version)
+        return functools.partial(self._requested, round_index, prompts, seeds, stop_ids, *self._served())
 
     def then_rest(self, call):
         """Main process: `call()`'s result, the engine put to sleep once it is back (grpo.vllm.sleep)."""
@@ -175,11 +188,16 @@ class EngineSampler:
         sampled.times = torch.tensor([started, time.time()], dtype=torch.float64)
         return sampled
 
-    def _shared_round(self, round_index: int, count: int, call, again=None) -> Sampled:
+    def _shared_round(self, round_index: int, count: int | None, call, again=None) -> Sampled:
         """Collective: what `call()` returns on the main process (`again()` once the engine was restarted),
-        on every process; its UserError raised on every process."""
+        on every process (whole when `count` is None); its UserError raised on every process."""
         sampled, problem = self._on_main(call, again)
         self._raise_agreed(problem)
+        if count is None:  # pickled between the run's own processes
+            shared = [sampled]
+            if self.accelerator.num_processes > 1:
+                broadcast_object_list(shared, from_process=0)
+            return shared[0]
         if sampled is None:
             sampled = Sampled.empty(round_index, count, self.cfg.grpo.max_new_tokens, 0)
         about = self._shared(torch.tensor([sampled.version, *sampled.times.tolist()], dtype=torch.float64))
@@ -189,16 +207,14 @@ class EngineSampler:
         sampled.version, sampled.times = int(about[0]), about[1:]
         return sampled
 
-    def _send_ahead(self, round_index: int, prompts, seeds, stop_ids) -> None:
+    def _send_ahead(self, round_index: int, prompts, seeds, stop_ids, ask=None) -> None:
         """Round `round_index` sent to the engine from a thread of the main process while this one trains."""
-        self.ahead = (round_index, len(prompts))
+        self.ahead = (round_index, None if ask else len(prompts))
         if self.engines is None:
             return
         if self.pool is None:
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-round")
-        self.ahead_call = functools.partial(
-            self._requested, round_index, prompts, seeds, stop_ids, *self._served()
-        )
+        self.ahead_call = self._asked(round_index, prompts, seeds, stop_ids, ask)
         self.future = self.pool.submit(self.ahead_call)
 
     def _wait_ahead(self) -> None:
@@ -224,8 +240,8 @@ class EngineSampler:
 
     def restore(self, state: dict[str, torch.Tensor]) -> None:
         """The round a checkpoint kept ahead, if it kept one."""
-        if AHEAD + "tokens" in state:
-            self.landed = Sampled.from_state_dict(state)
+        if AHEAD + "about" in state:
+            self.landed = ahead_round(state)
 
     def close(self) -> None:
         """The thread sending ahead finished: an engine ftkit started is stopped first, failing its calls."""
@@ -233,20 +249,6 @@ class EngineSampler:
             self.engines.stop()
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
-
-    def on_main(self, work):
-        """Collective: `work(self)` on the main process, which holds the engine, and its result shared with
-        every process (pickled between the run's own processes); an engine's error is one line on all."""
-
-        def checked():
-            self.engines.check_alive()
-            return work(self)
-
-        result, problem = self._on_main(checked)
-        self._raise_agreed(problem)
-        if self.accelerator.num_processes > 1:
-            result = broadcast_object_list([result], from_process=0)[0]
-        return result
 
     def complete(self, prompts, seeds, max_tokens: list[int], stop_ids: list[int], stop: list[str]):
         """Main process: one `client.Completion` per prompt from the weights served now, each row with its

@@ -9,47 +9,31 @@ conversation is sampled with its own seed, derived from the completion's seed an
 conversation is the same whichever process and batch it is sampled in. With a vLLM engine the main process
 holds the round's conversations, asks the engine for each turn with the same seeds and answers them itself
 (the tools run, or the OpenEnv sessions stepped, once), keeping the engine's log-probability of every token
-the model sampled (none for the environment's).
+the model sampled (none for the environment's); with grpo.async_rounds the whole round, engine turns and
+environment alike, is sent ahead on the sampler's thread while the round before trains.
+
+A turn's environment requests (each conversation's tool calls, or its OpenEnv step) run at once across the
+conversations, at most grpo.environment.concurrency at a time. Only the requests leave the calling thread
+(the tokenizer and the conversations stay on it) and each touches its own conversation's calls or session
+alone, so the conversations come out as one request at a time gives them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import functools
 import hashlib
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 
 import torch
 
 from toolkit.grpo import sampling
-from toolkit.grpo.environment import Environment, parse_calls
+from toolkit.grpo.environment import Environment, each, parse_calls, pooled
+from toolkit.grpo.sampled import STAT_NAMES, Conversation, SampledConversations
 from toolkit.grpo.template_turns import LLAMA3_END_OF_MESSAGE, TOOL_CALL_CLOSE, appended
-
-STAT_NAMES = ("turns", "tool_calls", "tool_errors", "tool_timeouts")
-"""Llama 3's end of a turn that awaits a tool's result."""
-
-
-@dataclass
-class Conversation:
-    tokens: list[int] = field(default_factory=list)
-    """Everything after the prompt: the model's turns and the environment's."""
-    trained: list[int] = field(default_factory=list)
-    """Per token: 1 where the model sampled it, 0 where the environment wrote it."""
-    logps: list[float] = field(default_factory=list)
-    """Per token: the engine's log-probability of a token it sampled, 0.0 elsewhere (HF generate: all 0.0)."""
-    answer: str = ""
-    """The model's last turn as text (what the rewards score)."""
-    messages: list[dict] = field(default_factory=list)
-    """The turns as chat messages: the model's (role assistant) and the tools' answers (role tool)."""
-    done: bool = False
-    reward: float | None = None
-    """The environment's reward for the conversation (OpenEnv: the sum of its steps'; None: none given)."""
-    stats: dict = field(default_factory=lambda: dict.fromkeys(STAT_NAMES, 0))
-
-    def add(self, tokens: list[int], trained: int, logps: list[float] | None = None) -> None:
-        self.tokens += tokens
-        self.trained += [trained] * len(tokens)
-        self.logps += list(logps) if logps is not None else [0.0] * len(tokens)
 
 
 @dataclass
@@ -106,11 +90,8 @@ def greedy_conversations(
     (grpo.max_new_tokens), turns (grpo.max_turns) and batches (grpo.generation_batch_size). `environment`
     may be None when grpo.max_turns is 1 (one turn, no tool ever runs)."""
     ends = TurnEnds.of(tokenizer)
-
-    def answer(index, talk, tokens, turn):
-        _answer(talk, tokens, turn, grpo, tokenizer, environment, ends)
-
-    return _turns(model, prompts, None, grpo, tokenizer, synced, ends, answer)
+    with _tool_answers(environment, grpo, tokenizer, ends) as answer:
+        return _turns(model, prompts, None, grpo, tokenizer, synced, ends, answer)
 
 
 def greedy_episodes(
@@ -134,36 +115,52 @@ def _turns(policy, prompts, seeds, grpo, tokenizer, synced, ends, answer, share=
         if not active and not synced:
             break
         sampled = _sample_turn(policy, prompts, seeds, talks, active, turn, grpo, tokenizer, synced, ends)
-        for i, tokens in zip(active, sampled, strict=True):
-            answer(i, talks[i], tokens, turn)
+        answer(turn, [(i, talks[i], tokens, None) for i, tokens in zip(active, sampled, strict=True)])
         if share is not None:
             talks = share(talks)
     return talks
 
 
 def _episodes(environment, prompts, seeds, grpo, tokenizer, ends):
-    """A context giving answer(index, talk, tokens, turn, logps=None): an OpenEnv environment's sessions,
-    opened for these conversations and closed after them; the tools need none."""
+    """A context giving answer(turn, said), which answers a turn's conversations (`said`: (index, talk,
+    tokens, logps) each, logps None without an engine): the tools, or an OpenEnv environment's sessions
+    opened for these conversations and closed after them."""
     if isinstance(environment, Environment):
-
-        def answer(index, talk, tokens, turn, logps=None):
-            _answer(talk, tokens, turn, grpo, tokenizer, environment, ends, logps)
-
-        return contextlib.nullcontext(answer)
+        return _tool_answers(environment, grpo, tokenizer, ends)
     return environment.episodes(prompts, seeds, grpo, tokenizer, ends)
 
 
-def engine_conversations(engine, model, prompts, seeds, cfg, tokenizer, environment, round_index: int):
-    """Collective: the whole round's conversations (one per prompt) sampled turn by turn on the vLLM
-    engine (`engine`: grpo/engine.py's EngineSampler) with the weights synced first, the same on every
-    process; and the seconds the sync took."""
-    sync_seconds = engine.sync(model, round_index)
-    talks = engine.on_main(
-        lambda sampler: sampler.then_rest(
-            lambda: _engine_turns(sampler, prompts, seeds, cfg.grpo, tokenizer, environment)
+@contextlib.contextmanager
+def _tool_answers(environment, grpo, tokenizer, ends):
+    """answer(turn, said) with the tools (`environment`; None when no tool can run: one turn), a turn's
+    calls run at once across its conversations on threads held while the context is."""
+    with pooled(grpo.environment.concurrency) as pool:
+        yield functools.partial(
+            _answer_turn, grpo=grpo, tokenizer=tokenizer, environment=environment, ends=ends, pool=pool
         )
+
+
+def engine_conversations(engine, model, requests, cfg, tokenizer, environment, round_index: int):
+    """Collective: round `round_index`'s conversations, one per prompt of `requests(r)` (round r's prompt
+    ids and seeds), sampled turn by turn on the vLLM engine (`engine`: grpo/engine.py's EngineSampler)
+    from the weights synced before it, the same on every process (a SampledConversations); and the seconds
+    the sync took. With grpo.async_rounds the round was sent ahead while the one before trained."""
+    if cfg.grpo.async_rounds:  # sent ahead, the round decodes on the sampler's thread while this one trains
+        # and evaluates: a fast tokenizer switches its truncation in place, so the thread gets its own.
+        tokenizer = copy.deepcopy(tokenizer)
+    ask = functools.partial(_engine_round, cfg.grpo, tokenizer, environment)
+    return engine.sample(model, round_index, requests, [], ask)  # each turn asks with its own ends
+
+
+def _engine_round(grpo, tokenizer, environment, sampler, round_index, prompts, seeds, version):
+    """Main process (its own thread, or the sampler's sending the round ahead): the round's conversations
+    from the weights served now, trained `version` rounds."""
+    started = time.time()
+    sampler.engines.check_alive()
+    talks = _engine_turns(sampler, prompts, seeds, grpo, tokenizer, environment)
+    return SampledConversations(
+        round_index, talks, version, torch.tensor([started, time.time()], dtype=torch.float64)
     )
-    return talks, sync_seconds
 
 
 def _engine_turns(sampler, prompts, seeds, grpo, tokenizer, environment) -> list[Conversation]:
@@ -183,8 +180,7 @@ def _engine_turns(sampler, prompts, seeds, grpo, tokenizer, environment) -> list
                 ends.ids,
                 ends.strings.strings,
             )
-            for i, completion in zip(active, done, strict=True):
-                answer(i, talks[i], completion.tokens, turn, completion.logps)
+            answer(turn, [(i, talks[i], c.tokens, c.logps) for i, c in zip(active, done, strict=True)])
     return talks
 
 
@@ -256,22 +252,29 @@ def _sample_turn(
     return [tokens[: max(budget, 0)] for tokens, budget in zip(sampled, budgets)] if active else []
 
 
-def _answer(talk: Conversation, tokens, turn, grpo, tokenizer, environment, ends, logps=None) -> None:
-    """The model's turn added to `talk`; its tool calls run and their answers added (masked), unless the
-    conversation ends here: no call, no end (the budget ran out), or no turn left."""
-    talk.add(tokens, 1, logps)
-    talk.stats["turns"] += 1
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
-    calls = parse_calls(text)
-    talk.answer = text.strip()
-    talk.messages.append({"role": "assistant", "content": text.strip()})
-    closed = ends.closed(tokens)
-    ended = closed is not None
-    if not calls or not ended or turn + 1 == grpo.max_turns:
-        talk.stats["tool_calls"] += len(calls) if ended else 0
-        talk.done = True
-        return
-    results = [environment.run(call) for call in calls]
+def _answer_turn(turn, said, grpo, tokenizer, environment, ends, pool) -> None:
+    """Each model turn of `said` ((index, talk, tokens, logps)) added to its conversation; the tool calls
+    of the conversations that go on run (a conversation's in order, the conversations at once on `pool`)
+    and their answers added (masked). A conversation ends here with no call, no end (the budget ran out),
+    or no turn left."""
+    going = []
+    for _, talk, tokens, logps in said:
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        talk.model_turn(tokens, text, logps)
+        calls, closed = parse_calls(text), ends.closed(tokens)
+        if calls and closed is not None and turn + 1 < grpo.max_turns:
+            going.append((talk, text, calls, closed))
+        else:
+            talk.stats["tool_calls"] += len(calls) if closed is not None else 0
+            talk.done = True
+    answered = each(pool, [functools.partial(environment.run_each, calls) for _, _, calls, _ in going])
+    for (talk, text, calls, closed), results in zip(going, answered, strict=True):
+        _tool_turns(talk, text, calls, results, closed, grpo, tokenizer, environment)
+
+
+def _tool_turns(talk: Conversation, text, calls, results, closed, grpo, tokenizer, environment) -> None:
+    """The tools' `results` of the turn `text` added to `talk`: counted, as messages, and as the tokens the
+    chat template writes (masked)."""
     talk.stats["tool_calls"] += len(calls)
     talk.stats["tool_errors"] += sum(r.kind == "error" for r in results)
     talk.stats["tool_timeouts"] += sum(r.kind == "timeout" for r in results)
@@ -280,9 +283,7 @@ def _answer(talk: Conversation, tokens, turn, grpo, tokenizer, environment, ends
         for call, result in zip(calls, results, strict=True)
     ]
     said = environment_turns(tokenizer, text, calls, results, environment.schemas, closed == "string")
-    room = grpo.max_new_tokens - len(talk.tokens)
-    talk.add(said[:room], 0)
-    talk.done = len(said) >= room  # no room left for another model turn
+    talk.environment_turn(said, grpo.max_new_tokens)
 
 
 def environment_turns(tokenizer, text: str, calls, results, schemas, at_close: bool = False) -> list[int]:

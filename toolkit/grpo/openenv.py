@@ -22,6 +22,7 @@ on 127.0.0.1, one per process, stopped with the run). The client needs only `web
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.machinery
 import json
 import math
@@ -38,6 +39,7 @@ from accelerate.utils import broadcast_object_list
 
 from toolkit.distributed import agreed_error
 from toolkit.errors import UserError
+from toolkit.grpo.environment import each, pooled
 from toolkit.grpo.template_turns import appended
 
 KEY = "grpo.environment.openenv"
@@ -175,17 +177,17 @@ class OpenEnv:
 
     @contextlib.contextmanager
     def episodes(self, prompts, seeds, grpo, tokenizer, ends):
-        """answer(index, talk, tokens, turn, logps=None) for these conversations, each reset with its seed;
-        the sessions are closed however the conversations end."""
+        """answer(turn, said) for these conversations (`said`: (index, talk, tokens, logps) each), each
+        session reset with its seed; the resets, and a turn's steps, are sent at once across the sessions
+        (at most grpo.environment.concurrency, a session only ever one request at a time), and the sessions
+        are closed however the conversations end."""
         sessions = [Session(self.url, self.settings.request_timeout_s) for _ in prompts]
         try:
-            for session, prompt, seed in zip(sessions, prompts, seeds, strict=True):
-                session.reset(seed, tokenizer.decode(prompt, skip_special_tokens=True))
-
-            def answer(index, talk, tokens, turn, logps=None):
-                self._answer(sessions[index], talk, tokens, turn, grpo, tokenizer, ends, logps)
-
-            yield answer
+            with pooled(grpo.environment.concurrency) as pool:
+                texts = [tokenizer.decode(prompt, skip_special_tokens=True) for prompt in prompts]
+                resets = zip(sessions, seeds, texts, strict=True)
+                each(pool, [functools.partial(session.reset, seed, text) for session, seed, text in resets])
+                yield functools.partial(self._answer_turn, sessions, grpo, tokenizer, ends, pool)
         finally:
             for session in sessions:
                 session.close()
@@ -207,12 +209,12 @@ class OpenEnv:
                 except UserError as exc:
                     error = str(exc)
 
-            def answer(index, talk, tokens, turn):
+            def answer(turn, said):
                 nonlocal error
                 if answered is None or error:
                     return
                 try:
-                    answered(index, talk, tokens, turn)
+                    answered(turn, said)
                 except UserError as exc:
                     error = str(exc)
 
@@ -226,16 +228,24 @@ class OpenEnv:
 
             yield answer, share
 
-    def _answer(self, session, talk, tokens, turn, grpo, tokenizer, ends, logps=None) -> None:
-        """The model's turn added to `talk` (with the engine's log-probs of its tokens when it sampled them)
-        and sent as a step; the observation (or the error) added as the next user turn (masked) unless the
+    def _answer_turn(self, sessions, grpo, tokenizer, ends, pool, turn, said) -> None:
+        """Each model turn of `said` ((index, talk, tokens, logps)) added to its conversation (with the
+        engine's log-probs of its tokens when it sampled them) and sent as its session's step, the steps at
+        once on `pool`; each observation (or error) then added to its conversation in order."""
+        texts = [tokenizer.decode(tokens, skip_special_tokens=True) for _, _, tokens, _ in said]
+        for (_, talk, tokens, logps), text in zip(said, texts, strict=True):
+            talk.model_turn(tokens, text, logps)
+        steps = [functools.partial(self._step, sessions[i], text) for (i, *_), text in zip(said, texts)]
+        for (_, talk, tokens, _), reply in zip(said, each(pool, steps), strict=True):
+            self._observed(talk, tokens, reply, turn, grpo, tokenizer, ends)
+
+    def _step(self, session: Session, text: str) -> Reply:
+        """The session stepped with the model's turn `text` (its error when it was lost before)."""
+        return session.step({self.settings.action_field: text}) or Reply(session.lost, kind="error")
+
+    def _observed(self, talk, tokens, reply: Reply, turn, grpo, tokenizer, ends) -> None:
+        """The step's `reply` to the model's turn (`tokens`) added as the next user turn (masked) unless the
         conversation ends: done, no end token (the budget ran out), or no turn left."""
-        talk.add(tokens, 1, logps)
-        talk.stats["turns"] += 1
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        talk.answer = text.strip()
-        talk.messages.append({"role": "assistant", "content": talk.answer})
-        reply = session.step({self.settings.action_field: text}) or Reply(session.lost, kind="error")
         talk.stats["tool_calls"] += 1
         talk.stats["tool_errors"] += reply.kind == "error"
         talk.stats["tool_timeouts"] += reply.kind == "timeout"
@@ -250,9 +260,7 @@ class OpenEnv:
         # A turn ended at a tool call's close: the template's end of turn, which the model never wrote, first.
         assistant = {"role": "assistant", "content": talk.answer}
         said = appended(tokenizer, assistant, [user(turn_text)], at_close=closed == "string")
-        room = grpo.max_new_tokens - len(talk.tokens)
-        talk.add(said[:room], 0)
-        talk.done = len(said) >= room  # no room left for another model turn
+        talk.environment_turn(said, grpo.max_new_tokens)
 
     def observation_text(self, observation: dict) -> str:
         name = self.settings.observation_field

@@ -175,12 +175,13 @@ def generate(
     begin, end = len(slots) * rank // world, len(slots) * (rank + 1) // world
     mine = slots[begin:end]
     talks = sampled = engine_logps = None
+    requests = functools.partial(engine_request, prompts, cfg)
     if environment is not None and engine is not None:  # the main process holds the round's conversations
-        talks, sync_seconds = multiturn.engine_conversations(
-            engine, model, ids, seeds, cfg, tokenizer, environment, round_index
+        sampled, sync_seconds = multiturn.engine_conversations(
+            engine, model, requests, cfg, tokenizer, environment, round_index
         )
-        engine_logps = multiturn.logp_table(talks, grpo.max_new_tokens)
-        talks = talks[begin:end]
+        engine_logps = multiturn.logp_table(sampled.talks, grpo.max_new_tokens)
+        talks = sampled.talks[begin:end]
         completions = [talk.tokens for talk in talks]
     elif environment is not None:
         talks = multiturn.conversations(
@@ -190,12 +191,10 @@ def generate(
     elif engine is None:
         completions = _generated(run, model, ids[begin:end], seeds[begin:end], cfg, tokenizer)
     else:  # the main process asks for the whole round, every process gets it all and keeps its share
-        sampled, sync_seconds = engine.sample(
-            model, round_index, functools.partial(engine_request, prompts, cfg), _end_ids(tokenizer)
-        )
+        sampled, sync_seconds = engine.sample(model, round_index, requests, _end_ids(tokenizer))
         completions = [sampled.tokens[i, : sampled.lengths[i]].tolist() for i in range(begin, end)]
         engine_logps = sampled.logps
-        # The round's training starts once its completions are back: rewards, log-probs, its steps.
+    if sampled is not None:  # the round's training starts once it is back: rewards, log-probs, its steps
         times = torch.cat([sampled.times, torch.tensor([time.time()], dtype=torch.float64)])
     texts = (
         [t.answer for t in talks] if talks else tokenizer.batch_decode(completions, skip_special_tokens=True)
@@ -244,7 +243,7 @@ def generate(
         rollout.engine_logps, rollout.sync_seconds = engine_logps, sync_seconds
         rollout.rest_seconds = engine.rest_seconds()
         rollout.sync_gathered_mb = engine.gathered_mb
-        rollout.staleness = round_index - sampled.version if sampled is not None else 0
+        rollout.staleness = round_index - sampled.version
         # The trainer's log-probs of the sampled tokens as the round starts training: their gap to the
         # engine's (its weights one round older with grpo.async_rounds) is what the loss's TIS corrects.
         own = rollout.old_logps
@@ -253,7 +252,7 @@ def generate(
                 run, model, rollout, prompts, cfg, tokenizer.pad_token_id, None
             )
         rollout.engine_gap = logprob_gap(engine_logps, own, rollout.lengths, rollout.mask)
-        rollout.times = times if sampled is not None else None
+        rollout.times = times
     rollout.generation_seconds = time.perf_counter() - started
     return rollout
 
