@@ -161,6 +161,9 @@ def test_a_task_whose_data_is_on_the_hub_is_named(monkeypatch):
     hub_only = dict(specs[0], dataset_path="openai/gsm8k", dataset_kwargs={})
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # The libraries read those at import, so the hub is asked anyway and found unreachable: the same failure,
+    # without waiting out huggingface_hub's five retries (23 s of backoff).
+    monkeypatch.setattr("huggingface_hub.utils._http.time.sleep", lambda seconds: None)
     with pytest.raises(UserError, match="--tasks: ftkit_sums needs data this machine does not have"):
         harness.check_data([hub_only], manager)
 
