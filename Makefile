@@ -166,7 +166,7 @@ test: test-unit test-e2e
 
 # In-process tests only (no launched runs): feedback in seconds.
 test-unit: install
-	$(call pytest,tests/unit)
+	$(call pytest,tests/unit --durations=15)
 
 # Launched runs (gloo processes on this machine's CPUs): tens of minutes on two cores. The timing-sensitive
 # modules (marked `alone`) first, by themselves; then the rest two modules at a time (each module's runs stay

@@ -15,6 +15,7 @@ from helpers import REPO
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from toolkit.checkpoint import rundir
 from toolkit.commands.cli import main as cli
 from toolkit.commands.eval import eval_cli
 from toolkit.errors import UserError
@@ -33,6 +34,7 @@ def adapter_run(tmp_path_factory) -> Path:
     it changes the answers) over the tiny model; final/merged/ holds the adapter folded in."""
     run = tmp_path_factory.mktemp("run")
     (run / "config.yaml").write_text(f"model:\n  path: {TINY}\n")
+    (run / rundir.MARKER).write_text('{"tracker_dirs": []}\n')
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(TINY)
     adapted = get_peft_model(base, LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False))
@@ -108,6 +110,10 @@ def test_an_adapter_scores_as_its_merged_model_and_the_table_is_written(adapter_
     assert set(saved["lm_eval"]) == {"fine-tuned", "base"} and saved["rows"] == adapter["rows"]
     assert cli(["eval", "--model", str(adapter_run / "final"), "--tasks", "ftkit_sums", "--limit", "2"]) == 0
     assert "| ftkit_sums | exact_match |" in capsys.readouterr().out
+    assert len(list((adapter_run / "eval").iterdir())) >= 2  # a table and its JSON at least
+    assert (
+        rundir.foreign_entries(adapter_run) == []
+    )  # the run's marker records them: an overwrite clears them
 
 
 def test_a_drop_beyond_two_standard_errors_is_forgetting():
@@ -155,6 +161,9 @@ def test_a_task_whose_data_is_on_the_hub_is_named(monkeypatch):
     hub_only = dict(specs[0], dataset_path="openai/gsm8k", dataset_kwargs={})
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # The libraries read those at import, so the hub is asked anyway and found unreachable: the same failure,
+    # without waiting out huggingface_hub's five retries (23 s of backoff).
+    monkeypatch.setattr("huggingface_hub.utils._http.time.sleep", lambda seconds: None)
     with pytest.raises(UserError, match="--tasks: ftkit_sums needs data this machine does not have"):
         harness.check_data([hub_only], manager)
 

@@ -76,7 +76,21 @@ def adapted(line: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def trained(recipe, tmp_path_factory):
+def folder(tmp_path_factory):
+    """A family's random model folder, built the first time a test asks and kept for the module: the
+    recipe, loading, export and the config check read it, none writes it."""
+    built = {}
+
+    def family_folder(family: str):
+        if family not in built:
+            built[family] = tiny_family(tmp_path_factory.mktemp(f"{family}-model") / "model", family)
+        return built[family]
+
+    return family_folder
+
+
+@pytest.fixture(scope="module")
+def trained(recipe, folder, tmp_path_factory):
     """Each family's folder and its LoRA run (2 steps, a checkpoint at step 2; packed rows where the family
     packs), run once and kept, with what the run printed; the families that failed keep their exception."""
     runs = {}
@@ -84,7 +98,7 @@ def trained(recipe, tmp_path_factory):
         root = tmp_path_factory.mktemp(family)
         out = io.StringIO()
         try:
-            path = tiny_family(root / "model", family)
+            path = folder(family)
             with contextlib.redirect_stdout(out):
                 code = recipe.main(
                     [
@@ -157,8 +171,8 @@ def test_a_checkpoint_exports_merged_and_generates(trained, family, tmp_path, ca
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("method", ["full", "qlora"])
-def test_full_fine_tuning_and_qlora_take_a_step(family, method, tmp_path):
-    path = tiny_family(tmp_path / "model", family)
+def test_full_fine_tuning_and_qlora_take_a_step(family, method, folder):
+    path = folder(family)
     model = load_model(ModelConfig(path=str(path), method=method, attn_implementation="eager"), LoraConfig())
     ids = torch.randint(5, 2000, (2, 12))
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
@@ -236,7 +250,7 @@ def _config(family: str, **overrides):
     return tiny_config(family, **overrides)
 
 
-def test_the_shipped_qwen3_5_config_passes_check_config_on_a_qwen3_5_model(tmp_path):
+def test_the_shipped_qwen3_5_config_passes_check_config_on_a_qwen3_5_model(tmp_path, folder):
     """recipes/configs/qwen3.5-35b-a3b-lora.yaml with a tiny Qwen3.5 (its text model) in place of the hub
     checkpoint and the embedded data: its launch line's backend passes, packed or not."""
     import yaml
@@ -245,7 +259,7 @@ def test_the_shipped_qwen3_5_config_passes_check_config_on_a_qwen3_5_model(tmp_p
     from toolkit.commands.check_config import check_config_cli
 
     raw = yaml.safe_load((REPO / "recipes" / "configs" / "qwen3.5-35b-a3b-lora.yaml").read_text())
-    raw["model"]["path"] = str(tiny_family(tmp_path / "model", "qwen3_5_text"))
+    raw["model"]["path"] = str(folder("qwen3_5_text"))
     raw["data"].update(train=str(REPO / "toolkit" / "assets" / "demo" / "train.jsonl"), split="train")
     config = tmp_path / "qwen3.5.yaml"
     config.write_text(yaml.safe_dump(raw))

@@ -111,6 +111,68 @@ def test_overwrite_unlinks_a_symlink_but_never_follows_it(tmp_path):
     assert (elsewhere / "data.bin").read_text() == "keep me" and not (out / "final").exists()
 
 
+def evaluated_run(path):
+    """A finished run that `ftkit eval` then wrote its table into (eval/, recorded in the marker)."""
+    out = finished_run(path)
+    (out / rundir.EVAL_DIR).mkdir()
+    for name in ("20260101-000000.md", "20260101-000000.json"):
+        (out / rundir.EVAL_DIR / name).write_text("| task |\n")
+    rundir.record_eval(out, ["20260101-000000.md", "20260101-000000.json"])
+    return out
+
+
+def test_an_evaluated_run_is_overwritten_whole(tmp_path):
+    out = evaluated_run(tmp_path / "run")
+    rundir.record_eval(out, ["20260102-000000.md"])  # a second evaluation adds to the first
+    (out / rundir.EVAL_DIR / "20260102-000000.md").write_text("| task |\n")
+    assert json.loads((out / rundir.MARKER).read_text())["tracker_dirs"] == []  # the rest is kept
+    assert rundir.foreign_entries(out) == []
+    rundir.check_fresh_start(out, overwrite=True, resume="never")
+    rundir.clear_output_dir(out)
+    assert tree(out) == []
+
+
+@pytest.mark.parametrize(
+    "put, named",
+    [
+        ("eval/mine.md", "eval/mine.md"),  # beside what ftkit eval wrote
+        ("eval/sub/20260101-000000.md", "eval/sub"),  # a folder, under a name ftkit eval never writes
+    ],
+)
+def test_a_file_put_beside_the_eval_tables_is_refused(tmp_path, put, named):
+    out = evaluated_run(tmp_path / "run")
+    (out / put).parent.mkdir(parents=True, exist_ok=True)
+    (out / put).write_text("mine")
+    before = tree(out)
+    with pytest.raises(UserError, match=f"did not write \\({named}\\)"):
+        rundir.check_fresh_start(out, overwrite=True, resume="never")
+    with pytest.raises(UserError, match="holds files ftkit did not write"):
+        rundir.clear_output_dir(out)
+    assert tree(out) == before
+
+
+def test_an_eval_folder_the_marker_does_not_record_is_refused(tmp_path):
+    out = finished_run(tmp_path / "run")
+    (out / rundir.EVAL_DIR).mkdir()
+    (out / rundir.EVAL_DIR / "20260101-000000.md").write_text("mine")
+    assert rundir.foreign_entries(out) == [rundir.EVAL_DIR]
+    elsewhere = tmp_path / "precious"
+    elsewhere.mkdir()
+    (elsewhere / "20260101-000000.md").write_text("keep me")
+    out = evaluated_run(tmp_path / "linked")
+    for name in ("20260101-000000.md", "20260101-000000.json"):
+        (out / rundir.EVAL_DIR / name).unlink()
+    (out / rundir.EVAL_DIR).rmdir()
+    (out / rundir.EVAL_DIR).symlink_to(elsewhere, target_is_directory=True)  # recorded names, not ftkit's
+    assert rundir.foreign_entries(out) == [rundir.EVAL_DIR]
+
+
+def test_eval_records_nothing_in_a_folder_ftkit_did_not_mark(tmp_path):
+    (tmp_path / rundir.CONFIG).write_text("x: 1\n")
+    rundir.record_eval(tmp_path, ["20260101-000000.md"])
+    assert tree(tmp_path) == [rundir.CONFIG]
+
+
 def test_a_run_that_never_saved_restarts_without_overwrite(tmp_path):
     """What an early failure or a stop during loading leaves: marker, config, before-training metrics."""
     out = tmp_path / "run"

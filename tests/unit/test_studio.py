@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from toolkit.checkpoint import rundir
 from toolkit.checkpoint.rundir import LOCK, MARKER
 from toolkit.commands.cli import main
 from toolkit.errors import UserError
@@ -224,6 +225,23 @@ def test_a_foreign_file_in_a_created_run_stops_its_deletion(client, roots):
     response = client.post("/run/mine/delete", data={"confirm": "mine"})
     assert response.status_code == 400 and "notes.txt" in response.text
     assert (mine / "notes.txt").read_text() == "mine, not ftkit's"
+
+
+def test_a_created_run_that_was_evaluated_is_deleted_whole(client, roots):
+    mine = write_run(roots.runs, "mine", 4, 10, final=True, checkpoints=[4])
+    (mine / "eval").mkdir()
+    (mine / "eval" / "20260101-000000.md").write_text("| task |\n")
+    rundir.record_eval(mine, ["20260101-000000.md"])  # as `ftkit eval` (the Evaluate button) leaves it
+    record = runs.record_dir(roots.runs, "mine")
+    record.mkdir(parents=True)
+    (record / "launch.json").write_text(json.dumps({"argv": [], "pid": 0, "created": True}))
+    (record / "exit").write_text("0\n")
+    (mine / "eval" / "notes.md").write_text("mine, not ftkit's")
+    response = client.post("/run/mine/delete", data={"confirm": "mine"})
+    assert response.status_code == 400 and "eval/notes.md" in response.text
+    (mine / "eval" / "notes.md").unlink()
+    assert client.post("/run/mine/delete", data={"confirm": "mine"}).status_code == 200
+    assert not mine.exists() and not record.exists()
 
 
 def test_run_names_stay_inside_the_runs_folder(client, roots, tmp_path):

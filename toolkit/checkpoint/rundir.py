@@ -19,6 +19,7 @@ from toolkit.train.watchdog import STALL_DIR
 from toolkit.typed_yaml import save_config
 
 MARKER = ".ftkit-run"
+MARKER_TMP = ".ftkit-run.tmp"
 LOCK = ".ftkit-run.lock"
 CONFIG = "config.yaml"
 # The preference recipe's precomputed reference log-probs and what they were computed from.
@@ -27,11 +28,13 @@ REFERENCE_LOGPS = ("reference_logps.safetensors", "reference_logps.json")
 COMPILE_CACHE = "compile-cache"
 # A generation engine's log and the adapters sent to it (toolkit/engine, GRPO with grpo.generation=vllm).
 ENGINE_DIR = "engine"
+# `ftkit eval`'s tables: each file it writes there is recorded in MARKER, and only those count as ftkit's.
+EVAL_DIR = "eval"
 # What a run (and `ftkit plot`) writes at the top of output_dir; trackers' folders are recorded in MARKER.
 OUTPUTS = frozenset(
     {MARKER, LOCK, CONFIG, STALL_DIR, "metrics.jsonl", "metrics.png", "checkpoints", "final", "final.tmp"}
     | set(REFERENCE_LOGPS)
-    | {COMPILE_CACHE, ENGINE_DIR}
+    | {COMPILE_CACHE, ENGINE_DIR, MARKER_TMP}
 )
 CHECKPOINT_NAME = re.compile(r"^(step-\d+|\.step-\d+\.tmp)$")
 
@@ -143,15 +146,44 @@ def holds_results(output_dir: Path) -> bool:
 
 
 def foreign_entries(output_dir: Path) -> list[str]:
-    """Names under output_dir that no ftkit run writes (the tracker folders its marker records count)."""
-    known = OUTPUTS | set(_marker(output_dir).get("tracker_dirs", []))
+    """Names under output_dir that no ftkit run writes (the tracker folders and `ftkit eval` files its
+    marker records count)."""
+    marker = _marker(output_dir)
+    known = OUTPUTS | set(marker.get("tracker_dirs", [])) | {EVAL_DIR}
     foreign = sorted(name for name in _entries(output_dir) if name not in known)
     checkpoints = output_dir / "checkpoints"
     if checkpoints.is_dir():
         foreign += [f"checkpoints/{p.name}" for p in sorted(checkpoints.iterdir()) if not _is_checkpoint(p)]
     elif checkpoints.exists():
         foreign.append("checkpoints")
-    return foreign
+    return foreign + _foreign_eval(output_dir / EVAL_DIR, set(marker.get("eval_files", [])))
+
+
+def record_eval(output_dir: Path, names: list[str]) -> None:
+    """Add files `ftkit eval` wrote into output_dir/eval/ to the run's marker, so that an overwrite or a
+    delete of the run clears them too; a folder without the marker (no run of ftkit's) is left as it is."""
+    marker_path = output_dir / MARKER
+    if not marker_path.is_file():
+        return
+    marker = _marker(output_dir)
+    marker["eval_files"] = sorted(set(marker.get("eval_files", [])) | set(names))
+    tmp = output_dir / MARKER_TMP
+    tmp.write_text(json.dumps(marker) + "\n")
+    os.replace(tmp, marker_path)
+
+
+def _foreign_eval(folder: Path, recorded: set[str]) -> list[str]:
+    """eval/ counts as ftkit's when it is a real folder of plain files the marker records, else what in it
+    is not."""
+    if not folder.exists() and not folder.is_symlink():
+        return []
+    if folder.is_symlink() or not folder.is_dir() or not recorded:
+        return [EVAL_DIR]
+    return [
+        f"{EVAL_DIR}/{p.name}"
+        for p in sorted(folder.iterdir())
+        if p.name not in recorded or p.is_symlink() or not p.is_file()
+    ]
 
 
 def prepare_output_dir(accelerator, output_dir: Path, cfg: RecipeConfig, fresh: bool) -> None:

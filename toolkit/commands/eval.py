@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from toolkit.checkpoint.export import ADAPTER_CONFIG
-from toolkit.checkpoint.rundir import CONFIG
+from toolkit.checkpoint.rundir import CONFIG, EVAL_DIR, record_eval
 from toolkit.errors import UserError
 from toolkit.evaluation import compare, harness, tasks
 from toolkit.model.for_generation import check_model_dir, load_for_generation
@@ -127,13 +127,15 @@ def _evaluate(path: Path, specs, manager, limit, batch_size, trust_remote_code, 
 
 
 def _write(folder: Path | None, text: str, shown: dict, raw: dict) -> str | None:
-    """eval/<UTC time>.md and .json in the run folder (new names: nothing there is overwritten)."""
+    """eval/<UTC time>.md and .json in the run folder (new names: nothing there is overwritten), recorded
+    in the run's marker as ftkit's."""
     if folder is None:
         return None
-    out = folder / "eval"
+    out = folder / EVAL_DIR
     out.mkdir(exist_ok=True)
     stem = out / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     (stem.with_suffix(".md")).write_text(text)
     raw = {name: {k: r[k] for k in ("results", "n-samples", "configs") if k in r} for name, r in raw.items()}
     (stem.with_suffix(".json")).write_text(json.dumps(shown | {"lm_eval": raw}, indent=2, default=str))
+    record_eval(folder, [stem.with_suffix(".md").name, stem.with_suffix(".json").name])
     return str(stem.with_suffix(".md"))

@@ -7,13 +7,11 @@ import contextlib
 from dataclasses import dataclass
 
 import datasets
-import numpy as np
 import torch
 
 from toolkit.config import DataConfig
-from toolkit.data.mixture import split_sources
 from toolkit.data.sources import read_source, train_sources
-from toolkit.embed.data import CHUNK
+from toolkit.embed.data import CHUNK, mix_rows
 from toolkit.errors import UserError
 
 TEXT = ("text", "sentence")
@@ -74,17 +72,7 @@ def build_labelled_data(
     with main_process_first():
         parts = [read_labelled(name, cfg.split, labels) for name in train_sources(cfg)]
         held = read_labelled(cfg.eval, cfg.split, labels) if cfg.eval else None
-    pool = [row for part in parts for row in part]
-    starts = np.cumsum([0] + [len(part) for part in parts])
-    index = [
-        datasets.Dataset.from_dict({"row": list(range(start, start + len(part)))})
-        for start, part in zip(starts, parts, strict=False)
-    ]
-    rng = np.random.default_rng(seed)
-    split = split_sources(index, None, 0.0 if held else cfg.eval_fraction, cfg.weights, rng)
-    if held is None and split.eval is not None:
-        held = [pool[i] for i in split.eval["row"]]
-    rows = [pool[i] for i in split.train_rows]
+    rows, held = mix_rows(parts, held, cfg, seed)
     ids = tokenizer([r.text for r in rows], truncation=True, max_length=cfg.max_length)["input_ids"]
     return LabelledData(
         datasets.Dataset.from_dict({"input_ids": ids, "label": [r.label for r in rows]}), held

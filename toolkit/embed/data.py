@@ -130,6 +130,22 @@ class EmbedData:
         )
 
 
+def mix_rows(parts: list[list], held: list | None, cfg: DataConfig, seed: int) -> tuple[list, list | None]:
+    """The rows of every train source, mixed by data.weights (the shared mixture), and the held-out rows:
+    `held` when an eval source was read, else data.eval_fraction of the sources' rows held out."""
+    pool = [row for part in parts for row in part]
+    starts = np.cumsum([0] + [len(part) for part in parts])
+    index = [
+        datasets.Dataset.from_dict({"row": list(range(start, start + len(part)))})
+        for start, part in zip(starts, parts, strict=False)
+    ]
+    rng = np.random.default_rng(seed)
+    split = split_sources(index, None, 0.0 if held else cfg.eval_fraction, cfg.weights, rng)
+    if held is None and split.eval is not None:
+        held = [pool[i] for i in split.eval["row"]]
+    return [pool[i] for i in split.train_rows], held
+
+
 def build_embed_data(
     cfg: DataConfig, tokenizer, prefix: str, seed: int, main_process_first=contextlib.nullcontext
 ) -> EmbedData:
@@ -141,17 +157,7 @@ def build_embed_data(
     widths = {len(part[0].negatives) for part in parts + ([held] if held else [])}
     if len(widths) > 1:
         raise UserError(f"data: the sources hold different numbers of negatives per row ({sorted(widths)})")
-    pool = [t for part in parts for t in part]
-    starts = np.cumsum([0] + [len(part) for part in parts])
-    index = [
-        datasets.Dataset.from_dict({"row": list(range(start, start + len(part)))})
-        for start, part in zip(starts, parts, strict=False)
-    ]
-    rng = np.random.default_rng(seed)
-    split = split_sources(index, None, 0.0 if held else cfg.eval_fraction, cfg.weights, rng)
-    if held is None and split.eval is not None:
-        held = [pool[i] for i in split.eval["row"]]
-    train = [pool[i] for i in split.train_rows]
+    train, held = mix_rows(parts, held, cfg, seed)
     return EmbedData(encode_triplets(train, tokenizer, cfg.max_length, prefix), held, widths.pop())
 
 

@@ -32,17 +32,17 @@ class RetrievalEvaluator:
     dataset = None  # text rows only: no image for the closing line to show
 
     def __init__(self, accelerator, model, tokenizer, rows, cfg, pooling: str, log):
-        self.accelerator, self.model, self.tokenizer, self.cfg, self.pooling = (
-            accelerator,
-            model,
-            tokenizer,
-            cfg,
-            pooling,
-        )
-        self.log, self.shown = log, {}
+        self._hold(accelerator, model, tokenizer, cfg, log)
+        self.pooling = pooling
         self.queries, self.corpus, self.relevant = (
             retrieval_set(rows, cfg.embed.query_prefix) if rows else ([], [], [])
         )
+
+    def _hold(self, accelerator, model, tokenizer, cfg, log) -> None:
+        """What every held-out evaluator keeps: the run's accelerator, model, tokenizer, config and metrics
+        log, and nothing shown yet."""
+        self.accelerator, self.model, self.tokenizer = accelerator, model, tokenizer
+        self.cfg, self.log, self.shown = cfg, log, {}
 
     @torch.no_grad()
     def _metrics(self) -> dict:
@@ -94,14 +94,8 @@ class RerankEvaluator(RetrievalEvaluator):
     ranked; the same metrics as retrieval, over each list."""
 
     def __init__(self, accelerator, model, tokenizer, lists, cfg, log):
-        self.accelerator, self.model, self.tokenizer, self.cfg, self.log = (
-            accelerator,
-            model,
-            tokenizer,
-            cfg,
-            log,
-        )
-        self.shown, self.lists = {}, [c for c in lists or [] if max(c.scores) >= RELEVANT]
+        self._hold(accelerator, model, tokenizer, cfg, log)
+        self.lists = [c for c in lists or [] if max(c.scores) >= RELEVANT]
         self.queries = [c.query for c in self.lists]
 
     @torch.no_grad()
@@ -161,14 +155,8 @@ class ClassifierEvaluator(RetrievalEvaluator):
     """The held-out texts of a classifier: accuracy, macro F1 and each label's F1."""
 
     def __init__(self, accelerator, model, tokenizer, rows, cfg, log):
-        self.accelerator, self.model, self.tokenizer, self.cfg, self.log = (
-            accelerator,
-            model,
-            tokenizer,
-            cfg,
-            log,
-        )
-        self.shown, self.rows = {}, rows or []
+        self._hold(accelerator, model, tokenizer, cfg, log)
+        self.rows = rows or []
         self.queries = [r.text for r in self.rows]
 
     @torch.no_grad()

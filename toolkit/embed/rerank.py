@@ -10,14 +10,12 @@ import contextlib
 from dataclasses import dataclass
 
 import datasets
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from toolkit.config import DataConfig
-from toolkit.data.mixture import split_sources
 from toolkit.data.sources import read_source, train_sources
-from toolkit.embed.data import CHUNK, Triplet, read_triplets, to_triplet
+from toolkit.embed.data import CHUNK, Triplet, mix_rows, read_triplets, to_triplet
 from toolkit.errors import UserError
 
 QUERY = ("query", "anchor", "sentence1")
@@ -112,17 +110,7 @@ def build_rerank_data(
     with main_process_first():
         parts = [read_candidates(name, cfg.split, listwise) for name in train_sources(cfg)]
         held = read_candidates(cfg.eval, cfg.split, listwise) if cfg.eval else None
-    pool = [row for part in parts for row in part]
-    starts = np.cumsum([0] + [len(part) for part in parts])
-    index = [
-        datasets.Dataset.from_dict({"row": list(range(start, start + len(part)))})
-        for start, part in zip(starts, parts, strict=False)
-    ]
-    rng = np.random.default_rng(seed)
-    split = split_sources(index, None, 0.0 if held else cfg.eval_fraction, cfg.weights, rng)
-    if held is None and split.eval is not None:
-        held = [pool[i] for i in split.eval["row"]]
-    rows = [pool[i] for i in split.train_rows]
+    rows, held = mix_rows(parts, held, cfg, seed)
     pairs = tokenizer(
         [r.query for r in rows for _ in r.passages],
         [p for r in rows for p in r.passages],

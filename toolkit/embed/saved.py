@@ -4,7 +4,6 @@ so `ftkit embed` and the tests embed exactly as the folder says."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import torch
 
 from toolkit.embed.pooling import POOLING_CONFIG, ST_KEYS, encode_texts
 from toolkit.errors import UserError
+from toolkit.model.saved import read_json
 
 
 @dataclass
@@ -53,14 +53,14 @@ class SavedReranker:
 def is_reranker(folder: str | Path) -> bool:
     """Whether `folder` holds a cross-encoder (sentence-transformers' config says so)."""
     return (
-        _read(Path(folder).expanduser() / "config_sentence_transformers.json").get("model_type")
+        read_json(Path(folder).expanduser() / "config_sentence_transformers.json").get("model_type")
         == "CrossEncoder"
     )
 
 
 def is_classifier(folder: str | Path) -> bool:
     """Whether `folder` holds a sequence classifier of several labels (an embedding run's classifier)."""
-    config = _read(Path(folder).expanduser() / "config.json")
+    config = read_json(Path(folder).expanduser() / "config.json")
     named = any(str(name).endswith("ForSequenceClassification") for name in config.get("architectures") or [])
     return named and len(config.get("id2label") or {}) > 1
 
@@ -89,7 +89,7 @@ def load_reranker(folder: str | Path, trust_remote_code: bool = False) -> SavedR
     model = AutoModelForSequenceClassification.from_pretrained(
         str(folder), trust_remote_code=trust_remote_code
     )
-    settings = _read(folder / "sentence_bert_config.json")
+    settings = read_json(folder / "sentence_bert_config.json")
     return SavedReranker(
         model.eval(), tokenizer, settings.get("max_seq_length") or tokenizer.model_max_length
     )
@@ -103,21 +103,14 @@ def load_embedder(folder: str | Path, trust_remote_code: bool = False) -> SavedE
     folder = Path(folder).expanduser()
     if not (folder / POOLING_CONFIG).is_file():
         raise UserError(f"--model: {folder} is not an embedding model folder (no {POOLING_CONFIG})")
-    chosen = _read(folder / POOLING_CONFIG)
+    chosen = read_json(folder / POOLING_CONFIG)
     pooling = next((mode for mode, key in ST_KEYS.items() if chosen.get(key)), None)
     if pooling is None:
         raise UserError(f"{folder / POOLING_CONFIG}: none of {', '.join(ST_KEYS.values())} is set")
-    settings = _read(folder / "sentence_bert_config.json")
-    prompts = _read(folder / "config_sentence_transformers.json").get("prompts") or {}
+    settings = read_json(folder / "sentence_bert_config.json")
+    prompts = read_json(folder / "config_sentence_transformers.json").get("prompts") or {}
     tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "right"
     model = AutoModel.from_pretrained(str(folder), trust_remote_code=trust_remote_code).eval()
     max_length = settings.get("max_seq_length") or tokenizer.model_max_length
     return SavedEmbedder(model, tokenizer, pooling, max_length, prompts.get("query", ""))
-
-
-def _read(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}

@@ -4,8 +4,9 @@ an adapter is one."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from toolkit.model.saved import saved_as
 
 PEFT_TASK = "FEATURE_EXTRACTION"
 """peft's task type for such a model (its adapter wraps the bare model's forward)."""
@@ -36,15 +37,4 @@ def is_bare(model) -> bool:
 def saved_bare(path: str | Path) -> bool:
     """Whether the folder at `path` holds a bare model: its config's architecture is one, or it is an
     adapter saved for one."""
-    folder = Path(path).expanduser()
-    names = _read(folder / "config.json").get("architectures") or []
-    if names and all(name in _bare_names() for name in names):
-        return True
-    return _read(folder / "adapter_config.json").get("task_type") == PEFT_TASK
-
-
-def _read(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    return saved_as(path, lambda names: bool(names) and all(n in _bare_names() for n in names), PEFT_TASK)

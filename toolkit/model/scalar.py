@@ -8,10 +8,11 @@ adapter is one."""
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import torch
+
+from toolkit.model.saved import read_json, saved_as
 
 SUFFIX = "ForSequenceClassification"
 PEFT_TASK = "SEQ_CLS"
@@ -35,17 +36,7 @@ def is_scalar(model) -> bool:
 def saved_scalar(path: str | Path) -> bool:
     """Whether the folder at `path` holds a scalar-head model: its config's architecture says so, or it is
     an adapter saved for one."""
-    folder = Path(path).expanduser()
-    if any(str(name).endswith(SUFFIX) for name in _read(folder / "config.json").get("architectures") or []):
-        return True
-    return _read(folder / "adapter_config.json").get("task_type") == PEFT_TASK
-
-
-def _read(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    return saved_as(path, lambda names: any(str(n).endswith(SUFFIX) for n in names), PEFT_TASK)
 
 
 def peft_task(model) -> str:
@@ -93,7 +84,7 @@ def saved_labels(folder: str | Path) -> int:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if name.endswith("score.weight"):
                     return handle.get_slice(name).get_shape()[0]
-    return len(_read(folder / "config.json").get("id2label") or {}) or 1
+    return len(read_json(folder / "config.json").get("id2label") or {}) or 1
 
 
 def adapter_settings(model, adapter: str | Path) -> dict:
