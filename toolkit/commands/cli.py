@@ -97,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         help="memory per GPU per backend, what to launch, what it costs",
         argument_default=argparse.SUPPRESS,
     )
-    plan.add_argument("--model", required=True, help="model dir, config.json, or hub id (built in or cached)")
+    plan.add_argument("--model", help="model dir, config.json, or hub id (built in or cached)")
+    plan.add_argument(
+        "--config", help="a recipe config: its model, method, shapes and objective (the options given win)"
+    )
     plan.add_argument("--gpus", type=int, help="GPUs on the machine (default 1)")
     plan.add_argument("--gpu-mem", type=float, help="GiB per GPU (default 24)")
     plan.add_argument(
@@ -144,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument(
         "--objective",
         choices=choices(Objective),
-        help="sft (default); dpo: chosen + rejected per example; grpo: a generation round, then training",
+        help="sft (default); dpo: chosen + rejected per example; grpo: a generation round, then training; "
+        "embed: the embedding recipe (no LM head)",
     )
     plan.add_argument(
         "--reference-model",
@@ -152,6 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="dpo or grpo (with --beta > 0) with a separate reference model",
     )
+    plan.add_argument(
+        "--embed-task",
+        choices=("embedding", "reranker", "classifier"),
+        help="embed: what is trained (embed.task; default embedding)",
+    )
+    plan.add_argument("--negatives", type=int, help="embed: hard negatives per row (default 0)")
+    plan.add_argument("--cached", action="store_true", default=None, help="embed: GradCache (embed.cached)")
+    plan.add_argument("--labels", type=int, help="embed classifier: how many labels (default 2)")
     plan.add_argument("--generations", type=int, help="grpo: completions per prompt (default 8)")
     plan.add_argument("--max-new-tokens", type=int, help="grpo: tokens a completion may have (default 32)")
     plan.add_argument(
@@ -345,9 +357,9 @@ def _run(args) -> int:
             print(shown)
         return 0
     if args.command == "plan":
-        from toolkit.plan import estimate, report
+        from toolkit.plan import estimate, from_config, report
 
-        request, cost = estimate.requests_from_options(vars(args))
+        request, cost = estimate.requests_from_options(from_config.with_config(vars(args)))
         result = estimate.make_plan(request, cost)
         print(json.dumps(report.to_json(result), indent=2) if args.json else report.render_text(result))
         return 0 if result.choice is not None else 1
