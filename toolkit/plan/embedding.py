@@ -65,7 +65,8 @@ def describe(request: PlanRequest, hidden: int, micro: int | None, processes: in
     if not is_cached(request, queries // micro):
         return f"{line}; one pass a step, the loss over every process's vectors"
     return (
-        f"{line}; cached (GradCache): one micro-batch of {micro} rows' activations at a time, plus the "
+        f"{line}; cached (GradCache): one micro-batch of {micro} row{'s' * (micro != 1)}' activations at a "
+        f"time, plus the "
         f"{queries * request.rows_per_example} vectors of the process's {queries} rows between the passes "
         "(one more forward pass)"
     )
