@@ -117,6 +117,12 @@ def test_options_for_another_task_are_refused(options, message):
         make_plan(PlanRequest(LLAMA, seq_len=32, **options))
 
 
+def test_config_takes_the_recipe_s_keys_and_the_flags_given_win():
+    options = with_config({"config": "recipes/configs/demo-dpo.yaml", "gpus": 2, "seq_len": 128})
+    assert (options["objective"], options["gpus"], options["seq_len"]) == ("dpo", 2, 128)
+    assert options["global_batch"] == 16 and options["model"] == LLAMA
+
+
 def test_config_needs_a_recipe_the_plan_knows_and_a_model():
     with pytest.raises(UserError, match="does not plan the rm recipe"):
         with_config({"config": "recipes/configs/demo-rm.yaml"})

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from toolkit.errors import UserError
+from toolkit.plan.request import VISION_KEYS
 from toolkit.recipes import load_recipe_config, recipe_of
 
 OBJECTIVES = {"sft": "sft", "dpo": "dpo", "grpo": "grpo", "embed": "embed"}
@@ -54,6 +55,7 @@ def options_from_config(path: str) -> dict:
     }
     if recipe != "embed":  # an embedding model has no LM head to chunk
         options |= {"loss_head": cfg.loss.head, "chunk_tokens": cfg.loss.chunk_tokens}
+    options |= {key: getattr(cfg.vision, key) for key in VISION_KEYS}
     if cfg.model.dtype in ("float32", "bfloat16"):
         options["dtype"] = cfg.model.dtype
     if recipe == "grpo":
