@@ -40,7 +40,12 @@ def main(model_dir: str, triplets: str, out_dir: str, steps: str, batch: str, le
     set_seed(SEED)
     with open(triplets) as handle:
         records = [json.loads(line) for line in handle]
-    body = Transformer(model_dir, max_seq_length=int(length))
+    # Pinned to plain text: a tokenizer with a chat template would otherwise have every text rendered as a
+    # chat message, a different input than ftkit's tokenizer(text) (and than what ftkit's export declares).
+    text = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}
+    body = Transformer(
+        model_dir, max_seq_length=int(length), modality_config=text, module_output_name="token_embeddings"
+    )
     model = SentenceTransformer(modules=[body, Pooling(body.get_embedding_dimension(), "mean")])
     stats, tokens, losses = StepStats(), [], []
 
