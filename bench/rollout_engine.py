@@ -30,7 +30,7 @@ from toolkit.engine import client
 from toolkit.engine.replicas import Replicas
 from toolkit.engine.server import ENGINE_VENV, Engine, ServeSpec
 from toolkit.grpo import sampling
-from toolkit.grpo.engine import _core_shares
+from toolkit.grpo.engine_start import core_shares
 
 BENCH = Path(__file__).resolve().parent
 BEGIN, END = "<!-- make bench rollout-engine: begin -->", "<!-- make bench rollout-engine: end -->"
@@ -92,7 +92,7 @@ def engine_rounds(figures, key, repeats, model, ids, seeds, tokenizer, work: Pat
     """`repeats` rounds of one engine mode, after a warm-up round; returns the last round's completions."""
     copies, n = MODES[key]
     spec = ServeSpec(str(MODEL), "float32", 256, lora_rank=RANK)
-    cores = _core_shares(copies)
+    cores = core_shares(copies)
     engines = Replicas(
         [
             Engine.start(ServeSpec(**{**vars(spec), "cpus": cores[i]}), work / f"vllm-{key}-{i}.log")

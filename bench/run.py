@@ -17,14 +17,15 @@ and what each does when asked to pack image rows), and `ftkit eval` against lm-e
 (bench/eval_overhead.py: the whole command's time and memory, and the scores, on the same model and tasks),
 and a Qwen3.5-shaped hybrid padded, grouped by length and packed (bench/hybrid_packing.py), and GRPO's
 rollouts with HF generate against the vLLM engine (bench/rollout_engine.py; skipped without .venv-vllm), and
-the engine's weight sync, adapter-only against merged weights (bench/engine_sync.py; the same), and the
-studio's runs list of 500 runs and plot of a 200,000-step metrics file (bench/studio_scale.py).
+the engine's weight sync, adapter-only against merged weights (bench/engine_sync.py; the same), the
+studio's runs list of 500 runs and plot of a 200,000-step metrics file (bench/studio_scale.py), and ftkit's
+embedding recipe against sentence-transformers' own trainer (bench/embed_vs_st.py).
 
     python bench/run.py [--repeats 5] [--loss-head-repeats 3] [--pipeline-repeats 2] [--grpo-repeats 2]
         [--reward-repeats 3]
         [--moe-repeats 3] [--long-context-repeats 2] [--moments-repeats 3] [--vision-repeats 3]
         [--eval-repeats 3] [--hybrid-repeats 3] [--rollout-engine-repeats 3]
-        [--engine-sync-repeats 5] [--studio-repeats 5]
+        [--engine-sync-repeats 5] [--studio-repeats 5] [--embed-repeats 3]
         [--only SECTION ...]
 """
 
@@ -37,6 +38,7 @@ from pathlib import Path
 
 import data_prep
 import dpo
+import embed_vs_st
 import engine_sync
 import eval_overhead
 import grpo
@@ -178,7 +180,8 @@ def sft_section(repeats: int, moe: bool = False) -> str:
 
 
 SECTIONS = ("sft", "dpo", "reward", "data-prep", "loss-head", "pipeline", "grpo", "moe", "long-context",
-            "moments", "vision", "eval", "hybrid", "rollout-engine", "engine-sync", "studio")  # fmt: skip
+            "moments", "vision", "eval", "hybrid", "rollout-engine", "engine-sync", "studio",
+            "embed")  # fmt: skip
 
 
 def main() -> None:
@@ -197,6 +200,7 @@ def main() -> None:
     parser.add_argument("--rollout-engine-repeats", type=int, default=3)
     parser.add_argument("--engine-sync-repeats", type=int, default=5)
     parser.add_argument("--studio-repeats", type=int, default=5)
+    parser.add_argument("--embed-repeats", type=int, default=3)
     parser.add_argument(
         "--only", action="append", choices=SECTIONS, help="run this section only (repeatable; default: all)"
     )
@@ -234,6 +238,8 @@ def main() -> None:
         print(engine_sync.run_section(args.engine_sync_repeats, machine))
     if "studio" in only:
         print(studio_scale.run_section(args.studio_repeats, machine))
+    if "embed" in only:
+        print(embed_vs_st.run_section(args.embed_repeats, machine))
 
 
 if __name__ == "__main__":

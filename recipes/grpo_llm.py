@@ -16,8 +16,8 @@ import torch
 from toolkit import distributed
 from toolkit.entry import config_sources, exit_with, recipe_args
 from toolkit.grpo import config as grpo_config
+from toolkit.grpo import engine_start, held_out
 from toolkit.grpo import environment as environments
-from toolkit.grpo import held_out
 from toolkit.grpo import loss as grpo_loss
 from toolkit.grpo import prompts as prompt_sets
 from toolkit.grpo import rollout as rollouts
@@ -31,7 +31,7 @@ from toolkit.train import evaluate, loss
 def main(argv: list[str]) -> int:
     args = recipe_args(argv, __doc__, "recipes/configs/demo-grpo.yaml", "grpo.num_generations=8")
     cfg = grpo_config.load_grpo_config(args.config, args.overrides)
-    grpo_config.check_engine_environment(cfg)  # before Run.start writes output_dir
+    engine_start.check_engine_environment(cfg)  # before Run.start writes output_dir
     teachers.check_tokenizers(cfg)  # a teacher reading other token ids is refused before the run writes
     with (
         Run.start(cfg, config_sources(args, grpo_config.DEMO_GRPO_CONFIG), "grpo_llm") as run,

@@ -16,7 +16,8 @@ from toolkit.engine import client, server
 from toolkit.engine.server import Engine, ServeSpec, engine_python, free_port, serve_command
 from toolkit.errors import UserError
 from toolkit.grpo.config import load_grpo_config
-from toolkit.grpo.engine import EngineSampler, _served_base, logprob_gap
+from toolkit.grpo.engine import EngineSampler, logprob_gap
+from toolkit.grpo.engine_start import served_base
 
 Q64 = Path(__file__).resolve().parents[2] / "toolkit" / "assets" / "tiny-llama-q64"
 
@@ -188,8 +189,8 @@ def test_the_engine_serves_the_base_the_trainer_folds_its_start_adapter_into(tmp
     start.save_pretrained(str(tmp_path / "start"))
     cfg = load_grpo_config(None, [f"model.path={Q64}", f"model.adapter={tmp_path / 'start'}"])
     no_start = load_grpo_config(None, [f"model.path={Q64}", "model.adapter=null"])
-    assert _served_base(no_start, tmp_path) == str(Q64)
-    served = _served_base(cfg, tmp_path / "engine")
+    assert served_base(no_start, tmp_path) == str(Q64)
+    served = served_base(cfg, tmp_path / "engine")
     assert served == str((tmp_path / "engine" / "base").resolve())
     folded = AutoModelForCausalLM.from_pretrained(served).state_dict()
     model_cfg = ModelConfig(path=str(Q64), method="full", adapter=str(tmp_path / "start"))
@@ -203,7 +204,7 @@ def test_the_engine_serves_the_base_the_trainer_folds_its_start_adapter_into(tmp
     assert (Path(served) / "tokenizer.json").is_file()
     not_adapter = load_grpo_config(None, [f"model.path={Q64}", f"model.adapter={tmp_path}"])
     with pytest.raises(UserError, match="model.adapter: .* is not an adapter directory"):
-        _served_base(not_adapter, tmp_path / "engine")
+        served_base(not_adapter, tmp_path / "engine")
 
 
 def test_the_logprob_gap_counts_sampled_tokens_only():

@@ -11,10 +11,10 @@ import torch
 from toolkit.engine import client
 from toolkit.engine.replicas import ReplicaError, Replicas
 from toolkit.errors import UserError
-from toolkit.grpo import engine as engine_module
-from toolkit.grpo import rollout, sampling
-from toolkit.grpo.config import check_engine_machine, load_grpo_config, n_per_prompt, replica_gpus
+from toolkit.grpo import engine_start, rollout, sampling
+from toolkit.grpo.config import load_grpo_config, n_per_prompt, replica_gpus
 from toolkit.grpo.engine import EngineSampler
+from toolkit.grpo.engine_start import check_engine_machine
 
 ENGINE = ["model.adapter=null", "grpo.generation=vllm", "grpo.max_new_tokens=4", "train.max_steps=3"]
 
@@ -69,11 +69,11 @@ def test_each_copy_gets_its_own_gpus_and_a_gpu_machine_needs_them_named():
 
 
 def test_cpu_copies_split_this_process_cores(monkeypatch):
-    monkeypatch.setattr(engine_module.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
-    assert engine_module._core_shares(1) == [""]
-    assert engine_module._core_shares(2) == ["0,1", "2,3,4"]
-    monkeypatch.setattr(engine_module.os, "sched_getaffinity", lambda pid: {3})
-    assert engine_module._core_shares(2) == ["", ""]  # fewer cores than copies: vLLM's own choice
+    monkeypatch.setattr(engine_start.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    assert engine_start.core_shares(1) == [""]
+    assert engine_start.core_shares(2) == ["0,1", "2,3,4"]
+    monkeypatch.setattr(engine_start.os, "sched_getaffinity", lambda pid: {3})
+    assert engine_start.core_shares(2) == ["", ""]  # fewer cores than copies: vLLM's own choice
 
 
 class Prompts(list):

@@ -14,9 +14,10 @@ from toolkit.engine import server
 from toolkit.engine.server import Engine, ServeSpec, serve_command, serve_environment
 from toolkit.errors import UserError
 from toolkit.grpo import engine as engine_module
-from toolkit.grpo import multiturn
-from toolkit.grpo.config import check_engine_machine, load_grpo_config, sleep_level, training_gpus
+from toolkit.grpo import engine_start, multiturn
+from toolkit.grpo.config import load_grpo_config, sleep_level
 from toolkit.grpo.engine import EngineSampler
+from toolkit.grpo.engine_start import check_engine_machine, training_gpus
 
 ENGINE = ["model.adapter=null", "grpo.generation=vllm", "grpo.max_new_tokens=4", "train.max_steps=3"]
 ENGINE += ["grpo.vllm.n_per_prompt=false"]  # a request per completion: the two calls below
@@ -169,12 +170,12 @@ def test_the_engine_ftkit_starts_carries_the_resolved_settings(monkeypatch, tmp_
     monkeypatch.setattr(
         Engine, "start", classmethod(lambda cls, spec, *args: started.setdefault("spec", spec))
     )
-    monkeypatch.setattr(engine_module, "has_gpu", lambda: True)
+    monkeypatch.setattr(engine_start, "has_gpu", lambda: True)
     cfg = load_grpo_config(None, [*ENGINE, "grpo.vllm.gpus=[4, 5]"])
-    engine_module._start_or_connect(cfg, tmp_path)
+    engine_start.start_or_connect(cfg, tmp_path)
     spec = started.pop("spec")
     assert (spec.sleep, spec.gpus, spec.tensor_parallel_size) == (False, "4,5", 2)
-    engine_module._start_or_connect(load_grpo_config(None, ENGINE), tmp_path)
+    engine_start.start_or_connect(load_grpo_config(None, ENGINE), tmp_path)
     spec = started.pop("spec")
     assert (spec.sleep, spec.gpus, spec.tensor_parallel_size) == (True, "", 0)
 

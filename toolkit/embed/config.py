@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from toolkit.config import RecipeConfig, load_config
+from toolkit.embed import mteb_tasks
 from toolkit.errors import UserError
 from toolkit.fields import PositiveFloat, PositiveInt
 
@@ -43,6 +44,9 @@ class EmbedConfig:
     less memory, one more forward pass. A step of several micro-batches per process is always cached."""
     recall_k: PositiveInt = 5
     """The k of the held-out recall@k reported beside recall@1, MRR@10 and NDCG@10."""
+    mteb_tasks: list[str] = field(default_factory=list)
+    """MTEB tasks (e.g. STSBenchmark) run on the exported model after training, through the mteb package;
+    each task's data set must already be in the local Hugging Face cache (nothing is downloaded)."""
 
 
 @dataclass
@@ -73,6 +77,9 @@ def validate_embed(cfg: EmbedRecipeConfig) -> None:
         raise UserError("model.adapter: an embedding run starts from a base model, not an adapter")
     if cfg.embed.task == "classifier" and len(set(cfg.embed.labels)) != max(len(cfg.embed.labels), 2):
         raise UserError(f"embed.labels: a classifier needs 2 or more distinct labels, got {cfg.embed.labels}")
+    if cfg.embed.mteb_tasks and cfg.embed.task != "embedding":
+        raise UserError(f"embed.mteb_tasks: MTEB tasks evaluate an embedding model, not a {cfg.embed.task}")
+    mteb_tasks.check_tasks(cfg.embed.mteb_tasks)
     if sorted(set(cfg.embed.matryoshka_dims), reverse=True) != cfg.embed.matryoshka_dims:
         raise UserError(
             f"embed.matryoshka_dims: {cfg.embed.matryoshka_dims}: give distinct sizes, largest first"

@@ -8,6 +8,7 @@ import shlex
 
 import torch
 
+from toolkit.embed import mteb_tasks
 from toolkit.embed.classify import class_logits, class_metrics
 from toolkit.embed.data import Triplet
 from toolkit.embed.metrics import rank_metrics, relevant_ranks, retrieval_metrics
@@ -86,7 +87,16 @@ class RetrievalEvaluator:
             command += "".join(f" --text {shlex.quote(text)}" for text in self.corpus[:2])
         else:
             command += " --text ..."
-        return [result, f"saved: {final_dir.resolve()}", f"try: {command}"]
+        return [result, *self._mteb(final_dir), f"saved: {final_dir.resolve()}", f"try: {command}"]
+
+    def _mteb(self, final_dir) -> list[str]:
+        """`embed.mteb_tasks` on the exported folder (by the main process): each main score logged, shown."""
+        names = self.cfg.embed.mteb_tasks
+        if not names or not self.accelerator.is_main_process:
+            return []
+        scores = mteb_tasks.run_tasks(names, final_dir)
+        self.log.write(self.cfg.train.max_steps, **scores)
+        return ["mteb: " + ", ".join(f"{name.removeprefix('mteb/')} {v:.4f}" for name, v in scores.items())]
 
 
 class RerankEvaluator(RetrievalEvaluator):

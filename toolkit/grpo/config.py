@@ -404,39 +404,6 @@ def sleep_level(cfg: GrpoRecipeConfig, gpu: bool) -> int:
     return 2 if cfg.model.method == "full" else 1
 
 
-def check_engine_machine(cfg: GrpoRecipeConfig, gpu: bool, env: dict[str, str]) -> None:
-    """grpo.vllm.sleep and grpo.vllm.gpus against this machine: `gpu`, whether it has one; `env`, the
-    launch's environment (its local world size and visible devices)."""
-    if cfg.grpo.vllm.sleep and not gpu:
-        raise UserError(
-            "grpo.vllm.sleep: no GPU here, and vLLM's CPU backend has no sleep mode (vLLM refuses "
-            "--enable-sleep-mode there); leave it unset or false"
-        )
-    gpus = engine_gpus(cfg)
-    if gpus and not gpu:
-        raise UserError(f"grpo.vllm.gpus: {','.join(gpus)} named, but no GPU here (nvidia-smi not found)")
-    if cfg.grpo.vllm.replicas > 1 and gpu and not gpus:
-        raise UserError(
-            f"grpo.vllm.replicas: {cfg.grpo.vllm.replicas} engines need GPUs of their own, apart from "
-            f"training's ({','.join(training_gpus(env))}): name them in grpo.vllm.gpus"
-        )
-    shared = sorted(set(gpus) & set(training_gpus(env)), key=int)
-    if shared:
-        raise UserError(
-            f"grpo.vllm.gpus: GPU {','.join(shared)} also trains (this launch's processes use "
-            f"{','.join(training_gpus(env))}); name GPUs apart from training's"
-        )
-
-
-def training_gpus(env: dict[str, str]) -> list[str]:
-    """The GPUs this machine's training processes use, as nvidia-smi numbers them: the first
-    LOCAL_WORLD_SIZE of CUDA_VISIBLE_DEVICES (accelerate gives local process i device i)."""
-    local = int(env.get("LOCAL_WORLD_SIZE", "1"))
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    ids = [v.strip() for v in visible.split(",")] if visible else [str(i) for i in range(local)]
-    return ids[:local]
-
-
 def validate_openenv(environment: EnvironmentConfig) -> None:
     settings = environment.openenv
     if environment.tools:
@@ -447,24 +414,6 @@ def validate_openenv(environment: EnvironmentConfig) -> None:
         raise UserError(f"grpo.environment.openenv.url: {settings.url!r} is not http://host:port")
     if settings.app and not re.fullmatch(r"([\w.]+|.+\.py):[\w.]+", settings.app):
         raise UserError(f"grpo.environment.openenv.app: {settings.app!r} is not module:app or file.py:app")
-
-
-def check_engine_environment(cfg: GrpoRecipeConfig) -> None:
-    """Before the run writes anything: an engine ftkit would start needs its environment (.venv-vllm), an
-    engine at grpo.vllm.url must answer, and so must an OpenEnv server (or ftkit's app be found). Not part
-    of `validate_grpo`, which also checks configs planned for another machine."""
-    from toolkit.engine import server
-    from toolkit.grpo import openenv
-
-    if cfg.grpo.generation == "vllm" and cfg.grpo.vllm.url:
-        server.check_answers(cfg.grpo.vllm.url.rstrip("/"))
-    elif cfg.grpo.generation == "vllm":
-        import os
-
-        server.engine_python(server.ENGINE_VENV)
-        check_engine_machine(cfg, server.has_gpu(), dict(os.environ))
-    if openenv.configured(cfg.grpo):
-        openenv.check_before_run(cfg.grpo.environment.openenv)
 
 
 def prompts_per_round(cfg: GrpoRecipeConfig) -> int:

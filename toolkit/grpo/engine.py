@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import secrets
 import shutil
 import time
@@ -26,19 +25,17 @@ import torch
 from accelerate.utils import broadcast_object_list
 from tqdm import tqdm
 
-from toolkit.checkpoint.export import saver, write_folded_base
+from toolkit.checkpoint.export import saver
 from toolkit.checkpoint.gather import adapter_state, write_weights
 from toolkit.checkpoint.rundir import ENGINE_DIR
 from toolkit.distributed import agreed_error, any_rank
 from toolkit.engine import client
 from toolkit.engine.replicas import Replicas
-from toolkit.engine.server import BASE_NAME, Engine, ServeSpec, has_gpu
+from toolkit.engine.server import BASE_NAME, Engine, has_gpu
 from toolkit.errors import UserError
-from toolkit.grpo.config import engine_restarts, n_per_prompt, replica_gpus, sleep_level, steps_per_round
+from toolkit.grpo.config import engine_restarts, n_per_prompt, sleep_level, steps_per_round
+from toolkit.grpo.engine_start import start_or_connect
 from toolkit.grpo.sampled import AHEAD, Sampled, ahead_round
-
-FOLDED_BASE = "base"
-"""Under the run's engine/: model.path with model.adapter folded in, the base ftkit's engine serves."""
 
 
 class EngineLost(UserError):
@@ -100,7 +97,7 @@ class EngineSampler:
         accelerator, engine, error = run.accelerator, None, ""
         if accelerator.is_main_process:
             try:
-                engine = _start_or_connect(cfg, run.output_dir / ENGINE_DIR)
+                engine = start_or_connect(cfg, run.output_dir / ENGINE_DIR)
             except UserError as exc:
                 error = str(exc)
         error = agreed_error(accelerator, error)
@@ -394,70 +391,6 @@ class EngineSampler:
         values = tensor.to(self.accelerator.device)
         torch.distributed.broadcast(values, src=0)
         return values.cpu()
-
-
-def _start_or_connect(cfg, folder) -> Replicas:
-    """The engine at grpo.vllm.url, or grpo.vllm.replicas engines started (each logs to its own file)."""
-    settings = cfg.grpo.vllm
-    if settings.url:
-        return Replicas([Engine.connect(settings.url)])
-    model, engines = _served_base(cfg, folder), []
-    cores = _core_shares(settings.replicas) if not has_gpu() else [""] * settings.replicas
-    try:
-        for replica, gpus in enumerate(replica_gpus(cfg)):
-            log = folder / ("vllm.log" if replica == 0 else f"vllm-{replica + 1}.log")
-            port = settings.port + replica if settings.port else 0
-            spec = _spec(cfg, model, gpus, cores[replica])
-            engines.append(Engine.start(spec, log, settings.host, port))
-    except UserError:
-        Replicas(engines).stop()
-        raise
-    return Replicas(engines)
-
-
-def _core_shares(replicas: int) -> list[str]:
-    """CPU engines: this process's cores split in order between the copies ("" each for one engine)."""
-    cores = sorted(os.sched_getaffinity(0))
-    if replicas == 1 or len(cores) < replicas:
-        return [""] * replicas
-    shares = [cores[len(cores) * i // replicas : len(cores) * (i + 1) // replicas] for i in range(replicas)]
-    return [",".join(map(str, share)) for share in shares]
-
-
-def _spec(cfg, model: str, gpus: list[str], cpus: str = "") -> ServeSpec:
-    settings = cfg.grpo.vllm
-    return ServeSpec(
-        model=model,
-        reloads_weights=cfg.model.method == "full",
-        dtype=_engine_dtype(cfg),
-        max_model_len=cfg.data.max_length + cfg.grpo.max_new_tokens,
-        lora_rank=cfg.lora.r if cfg.model.method != "full" else 0,
-        trust_remote_code=cfg.model.trust_remote_code,
-        kv_cache_gb=settings.kv_cache_gb,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        sleep=sleep_level(cfg, has_gpu()) > 0,
-        gpus=",".join(gpus),
-        tensor_parallel_size=settings.tensor_parallel_size or len(gpus),
-        cpus=cpus,
-    )
-
-
-def _served_base(cfg, folder: Path) -> str:
-    """The base the engine serves: model.path, or with a start adapter the folded base written under the
-    run's engine/ folder (the trainer folds the same adapter into the same base)."""
-    if not cfg.model.adapter:
-        return cfg.model.path
-    target = folder / FOLDED_BASE
-    write_folded_base(cfg.model.path, cfg.model.adapter, target, cfg.model.dtype, cfg.model.trust_remote_code)
-    return str(target.resolve())
-
-
-def _engine_dtype(cfg) -> str:
-    """The dtype the trainer computes in, so the engine's log-probs are comparable with its own."""
-    precision = {"bf16": "bfloat16", "fp16": "float16"}.get(cfg.train.mixed_precision)
-    if precision:
-        return precision
-    return cfg.model.dtype if cfg.model.dtype in ("float32", "bfloat16", "float16") else "auto"
 
 
 def logprob_gap(

@@ -13,7 +13,6 @@ import contextlib
 import json
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from toolkit.errors import UserError
@@ -106,28 +105,6 @@ class Environment:
     def run_each(self, calls: list[Call]) -> list[Result]:
         """One conversation's calls of a turn, one after another in the order it wrote them."""
         return [self.run(call) for call in calls]
-
-
-@contextlib.contextmanager
-def pooled(size: int):
-    """Threads for `size` environment requests at once (grpo.environment.concurrency), or None for 1: each
-    request then runs on the calling thread."""
-    if size == 1:
-        yield None
-        return
-    with ThreadPoolExecutor(max_workers=size, thread_name_prefix="environment") as pool:
-        yield pool
-
-
-def each(pool: ThreadPoolExecutor | None, calls: list) -> list:
-    """Every zero-argument call's result, in the order given: at most the pool's size running at once (one
-    after another without a pool). Each call touches one conversation (and its session) alone, so the
-    results are those of one at a time; the first error, in that order, is raised once all have finished."""
-    if pool is None:
-        return [call() for call in calls]
-    futures = [pool.submit(call) for call in calls]
-    wait(futures)
-    return [future.result() for future in futures]
 
 
 def run_with_timeout(function, arguments: dict, timeout_s: float, name: str) -> Result:

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.grpo import sampling
-from toolkit.grpo.environment import Environment, each, parse_calls, pooled
+from toolkit.grpo.environment import Environment, parse_calls
+from toolkit.grpo.pool import each, pooled
 from toolkit.grpo.sampled import STAT_NAMES, Conversation, SampledConversations
 from toolkit.grpo.template_turns import LLAMA3_END_OF_MESSAGE, TOOL_CALL_CLOSE, appended
 

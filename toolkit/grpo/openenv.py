@@ -39,7 +39,7 @@ from accelerate.utils import broadcast_object_list
 
 from toolkit.distributed import agreed_error
 from toolkit.errors import UserError
-from toolkit.grpo.environment import each, pooled
+from toolkit.grpo.pool import each, pooled
 from toolkit.grpo.template_turns import appended
 
 KEY = "grpo.environment.openenv"

@@ -6,4 +6,4 @@ from typing import Literal
 GradCkpt = Literal["auto", "on", "off"]
 PlanDtype = Literal["auto", "float32", "bfloat16"]
 PlanPrecision = Literal["bf16", "no"]
-Objective = Literal["sft", "dpo", "grpo"]
+Objective = Literal["sft", "dpo", "grpo", "embed"]

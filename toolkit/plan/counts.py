@@ -15,7 +15,7 @@ from toolkit import console
 from toolkit.config import LoraConfig as RecipeLora
 from toolkit.config import VisionConfig
 from toolkit.errors import UserError
-from toolkit.model import lora_targets, moe, vision
+from toolkit.model import backbone, lora_targets, moe, scalar, vision
 from toolkit.model.families import family_of, widest
 from toolkit.plan import architectures, hub
 from toolkit.plan.images import VisionCounts, count_vision
@@ -141,12 +141,20 @@ def _trained_family(config, model: str):
 
 
 def count_parameters(
-    config, method: str, lora_r: int, source: str = "", parts: VisionConfig | None = None
+    config,
+    method: str,
+    lora_r: int,
+    source: str = "",
+    parts: VisionConfig | None = None,
+    scores: int | None = None,
 ) -> ModelCounts:
     """Exact counts for `method`; LoRA adapters are the recipe's default ones at rank `lora_r`, on meta. On a
     vision-language model `parts` (the recipe's vision section) chooses what of the tower and projector
-    trains, as the recipe does; the language model is counted as a text model's."""
-    model = build_meta_model(config)
+    trains, as the recipe does; the language model is counted as a text model's. `scores` (the embedding
+    recipe): None counts the causal LM; 0 the bare transformer without its LM head (an embedding model);
+    more, a sequence classifier with that many scores a sequence (a reranker's 1, a classifier's labels),
+    its head trained beside the adapters as the recipe's."""
+    model = build_meta_model(config) if scores is None else _embed_meta_model(config, scores)
     seeing = vision.is_vision(config.model_type)
     parts = parts or VisionConfig()
     if seeing:
@@ -164,7 +172,8 @@ def count_parameters(
             targets = (
                 vision.lora_targets(model, lora, parts) if seeing else lora_targets.peft_targets(lora, model)
             )
-            model = get_peft_model(model, LoraConfig(r=lora_r, task_type="CAUSAL_LM", **targets))
+            task = "CAUSAL_LM" if scores is None else (scalar.PEFT_TASK if scores else backbone.PEFT_TASK)
+            model = get_peft_model(model, LoraConfig(r=lora_r, task_type=task, **targets))
     else:
         model.requires_grad_(True)
         if seeing:
@@ -239,6 +248,29 @@ def build_meta_model(config):
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(
             f"model type {config.model_type!r} is not a causal LM transformers can build: {first}"
+        ) from None
+
+
+def _embed_meta_model(config, scores: int):
+    """The embedding recipe's model on meta: the bare transformer (`scores` 0) or its sequence classifier
+    with `scores` outputs, as `toolkit.model.load` loads them."""
+    import copy
+
+    if vision.is_vision(config.model_type):
+        raise UserError(
+            f"--objective embed: {config.model_type} is a vision-language model; embed a text model"
+        )
+    if scores:
+        config = copy.deepcopy(config)
+        config.num_labels = scores
+    auto = scalar.auto_class() if scores else backbone.auto_class()
+    try:
+        with torch.device("meta"):
+            return auto.from_config(config)
+    except (ValueError, KeyError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(
+            f"model type {config.model_type!r}: transformers cannot build its {auto.__name__}: {first}"
         ) from None
 
 

@@ -9,7 +9,18 @@ from dataclasses import dataclass
 from toolkit.errors import UserError
 from toolkit.launch.machine import GIB
 from toolkit.model import flops
-from toolkit.plan import comm, engine, generation, images, longest, memory, parallel, pipeline, sequence
+from toolkit.plan import (
+    comm,
+    embedding,
+    engine,
+    generation,
+    images,
+    longest,
+    memory,
+    parallel,
+    pipeline,
+    sequence,
+)
 from toolkit.plan.cost import Cost, CostRequest, estimate_cost
 from toolkit.plan.counts import ModelCounts, count_parameters, load_model_config
 from toolkit.plan.footprint import NO_IMAGES, ImageBytes, MemoryEstimate
@@ -75,7 +86,8 @@ def make_plan(request: PlanRequest, cost: CostRequest | None = None) -> Plan:
     """Count the model, estimate every backend, and pick the fastest setup that fits."""
     request.validate()
     config, source = load_model_config(request.model)
-    counts = count_parameters(config, request.method, request.lora_r, source, request.vision)
+    scores = request.head_width if request.objective == "embed" else None
+    counts = count_parameters(config, request.method, request.lora_r, source, request.vision, scores)
     request.check_model(counts.model_type, counts.vision is not None)
     if request.packing and counts.packing_leak:
         raise UserError(
@@ -131,7 +143,12 @@ def _backends(request: PlanRequest) -> tuple[str, ...]:
 def _layouts(config, counts, request: PlanRequest, precision, micro: int) -> tuple[parallel.Layout, ...]:
     """The layouts beside the data-parallel backends, in the order the report shows them."""
     if counts.vision is not None:
-        return _vision_refusals(counts, request.gpus)
+        why = f"does not train a vision-language model ({counts.model_type}) yet"
+        return _refusals(counts, request.gpus, f"{why}; use ddp, fsdp or zero1/2/3")
+    if request.objective == "embed":
+        return _refusals(
+            counts, request.gpus, "is refused by the embedding recipe; use ddp, fsdp or zero1/2/3"
+        )
     ckpt = _ckpt_options(request)
     return (
         parallel.layouts(counts, request, precision, ckpt, micro)
@@ -140,10 +157,10 @@ def _layouts(config, counts, request: PlanRequest, precision, micro: int) -> tup
     )
 
 
-def _vision_refusals(counts, gpus: int) -> tuple[parallel.Layout, ...]:
-    """Every model-parallel layout, refused as the launch checks refuse it for a vision-language model."""
+def _refusals(counts, gpus: int, why: str) -> tuple[parallel.Layout, ...]:
+    """Every model-parallel layout, refused as the launch checks refuse it (a vision-language model, an
+    embedding run)."""
     meshes = parallel.meshes(gpus, counts.experts) + pipeline.meshes(gpus) + sequence.meshes(gpus)
-    why = f"does not train a vision-language model ({counts.model_type}) yet; use ddp, fsdp or zero1/2/3"
     return tuple(parallel.Layout(mesh, f"{mesh.label} {why}") for mesh in meshes)
 
 
@@ -181,7 +198,7 @@ def _with_full_head(
     row: MemoryEstimate | None, counts, request: PlanRequest, precision
 ) -> MemoryEstimate | None:
     """`row` as it would be with the full logits, to tell what fits only thanks to the chunked head."""
-    if row is None or memory.full_logits(counts, request.head):
+    if row is None or request.head is None or memory.full_logits(counts, request.head):
         return None
     full = dataclasses.replace(request, loss_head="full")
     return _estimate(counts, full, precision, row.backend, row.checkpointing, row.micro_batch)
@@ -242,6 +259,11 @@ def _estimate(
     counts, request: PlanRequest, precision, backend: str, ckpt: bool, micro: int
 ) -> MemoryEstimate:
     reference = reference_bytes(counts, request, precision, backend)
+    pair_loss = (
+        embedding.loss_bytes(counts, request, precision, processes(backend, request.gpus), micro)
+        if request.objective == "embed"
+        else 0
+    )
     row = memory.estimate(
         counts,
         backend,
@@ -257,6 +279,7 @@ def _estimate(
         offload=request.activation_offload,
         accumulation=grad_accum(request, backend, micro),
         images=_image_bytes(counts, request, precision, ckpt, micro),
+        pair_loss=pair_loss,
     )
     on_gpu = engine.training_gpu_bytes(counts, request, precision)
     if on_gpu:

@@ -51,6 +51,8 @@ def launch_line(
         wanted |= {"data.packing": True, "data.group_by_length": False}
     if seeing:
         wanted |= {f"vision.{key}": getattr(request, key) for key in VISION_KEYS}
+    if request.objective == "embed":
+        wanted |= {"embed.task": request.embed_task, "embed.cached": request.cached}
     if request.objective == "grpo":
         wanted |= {
             "grpo.num_generations": request.generations,

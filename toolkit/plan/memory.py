@@ -353,11 +353,12 @@ def estimate(
     lora_dropout: float = 0.0,
     sequences_per_example: int = 1,
     reference: int = 0,
-    head: Head = Head(),
+    head: Head | None = Head(),
     offload: bool = False,
     accumulation: int | None = None,
     zero3_init: bool = True,
     images: ImageBytes = NO_IMAGES,
+    pair_loss: int = 0,
 ) -> MemoryEstimate:
     """Everything one GPU (and the machine's RAM) needs for `backend` on `n_gpus` GPUs; preference tuning
     runs 2 `sequences_per_example` (chosen and rejected) and may hold `reference` bytes of frozen weights.
@@ -365,11 +366,14 @@ def estimate(
     (the layer computing, or being recomputed) besides the loss head's. `accumulation` is the micro-batches a
     step (None: assume several); with one, on single or DDP, gradients and activations do not peak together
     (`MemoryEstimate.grads_meet_activations`). `zero3_init`: see `cpu_ram_bytes`. `images`: a
-    vision-language model's micro-batch of images (`plan.images`)."""
+    vision-language model's micro-batch of images (`plan.images`). `head` None: a model without an LM
+    head (the embedding recipe), whose loss holds `pair_loss` bytes instead (`plan.embedding`)."""
     states = model_state_bytes(counts, backend, n_gpus, precision)
     working = working_weight_bytes(counts, backend, precision)
     sequences = micro_batch * sequences_per_example
-    loss_head = head_bytes(counts, seq_len * sequences, backend, precision, head)
+    loss_head = (
+        pair_loss if head is None else head_bytes(counts, seq_len * sequences, backend, precision, head)
+    )
     activations = activation_bytes(counts, seq_len, sequences, checkpointing, precision, lora_dropout)
     offloaded = 0
     if offload:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from toolkit.launch.machine import GIB
-from toolkit.plan import engine, memory
-from toolkit.plan.estimate import Plan, fits
+from toolkit.plan import embedding, engine, memory
+from toolkit.plan.estimate import Plan, fits, processes
 from toolkit.plan.footprint import MemoryEstimate
 from toolkit.plan.layouts_report import layouts_section
 from toolkit.plan.longest import LIMIT, STEP
@@ -42,8 +42,12 @@ def _header(plan: Plan) -> list[str]:
     trained = "all weights" if c.method == "full" else f"LoRA r={c.lora_r} on all linear layers{experts}"
     autocast = "bf16 autocast" if p.mixed == "bf16" else "no autocast"
     base = "4-bit NF4 base" if c.method == "qlora" else f"weights {p.weights}"
-    chunked = not memory.full_logits(c, r.head)
-    head = f"chunked loss head ({r.chunk_tokens} tokens)" if chunked else "full logits"
+    if r.head is None:
+        head = "no LM head"
+    elif memory.full_logits(c, r.head):
+        head = "full logits"
+    else:
+        head = f"chunked loss head ({r.chunk_tokens} tokens)"
     return [
         f"model    {r.model} ({c.source}): {c.model_type}, {c.layers} layers, hidden {c.hidden}, "
         f"{c.heads} heads ({c.kv_heads} kv), vocab {c.vocab:,}",
@@ -58,6 +62,7 @@ def _header(plan: Plan) -> list[str]:
         *_vision(plan),
         f"compute  {plan.flops_per_token / 1e9:.2f} GFLOP per trained token (see toolkit/model/flops.py)",
         *_grpo_setup(plan),
+        *_embed_setup(plan),
     ]
 
 
@@ -76,9 +81,10 @@ def _tokens(plan: Plan) -> str:
     r, c = plan.request, plan.counts
     rows = r.global_batch * r.rows_per_example
     if not r.packing:
+        hint = " (--packing fills the rows with whole examples)" if r.objective == "sft" else ""
         return (
             f"tokens   at most {rows} rows x {r.row_tokens} = {r.tokens_per_step:,} a step: each example "
-            "padded to its micro-batch's longest (--packing fills the rows with whole examples)"
+            f"padded to its micro-batch's longest{hint}"
         )
     state = f"; its {c.recurrent} layers start each example from an empty state" if c.recurrent else ""
     return (
@@ -135,6 +141,16 @@ def _vision(plan: Plan) -> list[str]:
 
 def _part(name: str, total: int, trained: int) -> str:
     return f"{name} {total:,} " + (f"({trained:,} trained)" if trained else "frozen")
+
+
+def _embed_setup(plan: Plan) -> list[str]:
+    """The embedding recipe's rows, head and GradCache (`plan.embedding`)."""
+    r, row = plan.request, plan.choice
+    if r.objective != "embed":
+        return []
+    micro = row.micro_batch if row else None
+    procs = processes(row.backend, r.gpus) if row else 1
+    return [embedding.describe(r, plan.counts.hidden, micro, procs)]
 
 
 def _grpo_setup(plan: Plan) -> list[str]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from toolkit.config import LossConfig, LossHead, Method, VisionConfig
+from toolkit.embed.config import EmbedConfig
 from toolkit.errors import UserError
 from toolkit.fields import (
     NonNegativeFloat,
@@ -67,7 +68,8 @@ class PlanRequest:
     """CPU RAM of the machine in GiB; when set, setups needing more do not fit."""
     objective: Objective = "sft"
     """What is trained: sft; dpo (preference tuning: two sequences, chosen and rejected, per example); grpo
-    (online RL: a round generates completions, then training reads prompt + completion rows)."""
+    (online RL: a round generates completions, then training reads prompt + completion rows); embed (the
+    embedding recipe: a model without its LM head, --embed-task saying which)."""
     reference_model: bool = False
     """dpo or grpo with a separate reference model: its frozen weights too (none with LoRA's adapter off or
     precomputed reference log-probs)."""
@@ -98,6 +100,17 @@ class PlanRequest:
     a GPU of its own)."""
     replicas: PositiveInt = VllmConfig.replicas
     """grpo with vllm: copies of the engine (grpo.vllm.replicas), each on a GPU of its own (--engine own)."""
+    embed_task: Literal["embedding", "reranker", "classifier"] = EmbedConfig.task
+    """embed: embedding (the bare model pooled to a vector), reranker (a one-score head over a query and a
+    passage read together) or classifier (a head of --labels scores) (embed.task)."""
+    negatives: NonNegativeInt = 0
+    """embed: hard negatives per row (the data's negative columns); an embedding row is an anchor, its
+    positive and these, a listwise reranker row the pairs of its query with the positive and each."""
+    cached: bool = EmbedConfig.cached
+    """embed, embedding: GradCache (embed.cached); also whenever a process runs several micro-batches a
+    step, as the recipe does."""
+    labels: Annotated[int, Range(low=2)] = 2
+    """embed, classifier: how many labels (len(embed.labels)): the head's width."""
     images_per_row: NonNegativeInt = 1
     """Vision-language models: images in each row (under dpo: in each pair's prompt, read by both rows)."""
     max_pixels: PositiveInt | None = VisionConfig.max_pixels
@@ -116,7 +129,7 @@ class PlanRequest:
         if errors:
             name, _, message = errors[0].partition(": ")
             raise UserError(f"--{_flag(name)} {message}")
-        if self.reference_model and self.objective == "sft":
+        if self.reference_model and self.objective in ("sft", "embed"):
             raise UserError("--reference-model is for --objective dpo or grpo")
         if self.packing and self.objective != "sft":
             raise UserError(
@@ -129,13 +142,33 @@ class PlanRequest:
             raise UserError(
                 f"--global-batch {self.global_batch} is not a multiple of micro-batch x GPUs ({per_step})"
             )
+        self._validate_embed()
         if self.objective == "grpo":
             self._validate_grpo()
             return
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        changed = [name for name in GRPO_OPTIONS if getattr(self, name) != defaults[name]]
+        changed = self._changed(GRPO_OPTIONS)
         if changed:
             raise UserError(f"--{_flag(changed[0])} is for --objective grpo")
+
+    def _changed(self, names: tuple[str, ...]) -> list[str]:
+        """Of the options `names`, those not at their defaults."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [name for name in names if getattr(self, name) != defaults[name]]
+
+    def _validate_embed(self) -> None:
+        """The embedding options belong to --objective embed, each to the task that reads it; what the
+        embedding recipe would refuse (toolkit/embed/config.py), in the plan's words."""
+        changed = self._changed(EMBED_OPTIONS)
+        if changed and self.objective != "embed":
+            raise UserError(f"--{_flag(changed[0])} is for --objective embed")
+        for name, tasks in EMBED_TASK_OPTIONS.items():
+            if name in changed and self.embed_task not in tasks:
+                raise UserError(f"--{_flag(name)} is for --embed-task {' or '.join(tasks)}")
+        if self.embedding and self.global_batch < 2:
+            raise UserError(
+                f"--global-batch {self.global_batch} leaves a query no in-batch negative; the contrastive "
+                "loss needs 2 or more"
+            )
 
     def _validate_grpo(self) -> None:
         """What the GRPO recipe would refuse (toolkit/grpo/config.py), in the plan's words."""
@@ -159,8 +192,16 @@ class PlanRequest:
             )
 
     @property
+    def embedding(self) -> bool:
+        """An embedding model (the bare transformer, pooled) is planned."""
+        return self.objective == "embed" and self.embed_task == "embedding"
+
+    @property
     def rows_per_example(self) -> int:
-        """Sequences one example puts through the model: chosen and rejected under dpo."""
+        """Sequences one example puts through the model: chosen and rejected under dpo; an anchor, its
+        positive and its hard negatives for an embedding; a reranker's query paired with each candidate."""
+        if self.objective == "embed":
+            return {"embedding": 2, "reranker": 1, "classifier": 1}[self.embed_task] + self.negatives
         return 2 if self.objective == "dpo" else 1
 
     @property
@@ -174,9 +215,16 @@ class PlanRequest:
         return self.global_batch * self.rows_per_example * self.row_tokens
 
     @property
-    def head(self) -> Head:
-        """The loss head; dpo and grpo read per-token log-probs of the labels."""
+    def head(self) -> Head | None:
+        """The loss head; dpo and grpo read per-token log-probs of the labels; None: no LM head (embed)."""
+        if self.objective == "embed":
+            return None
         return Head(self.loss_head, self.chunk_tokens, log_probs=self.objective != "sft")
+
+    @property
+    def head_width(self) -> int:
+        """embed: scores a sequence's head gives (0: an embedding model, which has none)."""
+        return {"embedding": 0, "reranker": 1, "classifier": self.labels}[self.embed_task]
 
     @property
     def vision(self) -> VisionConfig:
@@ -227,6 +275,14 @@ GRPO_OPTIONS = (
     "replicas",
 )
 """The options only --objective grpo reads."""
+EMBED_OPTIONS = ("embed_task", "negatives", "cached", "labels")
+"""The options only --objective embed reads."""
+EMBED_TASK_OPTIONS = {
+    "negatives": ("embedding", "reranker"),
+    "cached": ("embedding",),
+    "labels": ("classifier",),
+}
+"""Of those, the tasks each is read by."""
 ENGINE_OPTIONS = ("gpu_memory_utilization", "engine", "replicas")
 """The options only --generation vllm reads."""
 VISION_KEYS = ("train_projector", "train_tower", "tower_blocks", "max_pixels")
