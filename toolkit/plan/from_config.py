@@ -38,7 +38,13 @@ def options_from_config(path: str) -> dict:
     recipe = recipe_of(path)
     if recipe not in OBJECTIVES:
         raise UserError(f"--config {path}: ftkit plan does not plan the {recipe} recipe yet")
-    cfg = load_recipe_config(recipe, path, [])
+    return options_of(load_recipe_config(recipe, path, []), recipe)
+
+
+def options_of(cfg, recipe: str) -> dict:
+    """The `ftkit plan` options of a loaded config of `recipe` (the studio's new-run page plans with them)."""
+    if recipe not in OBJECTIVES:
+        raise UserError(f"ftkit plan does not plan the {recipe} recipe yet")
     options = {
         "model": cfg.model.path,
         "method": cfg.model.method,

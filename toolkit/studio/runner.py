@@ -189,22 +189,15 @@ def data_check(cfg, recipe: str) -> str:
 
 
 def plan_table(cfg, recipe: str, machine) -> str:
-    """`ftkit plan`'s report for this config on this machine's GPUs (one 24 GiB GPU where there is none)."""
-    from toolkit.plan import estimate, report
+    """`ftkit plan --config`'s report for this config on this machine's GPUs (one 24 GiB GPU where there is
+    none)."""
+    from toolkit.plan import estimate, from_config, report
 
-    options = {
-        "model": cfg.model.path,
-        "method": cfg.model.method,
-        "seq_len": cfg.data.max_length,
-        "global_batch": cfg.train.global_batch_size,
-        "micro_batch": cfg.train.micro_batch_size,
-        "lora_r": cfg.lora.r,
-        "objective": {"sft": "sft", "rm": "sft", "grpo": "grpo"}.get(recipe, "dpo"),
-    }
-    if machine.gpu_count:
-        options.update(gpus=machine.gpu_count, gpu_mem=machine.gpu_mem_gib)
     where = "" if machine.gpu_count else "no GPU here: the plan for one 24 GiB GPU\n\n"
     try:
+        options = from_config.options_of(cfg, recipe)
+        if machine.gpu_count:
+            options.update(gpus=machine.gpu_count, gpu_mem=machine.gpu_mem_gib)
         request, cost = estimate.requests_from_options(options)
         return where + report.render_text(estimate.make_plan(request, cost))
     except UserError as exc:
