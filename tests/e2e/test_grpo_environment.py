@@ -18,6 +18,7 @@ import pytest
 import scripted_agent
 from helpers import REPO, run_script, short_grpo_args, train_lines
 
+from toolkit.grpo import samples
 from toolkit.train.metrics import read_metrics
 
 RECIPE = REPO / "recipes" / "grpo_llm.py"
@@ -192,3 +193,14 @@ def test_the_environment_runs_logs_its_counts_and_two_processes_match_one(runs):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), a["step"]
         for key in ("reward", "completion_len", "turns", "tool_calls"):
             assert b[key] == pytest.approx(a[key], rel=1e-6), (a["step"], key)
+
+
+def test_each_rounds_sample_conversations_are_kept_for_the_studio(single, runs):
+    """rollouts.jsonl (grpo/samples.py): every round's first groups, the tools' answers as the
+    environment's turns, the same on two processes."""
+    _, one = single
+    rounds = samples.read(one)
+    assert [r["round"] for r in rounds] == [1, 0]
+    turns = [t["by"] for r in rounds for s in r["samples"] for t in s["turns"]]
+    assert turns[0] == "model" and "environment" in turns
+    assert samples.read(one.parent / "two") == rounds

@@ -33,6 +33,7 @@ EVAL_DIR = "eval"
 # What a run (and `ftkit plot`) writes at the top of output_dir; trackers' folders are recorded in MARKER.
 OUTPUTS = frozenset(
     {MARKER, LOCK, CONFIG, STALL_DIR, "metrics.jsonl", "metrics.png", "checkpoints", "final", "final.tmp"}
+    | {"rollouts.jsonl"}  # GRPO's sample rollouts (grpo/samples.py)
     | set(REFERENCE_LOGPS)
     | {COMPILE_CACHE, ENGINE_DIR, MARKER_TMP}
 )

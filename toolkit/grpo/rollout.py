@@ -16,7 +16,7 @@ import torch
 from toolkit.data.collate import Collator
 from toolkit.data.encode import IGNORE
 from toolkit.distributed import data_shard, tensor_parallel_size
-from toolkit.grpo import multiturn, openenv, sampling
+from toolkit.grpo import multiturn, openenv, samples, sampling
 from toolkit.grpo import prompts as prompt_sets
 from toolkit.grpo.config import prompts_per_round, steps_per_round
 from toolkit.grpo.engine import logprob_gap
@@ -254,6 +254,7 @@ def generate(
         rollout.engine_gap = logprob_gap(engine_logps, own, rollout.lengths, rollout.mask)
         rollout.times = times
     rollout.generation_seconds = time.perf_counter() - started
+    samples.record(run, rollout, prompts, tokenizer, grpo.num_generations)  # what the studio shows
     return rollout
 
 

@@ -7,6 +7,7 @@ from urllib.parse import quote
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 
+from toolkit.grpo import samples
 from toolkit.studio import runner, runs
 from toolkit.studio.context import Studio
 from toolkit.studio.guard import run_folder
@@ -28,7 +29,8 @@ def add_routes(router: FastAPI, studio: Studio) -> None:
         run_dir = studio.named_run(name)
         view = runs.summarize(studio.roots.runs, run_dir)
         config = (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").is_file() else ""
-        return studio.page(request, "run.html", run=view, config=config, message=message)
+        rounds = samples.read(run_dir)  # a GRPO run's sample rollouts, newest round first
+        return studio.page(request, "run.html", run=view, config=config, message=message, rounds=rounds)
 
     @router.get("/fragment/run/{name}", response_class=HTMLResponse)
     def run_head(request: Request, name: str):
