@@ -44,7 +44,7 @@ def options_from_config(path: str) -> dict:
 def options_of(cfg, recipe: str) -> dict:
     """The `ftkit plan` options of a loaded config of `recipe` (the studio's new-run page plans with them)."""
     if recipe not in OBJECTIVES:
-        raise UserError(f"ftkit plan does not plan the {recipe} recipe yet")
+        raise UserError(f"the {recipe} recipe is not planned yet")
     options = {
         "model": cfg.model.path,
         "method": cfg.model.method,
