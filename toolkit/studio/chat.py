@@ -11,12 +11,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from toolkit.studio.chat_place import free_gpus, place
+
 IDLE_S = 300.0
 DONE = None
 
 
-def _serve(model_dir: str, requests, replies) -> None:
-    """The worker: load once, then answer each (prompt, max_new_tokens) as ("text", piece)... ("end", "")."""
+def _serve(model_dir: str, requests, replies, device: str = "cpu") -> None:
+    """The worker: load once (onto `device`), then answer each (prompt, max_new_tokens) as ("text",
+    piece)... ("end", "")."""
     from transformers import TextIteratorStreamer
 
     from toolkit.errors import UserError
@@ -25,6 +28,8 @@ def _serve(model_dir: str, requests, replies) -> None:
 
     try:
         model, tokenizer = load_for_generation(Path(model_dir), trust_remote_code=False)
+        if device != "cpu":  # a 4-bit model is placed as it loads; the CPU is where every model loads
+            model.to(device)
         if not tokenizer.chat_template:
             raise UserError(f"--model: {model_dir} has no chat template; it was not saved by ftkit")
     except UserError as exc:
@@ -47,11 +52,13 @@ def _serve(model_dir: str, requests, replies) -> None:
 
 
 class Worker:
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, gpus: list[tuple[int, int]] | None = None):
+        self.device, self.note = place(model_dir, free_gpus() if gpus is None else gpus)
+        """Where it answers, and the one line saying why not on a GPU ("": nothing to say)."""
         context = multiprocessing.get_context("spawn")
         self.requests, self.replies = context.Queue(), context.Queue()
         self.process = context.Process(
-            target=_serve, args=(str(model_dir), self.requests, self.replies), daemon=True
+            target=_serve, args=(str(model_dir), self.requests, self.replies, self.device), daemon=True
         )
         self.process.start()
         self.lock = threading.Lock()
@@ -66,6 +73,8 @@ class Worker:
                 if kind == "error":
                     raise ChatError(text)
                 self.ready = True
+                if self.note:
+                    yield f"[{self.note}]\n"
             self.requests.put((prompt, max_new_tokens))
             while (reply := self._next())[0] == "text":
                 yield reply[1]
