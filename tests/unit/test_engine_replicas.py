@@ -120,7 +120,12 @@ class Copy:
         return Copy(self.index, self.log)
 
     def wait_ready(self, timeout_s, say=None):
+        if self.index == getattr(self, "never_ready", None):
+            raise UserError(f"grpo.vllm: the engine at {self.url} did not answer within 600 s")
         return 1.0
+
+    def failure(self, error):
+        return f"{error}; its log: {self.log}"
 
     def stop(self):
         pass
@@ -193,3 +198,16 @@ def test_a_failure_names_the_copy_that_failed():
         group.each_indexed(fails_on_second)
     assert caught.value.replica == 1 and str(caught.value) == "refused"
     assert group.label(1) == " (replica 2 of 3)" and Replicas([Copy(0, "a")]).label(0) == ""
+
+
+def test_a_copy_that_never_starts_is_the_one_named(tmp_path):
+    engines = [Copy(i, f"vllm-{i}.log") for i in range(3)]
+    for engine in engines:
+        engine.never_ready = 2
+    cfg = load_grpo_config(None, [*ENGINE, "grpo.vllm.replicas=3"])
+    sampler = EngineSampler(SimpleNamespace(num_processes=1), cfg, Replicas(engines), tmp_path)
+    _, problem = sampler._on_main(sampler._wait_ready)
+    assert (
+        str(problem)
+        == "grpo.vllm: the engine at http://copy-2 did not answer within 600 s; its log: vllm-2.log"
+    )

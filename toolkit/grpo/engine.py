@@ -289,7 +289,7 @@ class EngineSampler:
             try:
                 return call(), None
             except UserError as exc:
-                self.lost_replica = getattr(exc, "replica", 0)
+                self.lost_replica = getattr(exc, "replica", self.lost_replica)  # _wait_ready names its own
                 cause = getattr(exc, "cause", exc)
                 why = self._lost_engine().lost(cause) if self.ready else ""
                 if not why:
