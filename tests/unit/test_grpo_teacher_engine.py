@@ -6,6 +6,8 @@ gives the resumed run the same gaps."""
 
 import copy
 import itertools
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -37,9 +39,15 @@ DISTILL = [
 ]
 
 
-RUN = SimpleNamespace(accelerator=OneProcess())
+# The rollout appends its sample rollouts (grpo/samples.py) to the run folder: a folder of the test's own.
+RUN = SimpleNamespace(
+    accelerator=OneProcess(), output_dir=Path(tempfile.mkdtemp(prefix="grpo-teacher-engine-"))
+)
 TOKENIZER = SimpleNamespace(
-    pad_token_id=0, eos_token_id=1, batch_decode=lambda ids, skip_special_tokens: ["" for _ in ids]
+    pad_token_id=0,
+    eos_token_id=1,
+    batch_decode=lambda ids, skip_special_tokens: ["" for _ in ids],
+    decode=lambda ids, skip_special_tokens=False: "",
 )
 PROMPTS = prompt_sets.PromptSet(
     [[3, 4, 5], [7, 8], [9, 10, 11, 12], [13], [14, 15], [16, 17, 18]], *[[""] * 6] * 2
