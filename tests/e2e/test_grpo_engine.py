@@ -148,9 +148,13 @@ class EngineKiller(threading.Thread):
     def run(self) -> None:
         while not self.done.is_set() and self.after not in [r["step"] for r in logged_steps(self.out)]:
             time.sleep(0.1)
-        pid = own_engine(self.out)
-        port = pid and int(cmdline(pid)[cmdline(pid).index("--port") + 1])
-        while pid and not self.done.is_set():
+        pid = port = None
+        while not self.done.is_set():
+            if pid is None:  # looked for until found: one look can fall between /proc's entries changing
+                pid = own_engine(self.out)
+                port = pid and int(cmdline(pid)[cmdline(pid).index("--port") + 1])
+                time.sleep(0 if pid else 0.05)
+                continue
             requests = open_requests(port)
             if requests >= 2:
                 os.kill(pid, signal.SIGKILL)
@@ -184,16 +188,14 @@ def open_files(pid: int) -> list[str]:
 
 
 def own_engine(out) -> int | None:
-    """The pid of the vLLM server writing OUT/engine/vllm.log whose parent holds files of the run (its
-    process), None when there is none."""
+    """The pid of the vLLM server writing OUT/engine/vllm.log (the run's first engine copy: only an engine
+    the run started writes there), None when there is none yet."""
     log = str(out / "engine" / "vllm.log")
     for proc in Path("/proc").iterdir():
         with contextlib.suppress(OSError, ValueError):
             pid = int(proc.name)
             if "vllm.entrypoints.openai.api_server" in cmdline(pid) and log in open_files(pid):
-                parent = int((proc / "stat").read_text().rsplit(") ", 1)[1].split()[1])
-                if any(f.startswith(str(out)) and f != log for f in open_files(parent)):
-                    return pid
+                return pid
     return None
 
 
@@ -435,13 +437,6 @@ def rounds_of(lines: list[dict]) -> list[dict]:
     return sorted(rounds.values(), key=lambda r: r["generation_started_at"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: with grpo.top_k 2 the engine's processed log-probs are of the top-k "
-    "distribution and the trainer's of the whole softmax at T, so round 0's gap is 5.7 nats, the "
-    "importance weights shrink the update and the reward does not rise; the trainer must score the "
-    "sampling distribution for the gap",
-)
 def test_async_rounds_generate_the_next_round_while_this_one_trains(ahead):
     out, _ = ahead
     lines = train_lines(out)

@@ -19,19 +19,29 @@ import torch
 from toolkit.data.collate import model_inputs
 from toolkit.data.encode import IGNORE
 from toolkit.preference.reference import adapter_off, frozen, load_separate
-from toolkit.train import head
+from toolkit.train import head, truncation
 
 
-def completion_logps(model, batch: dict, temperature: float) -> torch.Tensor:
-    """Log-prob of each completion token under softmax(logits / temperature), the distribution the
-    completions were sampled from, [rows, max_new_tokens] (0 past a completion's length); through the
-    chunked head when the model has one."""
+def sampled_from(grpo) -> dict:
+    """The sampler's settings (grpo.temperature, top_k, top_p) as `completion_logps` takes them: every
+    GRPO log-prob is of the distribution the completions were sampled from."""
+    return {"temperature": grpo.temperature, "top_k": grpo.top_k, "top_p": grpo.top_p}
+
+
+def completion_logps(
+    model, batch: dict, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """Log-prob of each completion token under softmax(logits / temperature) renormalised over the tokens
+    a top-k / top-p sampler keeps (train/truncation.py): the distribution the completions were sampled
+    from, [rows, max_new_tokens] (0 past a completion's length); through the chunked head when the model
+    has one."""
     if head.chunked_head(model) is not None:
-        logps = head.target_logps(model, batch, temperature=temperature)
+        logps = head.target_logps(model, batch, temperature=temperature, top_k=top_k, top_p=top_p)
     else:
         logits = model(**model_inputs(batch)).logits[:, :-1]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
         targets = batch["labels"][:, 1:]
+        logits = truncation.masked(logits, truncation.kept(logits, top_k, top_p, targets))
         picked = logits.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
         logps = picked.masked_fill(targets == IGNORE, 0.0)
     return _completion_columns(logps, batch["starts"], batch["lengths"])
@@ -137,9 +147,9 @@ class Reference:
         separate = load_separate(accelerator, cfg, features, path, "grpo.reference_model") if path else None
         return cls(accelerator, model, separate)
 
-    def logps(self, batch: dict, temperature: float) -> torch.Tensor:
+    def logps(self, batch: dict, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
         if self.separate is not None:
             with frozen(self.separate):
-                return completion_logps(self.separate, batch, temperature)
+                return completion_logps(self.separate, batch, temperature, top_k, top_p)
         with frozen(self.model), adapter_off(self.accelerator, self.model):
-            return completion_logps(self.model, batch, temperature)
+            return completion_logps(self.model, batch, temperature, top_k, top_p)

@@ -20,7 +20,7 @@ from toolkit.grpo import multiturn, openenv, samples, sampling
 from toolkit.grpo import prompts as prompt_sets
 from toolkit.grpo.config import prompts_per_round, steps_per_round
 from toolkit.grpo.engine import logprob_gap
-from toolkit.grpo.loss import completion_logps, normaliser
+from toolkit.grpo.loss import completion_logps, normaliser, sampled_from
 
 STD_EPS = 1e-4
 
@@ -348,11 +348,11 @@ def scored(run, model, rollout: Rollout, prompts, cfg, pad_id: int, reference) -
     tables = [torch.zeros(0, width, dtype=torch.float64)]
     for batch in rollout.micro_batches(rows, prompts, cfg, pad_id, rank, world, accelerator.device):
         with torch.no_grad():
-            temperature = cfg.grpo.temperature  # every log-prob is of the distribution sampled from
+            sampling = sampled_from(cfg.grpo)  # every log-prob is of the distribution sampled from
             logps = (
-                reference.logps(batch, temperature)
+                reference.logps(batch, **sampling)
                 if reference is not None
-                else completion_logps(model, batch, temperature)
+                else completion_logps(model, batch, **sampling)
             )
         # A micro-batch is as wide as its longest completion; the round's table is max_new_tokens wide.
         tables.append(torch.nn.functional.pad(logps.double().cpu(), (0, width - logps.size(1))))

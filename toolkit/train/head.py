@@ -26,6 +26,7 @@ from toolkit.data.collate import model_inputs
 from toolkit.data.encode import IGNORE
 from toolkit.errors import UserError
 from toolkit.model.speed import eager_blocks
+from toolkit.train import truncation
 from toolkit.train.fused_head import chunk_bounds, chunk_math
 
 # Config keys of models whose forward changes the logits after the head in a way the chunked head cannot
@@ -48,7 +49,7 @@ class TargetHead(nn.Linear):
             self.chunk_tokens,
             self.uniform,
             self.shape,
-            self.fused if self.shape.temperature == 1.0 else None,  # compiled for untempered logits
+            self.fused if self.shape.untouched else None,  # compiled for untempered, uncut logits
         )
 
 
@@ -121,9 +122,9 @@ class LogitShape:
         self.config = config
         self.scale = 1.0 / scaling
         self.softcap = softcap
-        # A sampling temperature the logits are divided by last (GRPO scores the distribution it sampled
-        # from): 1 but in a `tempered` copy.
-        self.temperature = 1.0
+        # A sampling temperature the logits are divided by last, and the sampler's top-k / top-p cut (GRPO
+        # scores the distribution it sampled from): none but in a `tempered` copy.
+        self.temperature, self.top_k, self.top_p = 1.0, 0, 1.0
 
     @classmethod
     def of(cls, config) -> LogitShape:
@@ -144,12 +145,22 @@ class LogitShape:
             for key, value in saved.items():
                 setattr(self.config, key, value)
 
-    def tempered(self, temperature: float) -> LogitShape:
-        """This shape with the logits divided by `temperature` last (a copy: a backward pass that
-        recomputes reads the shape its forward pass had)."""
+    def tempered(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> LogitShape:
+        """This shape with the logits divided by `temperature` last and the softmax taken over the tokens
+        a top-k / top-p sampler keeps (a copy: a backward pass that recomputes reads the shape its forward
+        pass had)."""
         shape = copy.copy(self)
-        shape.temperature = temperature
+        shape.temperature, shape.top_k, shape.top_p = temperature, top_k, top_p
         return shape
+
+    @property
+    def untouched(self) -> bool:
+        """No temperature and no cut: the logits' whole softmax."""
+        return self.temperature == 1.0 and not truncation.truncates(self.top_k, self.top_p)
+
+    def kept(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """The sampler's kept tokens for a chunk of logits (truncation.kept), None without a cut."""
+        return truncation.kept(logits, self.top_k, self.top_p, targets)
 
     def apply(self, z: torch.Tensor) -> torch.Tensor:
         """The logits from the head's float32 output, in place."""
@@ -177,11 +188,14 @@ def chunked_head(model) -> TargetHead | None:
     return next((m for m in model.modules() if isinstance(m, TargetHead)), None)
 
 
-def target_logps(model, batch: dict, uniform: bool = False, temperature: float = 1.0) -> torch.Tensor:
+def target_logps(
+    model, batch: dict, uniform: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
     """Per-position log-probability of the next label token, [rows, length - 1] ([rows, length] for a
     sequence-parallel slice), 0 where the label is IGNORE; the chunked head's forward pass. `uniform`: the
     caller's loss weighs every token alike (a summed token loss), so the gradient is taken in the forward
-    pass and not recomputed. `temperature`: of the distribution softmax(logits / temperature).
+    pass and not recomputed. `temperature`, `top_k`, `top_p`: of the distribution softmax(logits /
+    temperature) over the tokens a top-k / top-p sampler keeps (train/truncation.py).
 
     The first call for a model checks the head against the model's own logits (see `verify`): every rank
     makes it at the same point, so the forward passes it adds stay collective."""
@@ -189,9 +203,9 @@ def target_logps(model, batch: dict, uniform: bool = False, temperature: float =
     if not layer.verified:
         verify(model, layer, batch)
         layer.verified = True
-    if temperature == 1.0:
+    if temperature == 1.0 and not truncation.truncates(top_k, top_p):
         return _scored(model, layer, batch, uniform)
-    shape, layer.shape = layer.shape, layer.shape.tempered(temperature)
+    shape, layer.shape = layer.shape, layer.shape.tempered(temperature, top_k, top_p)
     try:
         return _scored(model, layer, batch, uniform)
     finally:
@@ -298,10 +312,11 @@ class _TargetLogps(torch.autograd.Function):
                         _accumulate(grads, dz, h, w, rows)
                     continue
                 logits = shape.apply(_head(h, w, b, out_dtype))
-                lse = torch.logsumexp(logits, dim=-1)
+                kept = shape.kept(logits, targets[rows])
+                lse = torch.logsumexp(truncation.masked(logits, kept), dim=-1)
                 out[rows] = logits.gather(1, targets[rows, None]).squeeze(1) - lse
                 if any(early):
-                    dz = _dlogp(logits, lse, targets[rows], shape)
+                    dz = _dlogp(logits, lse, targets[rows], shape, kept)
                     _accumulate(grads, dz.to(ctx.dtype), h, w, rows)
         ctx.grads = grads
         return out
@@ -335,8 +350,9 @@ def _recomputed_param_grads(ctx, hidden, weight, bias, targets, grad_out, needs)
                 _accumulate(grads, dz, h, w, rows)
                 continue
             logits = ctx.shape.apply(_head(h, w, b, grad_out.dtype))
-            lse = torch.logsumexp(logits, dim=-1)
-            dz = _dlogp(logits, lse, targets[rows], ctx.shape).mul_(grad_out[rows, None])
+            kept = ctx.shape.kept(logits, targets[rows])
+            lse = torch.logsumexp(truncation.masked(logits, kept), dim=-1)
+            dz = _dlogp(logits, lse, targets[rows], ctx.shape, kept).mul_(grad_out[rows, None])
             _accumulate(grads, dz.to(ctx.dtype), h, w, rows)
     return grads[1:]
 
@@ -351,10 +367,13 @@ def _head(h, w, b, dtype) -> torch.Tensor:
     return z.to(dtype) if z.dtype != dtype else z
 
 
-def _dlogp(logits, lse, targets, shape: LogitShape) -> torch.Tensor:
-    """d log p(target) / d(head output) for a chunk: one-hot minus softmax, through the logit shape.
-    Overwrites `logits` (which the soft cap's derivative reads first)."""
+def _dlogp(logits, lse, targets, shape: LogitShape, kept=None) -> torch.Tensor:
+    """d log p(target) / d(head output) for a chunk: one-hot minus softmax (over the `kept` tokens when the
+    sampler cuts), through the logit shape. Overwrites `logits` (which the soft cap's derivative reads
+    first)."""
     probs = torch.exp(logits - lse[:, None]) if shape.softcap else logits.sub_(lse[:, None]).exp_()
+    if kept is not None:
+        probs.masked_fill_(~kept, 0.0)
     dz = probs.neg_()
     dz[torch.arange(len(targets), device=dz.device), targets] += 1
     reshaped = shape.softcap or shape.scale != 1.0 or shape.temperature != 1.0
