@@ -93,7 +93,7 @@ def train(run: Run, cfg, engine, environment) -> int:
         )
         for batch in micro_batches:
             with accelerator.accumulate(model), run.micro_batch() as router:
-                logps = grpo_loss.completion_logps(model, batch, **grpo_loss.sampled_from(cfg.grpo))
+                logps = grpo_loss.completion_logps(model, batch, cfg.grpo.temperature)
                 terms = grpo_loss.micro_terms(cfg.grpo, logps, batch)
                 accelerator.backward(terms["objective"] * scale + router.loss(batch["attention_mask"]))
                 sums += torch.stack([t.detach().double() for t in terms.values()])

@@ -105,9 +105,9 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 # Every config trains LoRA; full fine-tuning where parameters are sharded or gathered differently from DDP
-# (ZeRO-1/2 keep whole weights; ZeRO-3 with offload fine-tunes fully in DPO's matrix,
-# tests/e2e/test_dpo_recipe.py; DDP's full fine-tune, all of whose gradients it all-reduces as it does the
-# adapter's, was folded); packed rows under ZeRO-3, since packing changes the batch, not the backend (DDP's
+# (ZeRO-1/2 keep whole weights; ZeRO-3 with offload partitions them as ZeRO-3 does, its CPU optimizer is
+# LoRA's case here; DDP's full fine-tune, all of whose gradients it all-reduces as it does the adapter's,
+# was folded); packed rows under ZeRO-3, since packing changes the batch, not the backend (DDP's
 # packed case was folded).
 CONFIGS = {"lora": list(BACKENDS), "full": ["fsdp", "zero3"], "lora-packed": ["zero3"]}
 CASES = [(variant, config) for variant, configs in CONFIGS.items() for config in configs]

@@ -142,9 +142,11 @@ def test_a_warm_rank_starts_with_what_accelerate_launch_gives_it(config, monkeyp
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("config", ["ddp", "fsdp", "zero3"])
+@pytest.mark.parametrize("config", ["zero3"])
 def test_a_warm_launch_trains_like_accelerate_launch(config, monkeypatch, tmp_path):
-    """The recipe's per-step losses and gradient norms, equal to the last digit."""
+    """The recipe's per-step losses and gradient norms, equal to the last digit. One config: what a warm
+    rank starts with is compared for each (above); DDP's and FSDP's runs were folded (80 s here), ZeRO-3's
+    engine is the one built from what the rank was given."""
     out = tmp_path / "run"
     command, env = recipe_command(out, launch=launch(config))
     losses = {}

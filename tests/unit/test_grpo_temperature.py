@@ -1,7 +1,7 @@
-"""One distribution: at a sampling temperature T, with a top-k / top-p cut or none, the trainer's log-prob of
-each sampled token (policy, reference, teacher and the chunked head alike) is that of softmax(logits / T) over
-the tokens the sampler keeps, the distribution HF generate's seeded sampler drew it from; the engine's side is
-tests/e2e/test_grpo_engine.py's."""
+"""One distribution: at a sampling temperature T the trainer's log-prob of each sampled token (policy,
+reference, teacher and the chunked head alike) is that of softmax(logits / T), the distribution HF generate's
+seeded sampler drew it from; with a top-k / top-p cut, the cut's renormalised log-probs (what an engine
+returns, compared with them) are the sampler's too. The engine's side is tests/e2e/test_grpo_engine.py's."""
 
 import copy
 
@@ -155,12 +155,13 @@ def test_the_chunked_head_tempers_log_probs_and_their_gradients(build, uniform, 
 
 
 def test_the_reference_and_the_teacher_score_at_the_sampling_temperature(monkeypatch):
-    """The round's reference and teacher tables go through `scored` with grpo.temperature."""
+    """The round's policy, reference and teacher tables go through `scored` with grpo.temperature and the
+    whole softmax; only the table the engine's log-probs are compared with (`cut`) takes top-k / top-p."""
     seen = []
-    monkeypatch.setattr(rollouts, "completion_logps", lambda m, b, **s: seen.append(s) or torch.zeros(1, 1))
+    monkeypatch.setattr(rollouts, "completion_logps", lambda m, b, *s: seen.append(s) or torch.zeros(1, 1))
 
     class Scorer:
-        def logps(self, batch, **sampling):
+        def logps(self, batch, *sampling):
             seen.append(sampling)
             return torch.zeros(1, 1)
 
@@ -179,4 +180,5 @@ def test_the_reference_and_the_teacher_score_at_the_sampling_temperature(monkeyp
     run = type("R", (), {"accelerator": OneProcess()})()
     rollouts.scored(run, None, Round(), None, cfg, 0, None)
     rollouts.scored(run, None, Round(), None, cfg, 0, Scorer())
-    assert seen == [{"temperature": TEMPERATURE, "top_k": 3, "top_p": 0.9}] * 2
+    rollouts.scored(run, None, Round(), None, cfg, 0, None, cut=True)
+    assert seen == [(TEMPERATURE,), (TEMPERATURE,), (TEMPERATURE, 3, 0.9)]

@@ -22,19 +22,13 @@ from toolkit.preference.reference import adapter_off, frozen, load_separate
 from toolkit.train import head, truncation
 
 
-def sampled_from(grpo) -> dict:
-    """The sampler's settings (grpo.temperature, top_k, top_p) as `completion_logps` takes them: every
-    GRPO log-prob is of the distribution the completions were sampled from."""
-    return {"temperature": grpo.temperature, "top_k": grpo.top_k, "top_p": grpo.top_p}
-
-
 def completion_logps(
     model, batch: dict, temperature: float, top_k: int = 0, top_p: float = 1.0
 ) -> torch.Tensor:
-    """Log-prob of each completion token under softmax(logits / temperature) renormalised over the tokens
-    a top-k / top-p sampler keeps (train/truncation.py): the distribution the completions were sampled
-    from, [rows, max_new_tokens] (0 past a completion's length); through the chunked head when the model
-    has one."""
+    """Log-prob of each completion token under softmax(logits / temperature), the distribution the
+    completions were sampled from, [rows, max_new_tokens] (0 past a completion's length); through the
+    chunked head when the model has one. `top_k`, `top_p`: renormalised over the tokens a top-k / top-p
+    sampler keeps (train/truncation.py), as an engine's log-probs are."""
     if head.chunked_head(model) is not None:
         logps = head.target_logps(model, batch, temperature=temperature, top_k=top_k, top_p=top_p)
     else:
@@ -147,9 +141,9 @@ class Reference:
         separate = load_separate(accelerator, cfg, features, path, "grpo.reference_model") if path else None
         return cls(accelerator, model, separate)
 
-    def logps(self, batch: dict, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    def logps(self, batch: dict, temperature: float) -> torch.Tensor:
         if self.separate is not None:
             with frozen(self.separate):
-                return completion_logps(self.separate, batch, temperature, top_k, top_p)
+                return completion_logps(self.separate, batch, temperature)
         with frozen(self.model), adapter_off(self.accelerator, self.model):
-            return completion_logps(self.model, batch, temperature, top_k, top_p)
+            return completion_logps(self.model, batch, temperature)

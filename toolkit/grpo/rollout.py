@@ -20,7 +20,8 @@ from toolkit.grpo import multiturn, openenv, samples, sampling
 from toolkit.grpo import prompts as prompt_sets
 from toolkit.grpo.config import prompts_per_round, steps_per_round
 from toolkit.grpo.engine import logprob_gap
-from toolkit.grpo.loss import completion_logps, normaliser, sampled_from
+from toolkit.grpo.loss import completion_logps, normaliser
+from toolkit.train import truncation
 
 STD_EPS = 1e-4
 
@@ -222,17 +223,11 @@ def generate(
     table = torch.tensor([scores[name] for name in names], dtype=torch.float64).T
     padded, lengths, table = (gather_shares(accelerator, t) for t in (padded, lengths, table))
     rewards_by_name = {name: table[:, i].contiguous() for i, name in enumerate(names)}
+    group_advantages = advantages(rewards_by_name["total"], grpo.num_generations, grpo.scale_rewards)
     rollout = Rollout(
-        round_index,
-        torch.tensor([picked[s] for s, _ in slots]),
-        padded,
-        lengths,
-        rewards_by_name,
-        advantages(rewards_by_name["total"], grpo.num_generations, grpo.scale_rewards),
-        None,
-        None,
-        round_order(len(slots), cfg.seed, round_index),
-    )
+        round_index, torch.tensor([picked[s] for s, _ in slots]), padded, lengths, rewards_by_name,
+        group_advantages, None, None, round_order(len(slots), cfg.seed, round_index),
+    )  # fmt: skip
     if talks is not None:
         rollout.mask, rollout.turn_stats = conversation_tables(accelerator, talks, grpo.max_new_tokens)
     if steps_per_round(cfg) > 1:
@@ -246,11 +241,15 @@ def generate(
         rollout.staleness = round_index - sampled.version
         # The trainer's log-probs of the sampled tokens as the round starts training: their gap to the
         # engine's (its weights one round older with grpo.async_rounds) is what the loss's TIS corrects.
+        pad = tokenizer.pad_token_id
         own = rollout.old_logps
         if own is None:
-            own = rollout.policy_logps = scored(
-                run, model, rollout, prompts, cfg, tokenizer.pad_token_id, None
-            )
+            own = rollout.policy_logps = scored(run, model, rollout, prompts, cfg, pad, None)
+        if truncation.truncates(grpo.top_k, grpo.top_p):
+            # The engine's log-probs are of its top-k / top-p cut; plus the log of the mass the trainer's own
+            # cut keeps (own - cut) they are of the whole softmax, as `own`: the gap compares samplers alone.
+            cut = scored(run, model, rollout, prompts, cfg, pad, None, cut=True)
+            rollout.engine_logps = engine_logps = engine_logps + (own - cut)
         rollout.engine_gap = logprob_gap(engine_logps, own, rollout.lengths, rollout.mask)
         rollout.times = times
     rollout.generation_seconds = time.perf_counter() - started
@@ -338,21 +337,23 @@ def gather_shares(accelerator, tensor: torch.Tensor) -> torch.Tensor:
     return gathered.view(-1, tp, *tensor.shape)[:, 0].reshape(-1, *tensor.shape[1:])
 
 
-def scored(run, model, rollout: Rollout, prompts, cfg, pad_id: int, reference) -> torch.Tensor:
+def scored(run, model, rollout: Rollout, prompts, cfg, pad_id: int, reference, cut=False) -> torch.Tensor:
     """Collective: per-token log-probs of every completion of the round, [N, max_new_tokens], under the
-    current policy (`reference` None) or under the reference; each process scores its share."""
+    current policy (`reference` None; `cut`: over the tokens grpo.top_k / top_p keep, as an engine's log-probs
+    are) or under the reference; each process scores its share."""
     accelerator = run.accelerator
+    cuts = (cfg.grpo.top_k, cfg.grpo.top_p) if cut else ()
     rank, world = data_shard(accelerator)
     rows = torch.arange(len(rollout.prompt))
     width = cfg.grpo.max_new_tokens
     tables = [torch.zeros(0, width, dtype=torch.float64)]
     for batch in rollout.micro_batches(rows, prompts, cfg, pad_id, rank, world, accelerator.device):
         with torch.no_grad():
-            sampling = sampled_from(cfg.grpo)  # every log-prob is of the distribution sampled from
+            temperature = cfg.grpo.temperature  # every log-prob is of the distribution sampled from
             logps = (
-                reference.logps(batch, **sampling)
+                reference.logps(batch, temperature)
                 if reference is not None
-                else completion_logps(model, batch, **sampling)
+                else completion_logps(model, batch, temperature, *cuts)
             )
         # A micro-batch is as wide as its longest completion; the round's table is max_new_tokens wide.
         tables.append(torch.nn.functional.pad(logps.double().cpu(), (0, width - logps.size(1))))

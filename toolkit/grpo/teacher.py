@@ -109,10 +109,9 @@ class Teacher:
         base, adapter = teacher_parts(cfg.grpo.teacher)
         return cls(load_separate(accelerator, cfg, features, base, KEY, adapter=adapter))
 
-    def logps(self, batch: dict, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-        """The teacher's log-probs under the run's sampler settings, as the policy's are taken."""
+    def logps(self, batch: dict, temperature: float) -> torch.Tensor:
         with frozen(self.model):
-            return completion_logps(self.model, batch, temperature, top_k, top_p)
+            return completion_logps(self.model, batch, temperature)
 
 
 def score(run, model, rollout, prompts, cfg, pad_id: int, teacher: Teacher | None) -> None:
