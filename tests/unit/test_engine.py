@@ -22,13 +22,13 @@ from toolkit.engine.server import (
     serve_command,
 )
 from toolkit.errors import UserError
-
-REPO = Path(__file__).resolve().parents[2]
 from toolkit.grpo.config import load_grpo_config
 from toolkit.grpo.engine import EngineSampler, logprob_gap
 from toolkit.grpo.engine_start import served_base
 
 Q64 = Path(__file__).resolve().parents[2] / "toolkit" / "assets" / "tiny-llama-q64"
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def fake_venv(tmp_path: Path) -> Path:
