@@ -65,7 +65,7 @@ def evaluations(out: Path) -> list[dict]:
     return [r for r in read_metrics(out / "metrics.jsonl") if "eval_recall@1" in r]
 
 
-def test_run_logs_retrieval_and_exports_a_sentence_transformers_folder(single, triplet_files):
+def test_run_logs_retrieval_and_exports_a_sentence_transformers_folder(single, triplet_files, capsys):
     from sentence_transformers import SentenceTransformer
 
     out, result = single
@@ -93,6 +93,21 @@ def test_run_logs_retrieval_and_exports_a_sentence_transformers_folder(single, t
     measured = retrieval_metrics(by_ftkit[0] @ by_ftkit[1].T, relevant, 5, prefix="eval_")
     for key, value in measured.items():
         assert value == pytest.approx(after[key], abs=1e-6), key
+    # `ftkit export` of the last checkpoint writes the folder final/ is: it embeds the same.
+    exported = exported_checkpoint(out, "sentence-transformers model", capsys)
+    assert (exported / "adapter" / "adapter_config.json").is_file()
+    again = SentenceTransformer(str(exported), device="cpu").encode_query(queries, convert_to_tensor=True)
+    torch.testing.assert_close(again.float(), by_ftkit[0], atol=1e-5, rtol=0)
+
+
+def exported_checkpoint(out: Path, what: str, capsys) -> Path:
+    """`ftkit export` (in this process) of the run's last checkpoint to a folder beside the run."""
+    step = max((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))
+    folder = out.parent / f"export-{step.name}"
+    capsys.readouterr()
+    assert cli.main(["export", str(step), "--out", str(folder)]) == 0
+    assert capsys.readouterr().out.startswith(f"exported {what} ("), what
+    return folder
 
 
 def test_ftkit_embed_prints_vectors_and_similarities(single, capsys):
@@ -193,6 +208,14 @@ def test_a_listwise_reranker_exports_a_cross_encoder_scoring_as_ftkit(reranker, 
         ranks += relevant_ranks(scores[None], [[0]])
     for key, value in rank_metrics(ranks, 5, prefix="eval_").items():
         assert value == pytest.approx(after[key], abs=1e-6), key
+    exported = CrossEncoder(str(exported_checkpoint(out, "cross-encoder", capsys)), device="cpu")
+    pairs = [["What is 19 plus 36?", "The sum of 19 and 36 is 55."], ["What is 19 plus 36?", "x"]]
+    torch.testing.assert_close(
+        torch.as_tensor(exported.predict(pairs, activation_fn=torch.nn.Identity())),
+        torch.as_tensor(theirs.predict(pairs, activation_fn=torch.nn.Identity())),
+        atol=1e-5,
+        rtol=0,
+    )
     assert cli.main(["embed", "--model", str(final), "--query", "What is 19 plus 36?", "--text", "x"]) == 0
     assert capsys.readouterr().out.strip().endswith("\tx")
 

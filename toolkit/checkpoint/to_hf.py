@@ -1,5 +1,7 @@
 """`ftkit export`: a training checkpoint of any backend as Hugging Face files (a PEFT adapter or a full
-model, safetensors), written on one CPU process from the recipe config saved with the checkpoint."""
+model, safetensors), written on one CPU process from the recipe config saved with the checkpoint. An
+embedding run's checkpoint is written as its run's final/ is: the whole model (an adapter merged in and kept
+in adapter/) with the files sentence-transformers or a classifier reader needs."""
 
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ from toolkit import data
 from toolkit.checkpoint import CONFIG, MARKER, damage, export, portable, read_marker
 from toolkit.checkpoint.rundir import MARKER as RUN_MARKER
 from toolkit.config import RecipeConfig
+from toolkit.embed import export as embed_export
+from toolkit.embed import pooling
 from toolkit.errors import UserError
 from toolkit.model import load as models
-from toolkit.model import quant, scalar, vision
+from toolkit.model import backbone, quant, scalar, vision
 from toolkit.recipes import load_any_recipe_config, recipe_name
 
 EXPORT_MARKER = ".ftkit-export"
@@ -51,6 +55,8 @@ def export_checkpoint(
         cfg.model.path = base_model
     if merge_lora and cfg.model.method == "full":
         raise UserError(f"--merge-lora: {checkpoint_dir} is a full fine-tune; there is no adapter to merge")
+    if recipe_name(cfg) == "embed" and cfg.model.method != "full":
+        merge_lora = True  # as the run's final/: the whole model that tools load, its adapter kept beside it
     dtype = DTYPE_NAMES[dtype] if dtype else cfg.export.dtype
     skeleton = model_skeleton(cfg)
     shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
@@ -59,11 +65,17 @@ def export_checkpoint(
     cast_weights(weights, skeleton, dtype)
     tokenizer = models.load_tokenizer(cfg.model)
     data.ensure_chat_template(tokenizer)  # as the recipe did before training, so prompts render the same
+    if recipe_name(cfg) == "embed":
+        tokenizer.padding_side = "right"  # the last real token sits where pooling and the head look for it
     try:
         count = _write(skeleton, weights, tokenizer, out_dir, merge_lora, dtype, cfg)
     except (OSError, SafetensorError) as exc:
         raise UserError(f"--out: {out_dir} not written: {getattr(exc, 'strerror', None) or exc}") from None
     what = "merged model" if merge_lora else "adapter" if cfg.model.method != "full" else "model"
+    if recipe_name(cfg) == "embed":
+        what = {"embedding": "sentence-transformers model", "reranker": "cross-encoder"}.get(
+            cfg.embed.task, "sequence classifier"
+        )
     return (
         f"exported {what} ({count} tensors) of step {marker['step']} from a "
         f"{portable.describe(marker)} checkpoint to {out_dir}"
@@ -88,8 +100,13 @@ def _write(
         if merge_lora:
             qlora = cfg.model.method == "qlora"
             export.merge_adapter(tmp, merged, dtype, trust_remote_code, dequantized=qlora)
-            shutil.rmtree(tmp)
+            if recipe_name(cfg) == "embed":
+                tmp.rename(merged / embed_export.ADAPTER)
+            else:
+                shutil.rmtree(tmp)
             merged.rename(tmp)
+        if recipe_name(cfg) == "embed":
+            embed_export.describe(tmp, cfg, embed_pooling(cfg))
         count = export.verify_export(tmp, trust_remote_code)
         (tmp / EXPORT_MARKER).write_text("written by ftkit export\n")
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -154,10 +171,13 @@ def model_skeleton(cfg: RecipeConfig) -> torch.nn.Module:
     except ValueError as exc:
         raise UserError(f"model.path: {cfg.model.path}: {models.remote_code_refusal(exc)}") from None
     dtype = config.dtype if cfg.model.dtype == "auto" else models.DTYPES[cfg.model.dtype]
-    scalar_head = recipe_name(cfg) == "rm"
-    if scalar_head:  # a reward model: one label, pooled at the pad token its run batched with
-        config.num_labels, config.pad_token_id = 1, models.load_tokenizer(cfg.model).pad_token_id
-    auto_class = scalar.auto_class() if scalar_head else vision.auto_class(config.model_type)
+    scores = head_scores(cfg)
+    if scores:  # a reward model, reranker or classifier: pooled at the pad token its run batched with
+        config.num_labels, config.pad_token_id = scores, models.load_tokenizer(cfg.model).pad_token_id
+    if scores is None:
+        auto_class = vision.auto_class(config.model_type)
+    else:
+        auto_class = scalar.auto_class() if scores else backbone.auto_class()
     with torch.device("meta"):
         model = auto_class.from_config(config, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
         parts = cfg.vision if vision.is_vision(config.model_type) else None
@@ -166,6 +186,20 @@ def model_skeleton(cfg: RecipeConfig) -> torch.nn.Module:
 
             model = get_peft_model(model, models.peft_config(cfg.lora, model, parts))
     return model
+
+
+def head_scores(cfg: RecipeConfig) -> int | None:
+    """The scores a row the trained model's head gives: None for a language model's LM head, 0 for an
+    embedding model (the bare transformer), 1 for a reward model or a reranker, a classifier's labels."""
+    name = recipe_name(cfg)
+    if name != "embed":
+        return 1 if name == "rm" else None
+    return {"embedding": 0, "reranker": 1}.get(cfg.embed.task, len(cfg.embed.labels))
+
+
+def embed_pooling(cfg) -> str | None:
+    """An embedding model's pooling (embed.pooling, or what `auto` finds for the base); None for a head."""
+    return pooling.model_pooling(cfg.model, cfg.embed.pooling) if cfg.embed.task == "embedding" else None
 
 
 def cast_weights(weights: dict[str, torch.Tensor], skeleton: torch.nn.Module, dtype: str) -> None:

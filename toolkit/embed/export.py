@@ -21,34 +21,42 @@ ADAPTER = "adapter"
 def export_embedder(accelerator, model, tokenizer, cfg, output_dir: Path, pooling: str) -> Path:
     """Collective: output_dir/final as a sentence-transformers folder (a LoRA or QLoRA run's adapter merged
     in, the adapter itself kept in final/adapter)."""
-    final = _write_weights(accelerator, model, tokenizer, cfg, output_dir)
-    if accelerator.is_main_process:
-        write_modules(final, pooling, cfg.data.max_length, cfg.embed.query_prefix)
-    accelerator.wait_for_everyone()
-    return final
+    return _export(accelerator, model, tokenizer, cfg, output_dir, pooling)
 
 
 def export_reranker(accelerator, model, tokenizer, cfg, output_dir: Path) -> Path:
     """Collective: output_dir/final as a folder sentence-transformers' CrossEncoder loads (a sequence
     classifier with one label, an adapter merged in and kept in final/adapter)."""
-    final = _write_weights(accelerator, model, tokenizer, cfg, output_dir)
-    if accelerator.is_main_process:
-        write_cross_encoder(final, cfg.data.max_length)
-    accelerator.wait_for_everyone()
-    return final
+    return _export(accelerator, model, tokenizer, cfg, output_dir, None)
 
 
 def export_classifier(accelerator, model, tokenizer, cfg, output_dir: Path) -> Path:
     """Collective: output_dir/final as a sequence classifier any tool loads (an adapter merged in and kept
     in final/adapter), its labels named as embed.labels names them."""
+    return _export(accelerator, model, tokenizer, cfg, output_dir, None)
+
+
+def _export(accelerator, model, tokenizer, cfg, output_dir: Path, pooling: str | None) -> Path:
     final = _write_weights(accelerator, model, tokenizer, cfg, output_dir)
     if accelerator.is_main_process:
-        config = json.loads((final / "config.json").read_text())
-        config["id2label"] = dict(enumerate(cfg.embed.labels))
-        config["label2id"] = {label: i for i, label in enumerate(cfg.embed.labels)}
-        (final / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        describe(final, cfg, pooling)
     accelerator.wait_for_everyone()
     return final
+
+
+def describe(folder: Path, cfg, pooling: str | None) -> None:
+    """What is read beside the weights in `folder`, by embed.task: sentence-transformers' modules (the
+    pooling, `pooling`, and the query prompt), a cross-encoder's description, or a classifier's label names.
+    Shared by the run's own export and `ftkit export` of one of its checkpoints."""
+    if cfg.embed.task == "embedding":
+        write_modules(folder, pooling, cfg.data.max_length, cfg.embed.query_prefix)
+    elif cfg.embed.task == "reranker":
+        write_cross_encoder(folder, cfg.data.max_length)
+    else:
+        config = json.loads((folder / "config.json").read_text())
+        config["id2label"] = dict(enumerate(cfg.embed.labels))
+        config["label2id"] = {label: i for i, label in enumerate(cfg.embed.labels)}
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _write_weights(accelerator, model, tokenizer, cfg, output_dir: Path) -> Path:
