@@ -1,7 +1,8 @@
 """recipes/embed_llm.py end to end on the embedded model: held-out retrieval before and after, a
 sentence-transformers folder that embeds as ftkit does, exact resume, a cached step (GradCache) equal to the
 one-pass step, and DDP, FSDP2 and ZeRO-3 on 2 gloo processes giving one process's per-step losses (the
-negatives gathered from both processes).
+negatives gathered from both processes); rerankers (listwise, and pointwise under QLoRA) and a classifier,
+each on 2 processes as on one; `ftkit export` of each run's last checkpoint loading as its final/ does.
 
 Launches: started warm (tests/warm.py); one per backend, the single-process runs in-process children."""
 
@@ -220,7 +221,11 @@ def test_a_listwise_reranker_exports_a_cross_encoder_scoring_as_ftkit(reranker, 
     assert capsys.readouterr().out.strip().endswith("\tx")
 
 
-def test_a_pointwise_reranker_trains_on_scored_pairs(triplet_files, tmp_path):
+def test_a_pointwise_qlora_reranker_trains_on_scored_pairs(triplet_files, tmp_path, capsys):
+    """QLoRA on the 64-wide tiny model (bitsandbytes' 4-bit layers on CPU take widths of 64s): its export
+    is the dequantized base with the adapter merged, and so is `ftkit export`'s of its last checkpoint."""
+    from sentence_transformers import CrossEncoder
+
     points = tmp_path / "points.jsonl"
     with points.open("w") as f:
         for row in read_triplets(str(triplet_files / "train.jsonl"), "train"):
@@ -236,10 +241,19 @@ def test_a_pointwise_reranker_trains_on_scored_pairs(triplet_files, tmp_path):
         "data.eval=null",
         "data.eval_fraction=0.1",
         "data.max_length=40",
+        f"model.path={REPO / 'toolkit' / 'assets' / 'tiny-llama-q64'}",
+        "model.method=qlora",
     )
     lines = train_lines(out)
     assert len(lines) == STEPS and all(0 < r["loss"] < 2 for r in lines)
     assert (out / "final" / "config_sentence_transformers.json").is_file()
+    pairs = [["What is 19 plus 36?", "The sum of 19 and 36 is 55."], ["What is 19 plus 36?", "x"]]
+    scores = [
+        CrossEncoder(str(folder), device="cpu").predict(pairs, activation_fn=torch.nn.Identity())
+        for folder in (out / "final", exported_checkpoint(out, "cross-encoder", capsys))
+    ]
+    torch.testing.assert_close(torch.as_tensor(scores[1]), torch.as_tensor(scores[0]), atol=1e-5, rtol=0)
+    assert scores[0][0] != pytest.approx(scores[0][1], abs=1e-4)  # the head scores pairs apart
 
 
 def test_the_embedded_encoder_is_mean_pooled_and_exports_as_it_embeds(triplet_files, tmp_path):
@@ -262,29 +276,61 @@ def test_the_embedded_encoder_is_mean_pooled_and_exports_as_it_embeds(triplet_fi
 FORMS = {"What is": "symbol", "Compute": "compute", "Add": "add"}
 
 
-def test_a_classifier_learns_labels_and_exports_a_sequence_classifier(triplet_files, tmp_path, capsys):
-    """Intent-like labels (which form a question takes): accuracy and F1 per label held out, a label outside
-    the set refused, the export a sequence classifier with the labels' names."""
-    from transformers import AutoModelForSequenceClassification
-
-    texts = tmp_path / "texts"
-    texts.mkdir()
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory, triplet_files) -> Path:
+    """Intent-like labels (which form a question takes) of the triplets' queries."""
+    texts = tmp_path_factory.mktemp("texts")
     for name in ("train", "eval"):
         with (texts / f"{name}.jsonl").open("w") as f:
             for row in read_triplets(str(triplet_files / f"{name}.jsonl"), "train"):
                 label = next(v for k, v in FORMS.items() if row.anchor.startswith(k))
                 label = "word" if label == "symbol" and "plus" in row.anchor else label
                 f.write(json.dumps({"text": row.anchor, "label": label}) + "\n")
-    out = tmp_path / "run"
-    result = run_embed(
-        out, texts, "embed.task=classifier", "embed.labels=[symbol, word, compute, add]", "train.max_steps=4"
-    )
+    return texts
+
+
+CLASSIFIER = ["embed.task=classifier", "embed.labels=[symbol, word, compute, add]", "train.max_steps=4"]
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory, labelled):
+    out = tmp_path_factory.mktemp("classify") / "run"
+    return out, run_embed(out, labelled, *CLASSIFIER)
+
+
+def test_a_classifier_learns_labels_and_exports_a_sequence_classifier(classifier, capsys):
+    """Accuracy and F1 per label held out, the export a sequence classifier with the labels' names, and so
+    is `ftkit export`'s of its last checkpoint."""
+    from transformers import AutoModelForSequenceClassification
+
+    out, result = classifier
     before, after = [r for r in read_metrics(out / "metrics.jsonl") if "eval_accuracy" in r]
     assert {"eval_macro_f1", "eval_f1/symbol", "eval_f1/add"} <= set(after)
     assert "result: held-out accuracy " in result.stdout and "over 12 texts, macro F1" in result.stdout
-    model = AutoModelForSequenceClassification.from_pretrained(out / "final")
-    assert model.config.id2label == {0: "symbol", 1: "word", 2: "compute", 3: "add"}
+    names = {0: "symbol", 1: "word", 2: "compute", 3: "add"}
+    for folder in (out / "final", exported_checkpoint(out, "sequence classifier", capsys)):
+        assert AutoModelForSequenceClassification.from_pretrained(folder).config.id2label == names
     assert cli.main(["embed", "--model", str(out / "final"), "--text", "Add 3 and 4."]) == 0
     label, probability, text = capsys.readouterr().out.strip().split("\t")
     assert label in FORMS.values() or label == "word"
     assert 0 < float(probability) <= 1 and text == "Add 3 and 4."
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("task", "config"), [("reranker", "zero3"), ("classifier", "ddp")])
+def test_a_head_on_two_processes_gives_one_process_loss(task, config, request, triplet_files, tmp_path):
+    """Each row's loss stands alone: the processes' sums over the global batch, divided by its rows, are
+    one process's step loss (the listwise reranker under ZeRO-3, the classifier under DDP)."""
+    reference, _ = request.getfixturevalue(task)
+    run = tmp_path / "run"
+    if task == "reranker":
+        overrides, files = ["embed.task=reranker", "data.max_length=40"], triplet_files
+    else:
+        overrides, files = CLASSIFIER, request.getfixturevalue("labelled")
+    result = run_embed(run, files, *overrides, "train.micro_batch_size=4", processes=2, config=config)
+    assert "| world 2 |" in result.stdout, result.stdout[-2000:]
+    expected, got = train_lines(reference), train_lines(run)
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    for a, b in zip(expected, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), (task, a["step"])
+        assert b["top1_accuracy"] == pytest.approx(a["top1_accuracy"], abs=1e-9), (task, a["step"])
