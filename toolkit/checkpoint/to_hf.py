@@ -19,8 +19,8 @@ from toolkit.config import RecipeConfig
 from toolkit.embed import export as embed_export
 from toolkit.embed import pooling
 from toolkit.errors import UserError
-from toolkit.model import load as models
 from toolkit.model import backbone, quant, scalar, vision
+from toolkit.model import load as models
 from toolkit.recipes import load_any_recipe_config, recipe_name
 
 EXPORT_MARKER = ".ftkit-export"
