@@ -57,8 +57,8 @@ def test_a_decoder_backbone_and_the_heads_of_a_reranker_and_a_classifier():
 def test_the_demo_config_plans_a_cached_step_of_anchor_positive_and_negative(demo):
     """demo-embed.yaml: 16 rows of (anchor, positive, 1 hard negative, read from its data), micro-batch 8
     on one process, so GradCache. Its loss by hand, q = 16 queries, K = 16 x 2 candidates, width 160:
-    12 x 160 x (16 + 32) + 12 x 16 x 32 = 98,304 bytes, and the 48 stored vectors, fp32 (no autocast):
-    48 x 160 x (4 + 8) = 92,160."""
+    12 x 160 x (16 + 32) + 12 x 16 x 32 = 98,304 bytes, its Matryoshka size 64 12 x 64 x (16 + 32) +
+    12 x 16 x 32 = 43,008 more, and the 48 stored vectors, fp32 (no autocast): 48 x 160 x (4 + 8) = 92,160."""
     r = demo.request
     assert (r.objective, r.embed_task, r.negatives, r.micro_batch, r.seq_len) == (
         "embed",
@@ -67,22 +67,27 @@ def test_the_demo_config_plans_a_cached_step_of_anchor_positive_and_negative(dem
         8,
         32,
     )
-    assert r.rows_per_example == 3 and r.head is None
-    assert row(demo).head == 98_304 + 92_160
-    assert "cached (GradCache): one micro-batch of 8 rows" in render_text(demo)
+    assert r.rows_per_example == 3 and r.head is None and r.matryoshka_dims == (64,)
+    assert row(demo).head == 98_304 + 43_008 + 92_160
+    text = render_text(demo)
+    assert "cached (GradCache): one micro-batch of 8 rows" in text
+    assert "width 160 (and Matryoshka 64, each with its own logits)" in text
+    whole_width = make_plan(PlanRequest(**with_config({"config": DEMO, "matryoshka_dims": ()})))
+    assert row(whole_width).head == 98_304 + 92_160
     assert "recipes/embed_llm.py --config recipes/configs/demo-embed.yaml" in demo.command
 
 
 def test_one_pass_stores_no_vectors_and_the_activations_are_three_sequences_a_row(demo):
-    """At micro-batch 16 (one pass a step) only the loss's 98,304 bytes; each row's 3 sequences make the
-    transformer's activations 3 times a causal LM's at the same micro-batch (same layers, same width)."""
+    """At micro-batch 16 (one pass a step) only the loss's 98,304 + 43,008 bytes; each row's 3 sequences
+    make the transformer's activations 3 times a causal LM's at the same micro-batch (same layers, same
+    width)."""
     one_pass = make_plan(PlanRequest(**with_config({"config": DEMO, "micro_batch": 16})))
-    assert row(one_pass).head == 98_304
+    assert row(one_pass).head == 98_304 + 43_008
     precision = resolve_precision(demo.request)
     per_sequence = memory.activation_bytes(demo.counts, 32, 1, False, precision)
     assert row(demo).activations - row(demo).head == 8 * 3 * per_sequence
     cached = make_plan(PlanRequest(**with_config({"config": DEMO, "micro_batch": 16, "cached": True})))
-    assert row(cached).head == 98_304 + 92_160
+    assert row(cached).head == 98_304 + 43_008 + 92_160
 
 
 def test_a_classifier_s_scores_and_a_reranker_s_candidates():
@@ -107,6 +112,10 @@ def test_model_parallel_layouts_are_refused_as_the_recipe_refuses_them():
             "--cached is for --embed-task embedding",
         ),
         (dict(objective="embed", labels=3), "--labels is for --embed-task classifier"),
+        (
+            dict(objective="embed", embed_task="reranker", matryoshka_dims=(32,)),
+            "--matryoshka-dims is for --embed-task embedding",
+        ),
         (dict(objective="embed", embed_task="classifier", negatives=1), "--negatives is for --embed-task"),
         (dict(objective="embed", global_batch=1, micro_batch=1), "no in-batch negative"),
         (dict(objective="embed", reference_model=True), "--reference-model is for --objective dpo or grpo"),

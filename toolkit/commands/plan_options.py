@@ -84,6 +84,12 @@ def add(commands) -> None:
     plan.add_argument("--negatives", type=int, help="embed: hard negatives per row (default 0)")
     plan.add_argument("--cached", action="store_true", default=None, help="embed: GradCache (embed.cached)")
     plan.add_argument("--labels", type=int, help="embed classifier: how many labels (default 2)")
+    plan.add_argument(
+        "--matryoshka-dims",
+        type=sizes,
+        metavar="N,N",
+        help="embed: Matryoshka sizes trained beside the full width (embed.matryoshka_dims), e.g. 256,64",
+    )
     plan.add_argument("--generations", type=int, help="grpo: completions per prompt (default 8)")
     plan.add_argument("--max-new-tokens", type=int, help="grpo: tokens a completion may have (default 32)")
     plan.add_argument(
@@ -135,3 +141,14 @@ def add(commands) -> None:
     plan.add_argument("--from-run", help="a run's output_dir on the same hardware: its measured tokens/s")
     plan.add_argument("--price-per-gpu-hour", type=float)
     plan.add_argument("--json", action="store_true", default=False, help="machine-readable output, in bytes")
+
+
+def sizes(text: str) -> tuple[int, ...]:
+    """`--matryoshka-dims 256,64`: distinct positive sizes, largest first (as embed.matryoshka_dims)."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give sizes as N,N (e.g. 256,64)") from None
+    if min(values) < 1 or sorted(set(values), reverse=True) != list(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct positive sizes, largest first")
+    return values

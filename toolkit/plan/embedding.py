@@ -17,8 +17,8 @@ rows' micro-batch), and the vectors of the process's whole share of the batch wa
     stored        q x sequences a row x h x (e + 8)   each vector in the compute dtype (e bytes), its fp32
                                                       copy and that copy's gradient
 
-A Matryoshka size adds its own normalised copies and logits, less than the full width's (not counted). A
-reranker's or classifier's scores are 12 bytes a score (fp32 scores, probabilities, gradient)."""
+Each Matryoshka size d below the width adds its own vectors and logits, 12d(q + K) + 12qK: its slices'
+normalised copies and gradients and its own q x K logits, all kept for the backward pass. A reranker's or classifier's scores are 12 bytes a score (fp32 scores, probabilities, gradient)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def loss_bytes(counts, request: PlanRequest, precision: Precision, processes: in
         return 12 * micro * request.rows_per_example * request.head_width
     queries = request.global_batch // processes
     candidates = request.global_batch * (1 + request.negatives)
-    loss = 12 * counts.hidden * (queries + candidates) + 12 * queries * candidates
+    widths = [counts.hidden, *(d for d in request.matryoshka_dims if d < counts.hidden)]
+    loss = sum(12 * width * (queries + candidates) + 12 * queries * candidates for width in widths)
     if not is_cached(request, queries // micro):
         return loss
     stored = queries * request.rows_per_example * counts.hidden * (compute_bytes(precision) + 8)
@@ -54,6 +55,9 @@ def describe(request: PlanRequest, hidden: int, micro: int | None, processes: in
         row, head = f"the query paired with its positive{negatives}", "a head of one score"
     else:
         row, head = f"anchor + positive{negatives}", f"no head: pooled vectors of width {hidden}"
+        smaller = [str(d) for d in request.matryoshka_dims if d < hidden]
+        if smaller:
+            head += f" (and Matryoshka {', '.join(smaller)}, each with its own logits)"
     sequences = request.global_batch * request.rows_per_example
     line = (
         f"embed    {request.embed_task}: {request.global_batch} rows x ({row}) = {sequences} sequences a "

@@ -78,6 +78,7 @@ def _embed_options(cfg) -> dict:
     options = {"embed_task": task}
     if task == "embedding":
         options["cached"] = cfg.embed.cached
+        options["matryoshka_dims"] = tuple(cfg.embed.matryoshka_dims)
     if task == "classifier":
         options["labels"] = len(cfg.embed.labels)
     listwise = task == "embedding" or (task == "reranker" and cfg.embed.rerank_loss == "listwise")

@@ -111,6 +111,9 @@ class PlanRequest:
     step, as the recipe does."""
     labels: Annotated[int, Range(low=2)] = 2
     """embed, classifier: how many labels (len(embed.labels)): the head's width."""
+    matryoshka_dims: tuple[int, ...] = ()
+    """embed, embedding: Matryoshka sizes trained beside the full width (embed.matryoshka_dims): each adds
+    its own normalised vectors and logits to the loss."""
     images_per_row: NonNegativeInt = 1
     """Vision-language models: images in each row (under dpo: in each pair's prompt, read by both rows)."""
     max_pixels: PositiveInt | None = VisionConfig.max_pixels
@@ -275,12 +278,13 @@ GRPO_OPTIONS = (
     "replicas",
 )
 """The options only --objective grpo reads."""
-EMBED_OPTIONS = ("embed_task", "negatives", "cached", "labels")
+EMBED_OPTIONS = ("embed_task", "negatives", "cached", "labels", "matryoshka_dims")
 """The options only --objective embed reads."""
 EMBED_TASK_OPTIONS = {
     "negatives": ("embedding", "reranker"),
     "cached": ("embedding",),
     "labels": ("classifier",),
+    "matryoshka_dims": ("embedding",),
 }
 """Of those, the tasks each is read by."""
 ENGINE_OPTIONS = ("gpu_memory_utilization", "engine", "replicas")
