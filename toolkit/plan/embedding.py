@@ -18,7 +18,8 @@ rows' micro-batch), and the vectors of the process's whole share of the batch wa
                                                       copy and that copy's gradient
 
 Each Matryoshka size d below the width adds its own vectors and logits, 12d(q + K) + 12qK: its slices'
-normalised copies and gradients and its own q x K logits, all kept for the backward pass. A reranker's or classifier's scores are 12 bytes a score (fp32 scores, probabilities, gradient)."""
+normalised copies and gradients and its own q x K logits, all kept for the backward pass. A reranker's or
+classifier's scores are 12 bytes a score (fp32 scores, probabilities, gradient)."""
 
 from __future__ import annotations
 
