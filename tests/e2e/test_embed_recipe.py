@@ -1,6 +1,6 @@
 """recipes/embed_llm.py end to end on the embedded model: held-out retrieval before and after, a
 sentence-transformers folder that embeds as ftkit does, exact resume, a cached step (GradCache) equal to the
-one-pass step, and DDP, FSDP2 and ZeRO-3 on 2 gloo processes giving one process's per-step losses (the
+one-pass step, and DDP, FSDP2, ZeRO-2, ZeRO-3 and ZeRO-3 with offload on 2 gloo processes giving one process's per-step losses (the
 negatives gathered from both processes); rerankers (listwise, and pointwise under QLoRA) and a classifier,
 each on 2 processes as on one; `ftkit export` of each run's last checkpoint loading as its final/ does.
 
@@ -163,7 +163,9 @@ def test_a_cached_step_gives_the_one_pass_loss(single, triplet_files, tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize(("config", "micro"), [("ddp", 4), ("fsdp", 2), ("zero3", 4)])
+@pytest.mark.parametrize(
+    ("config", "micro"), [("ddp", 4), ("fsdp", 2), ("zero2", 4), ("zero3", 4), ("zero3_offload", 4)]
+)
 def test_backend_gives_one_process_loss(config, micro, single, triplet_files, tmp_path):
     """Each process embeds half the batch; its queries meet the other's passages through the gathered
     vectors (FSDP2 in two cached micro-batches a process)."""
