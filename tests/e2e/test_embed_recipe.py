@@ -1,8 +1,9 @@
 """recipes/embed_llm.py end to end on the embedded model: held-out retrieval before and after, a
 sentence-transformers folder that embeds as ftkit does, exact resume, a cached step (GradCache) equal to the
-one-pass step, and DDP, FSDP2, ZeRO-2, ZeRO-3 and ZeRO-3 with offload on 2 gloo processes giving one process's per-step losses (the
-negatives gathered from both processes); rerankers (listwise, and pointwise under QLoRA) and a classifier,
-each on 2 processes as on one; `ftkit export` of each run's last checkpoint loading as its final/ does.
+one-pass step, and DDP, FSDP2, ZeRO-2, ZeRO-3 and ZeRO-3 with offload on 2 gloo processes giving one
+process's per-step losses (the negatives gathered from both processes); rerankers (listwise, and pointwise
+under QLoRA) and a classifier, each on 2 processes as on one; `ftkit export` of each run's last checkpoint
+loading as its final/ does.
 
 Launches: started warm (tests/warm.py); one per backend, the single-process runs in-process children."""
 
