@@ -124,6 +124,25 @@ def agreed_error(accelerator, error: str, limit: int = 4096) -> str:
     return bytes(values[1 : int(values[0]) + 1].tolist()).decode(errors="replace")
 
 
+def from_main(accelerator, value=None, problem: Exception | None = None):
+    """Collective: what the main process computed, `value`, on every process (pickled between the run's own
+    processes; other processes' `value` is not read), or, when the main process met `problem` instead, that
+    error raised on every process: of its type (built from its words), with the same words, so the launcher
+    hears one line whichever process it hears first."""
+    if accelerator.num_processes == 1:
+        if problem is not None:
+            raise problem
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    box = [(type(problem), str(problem), None) if problem is not None else (None, "", value)]
+    broadcast_object_list(box, from_process=0)
+    kind, error, value = box[0]
+    if kind is not None:
+        raise problem if accelerator.is_main_process else kind(error)
+    return value
+
+
 def end_training(accelerator) -> None:
     """`accelerator.end_training()` but for its destroying the process group: the trackers end, the group
     stays until the process leaves (toolkit/entry.py `leave` says why it is never destroyed)."""

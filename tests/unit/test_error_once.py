@@ -1,6 +1,8 @@
 """A mistake is shown once per launch, by whichever rank reports it first (the launcher may end the
-others before they print anything)."""
+others before they print anything); what the main process computed (or the error it met instead) reaches
+every rank alike (toolkit.distributed.from_main)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -34,16 +36,27 @@ def test_one_process_always_prints():
 
 
 CLAIM = """
+import json
 import sys
 from pathlib import Path
 from accelerate import Accelerator
 from toolkit.checkpoint import rundir
+from toolkit.distributed import from_main
 from toolkit.errors import UserError
+from toolkit.grpo.engine import EngineLost
 accelerator = Accelerator(cpu=True)
 try:
     rundir.claim(accelerator, Path(sys.argv[1]))
 except UserError as exc:
     Path(sys.argv[2], f"rank-{accelerator.process_index}.txt").write_text(str(exc))
+# What the main process computed, on both; and the error it met instead, of its own type, on both.
+main = accelerator.is_main_process
+shared = {"value": from_main(accelerator, {"round": 3} if main else "not read")}
+try:
+    from_main(accelerator, "not sent", EngineLost("grpo.vllm: the engine exited") if main else None)
+except UserError as exc:
+    shared["raised"] = [type(exc).__name__, str(exc)]
+Path(sys.argv[2], f"shared-{accelerator.process_index}.json").write_text(json.dumps(shared))
 """
 
 
@@ -71,3 +84,9 @@ def test_every_rank_raises_the_main_process_words_when_output_dir_is_held(tmp_pa
     ]
     assert len(words) == 2, result.stderr[-3000:]
     assert words[0] == words[1] and f"pid {os.getpid()}" in words[0]
+    # toolkit.distributed.from_main, in the same launch.
+    for rank in (0, 1):
+        assert json.loads((said / f"shared-{rank}.json").read_text()) == {
+            "value": {"round": 3},
+            "raised": ["EngineLost", "grpo.vllm: the engine exited"],
+        }, rank

@@ -22,13 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from accelerate.utils import broadcast_object_list
 from tqdm import tqdm
 
 from toolkit.checkpoint.export import saver
 from toolkit.checkpoint.gather import adapter_state, write_weights
 from toolkit.checkpoint.rundir import ENGINE_DIR
-from toolkit.distributed import agreed_error, any_rank
+from toolkit.distributed import from_main
 from toolkit.engine import client
 from toolkit.engine.replicas import Replicas
 from toolkit.engine.server import BASE_NAME, Engine, has_gpu
@@ -94,15 +93,13 @@ class EngineSampler:
         if cfg.grpo.generation != "vllm":
             yield None
             return
-        accelerator, engine, error = run.accelerator, None, ""
+        accelerator, engine, problem = run.accelerator, None, None
         if accelerator.is_main_process:
             try:
                 engine = start_or_connect(cfg, run.output_dir / ENGINE_DIR)
             except UserError as exc:
-                error = str(exc)
-        error = agreed_error(accelerator, error)
-        if error:
-            raise UserError(error)
+                problem = exc
+        from_main(accelerator, problem=problem)  # its refusal raised on every process
         level = sleep_level(cfg, has_gpu())
         sampler = cls(accelerator, cfg, engine, run.output_dir / ENGINE_DIR, level)
         try:
@@ -189,12 +186,9 @@ class EngineSampler:
         """Collective: what `call()` returns on the main process (`again()` once the engine was restarted),
         on every process (whole when `count` is None); its UserError raised on every process."""
         sampled, problem = self._on_main(call, again)
-        self._raise_agreed(problem)
         if count is None:  # pickled between the run's own processes
-            shared = [sampled]
-            if self.accelerator.num_processes > 1:
-                broadcast_object_list(shared, from_process=0)
-            return shared[0]
+            return from_main(self.accelerator, sampled, problem)
+        from_main(self.accelerator, problem=problem)
         if sampled is None:
             sampled = Sampled.empty(round_index, count, self.cfg.grpo.max_new_tokens, 0)
         about = self._shared(torch.tensor([sampled.version, *sampled.times.tolist()], dtype=torch.float64))
@@ -275,7 +269,7 @@ class EngineSampler:
             _, problem = self._on_main(
                 functools.partial(self._load, saver(self.accelerator, model), state, round_index)
             )
-        self._raise_agreed(problem)
+        from_main(self.accelerator, problem=problem)  # EngineLost on every process when it is one
         self.version = round_index
         return time.perf_counter() - started - self.wake_seconds
 
@@ -299,14 +293,6 @@ class EngineSampler:
             except EngineLost as exc:
                 return None, exc
             call = again or call
-
-    def _raise_agreed(self, problem: UserError | None) -> None:
-        """Collective: the main process's `problem` raised on every process (EngineLost on all when it is)."""
-        error = agreed_error(self.accelerator, str(problem) if problem is not None else "")
-        if not error:
-            return
-        (lost,) = any_rank(self.accelerator, isinstance(problem, EngineLost))
-        raise (EngineLost if lost else UserError)(error)
 
     def _restart(self, why: str) -> None:
         """Main process: the engine ftkit started, lost (`why`), started again with the weights it served, or

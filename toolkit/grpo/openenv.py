@@ -35,9 +35,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from accelerate.utils import broadcast_object_list
-
-from toolkit.distributed import agreed_error
+from toolkit.distributed import from_main
 from toolkit.errors import UserError
 from toolkit.grpo.pool import each, pooled
 from toolkit.grpo.template_turns import appended
@@ -219,12 +217,7 @@ class OpenEnv:
                     error = str(exc)
 
             def share(talks):
-                problem = agreed_error(accelerator, error)
-                if problem:
-                    raise UserError(problem)
-                if accelerator.num_processes > 1:
-                    talks = broadcast_object_list([talks], from_process=0)[0]
-                return talks
+                return from_main(accelerator, talks, UserError(error) if error else None)
 
             yield answer, share
 
