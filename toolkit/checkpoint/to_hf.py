@@ -55,7 +55,8 @@ def export_checkpoint(
         cfg.model.path = base_model
     if merge_lora and cfg.model.method == "full":
         raise UserError(f"--merge-lora: {checkpoint_dir} is a full fine-tune; there is no adapter to merge")
-    if recipe_name(cfg) == "embed" and cfg.model.method != "full":
+    embedder = recipe_name(cfg) == "embed"
+    if embedder and cfg.model.method != "full":
         merge_lora = True  # as the run's final/: the whole model that tools load, its adapter kept beside it
     dtype = DTYPE_NAMES[dtype] if dtype else cfg.export.dtype
     skeleton = model_skeleton(cfg)
@@ -65,14 +66,14 @@ def export_checkpoint(
     cast_weights(weights, skeleton, dtype)
     tokenizer = models.load_tokenizer(cfg.model)
     data.ensure_chat_template(tokenizer)  # as the recipe did before training, so prompts render the same
-    if recipe_name(cfg) == "embed":
+    if embedder:
         tokenizer.padding_side = "right"  # the last real token sits where pooling and the head look for it
     try:
         count = _write(skeleton, weights, tokenizer, out_dir, merge_lora, dtype, cfg)
     except (OSError, SafetensorError) as exc:
         raise UserError(f"--out: {out_dir} not written: {getattr(exc, 'strerror', None) or exc}") from None
     what = "merged model" if merge_lora else "adapter" if cfg.model.method != "full" else "model"
-    if recipe_name(cfg) == "embed":
+    if embedder:
         what = {"embedding": "sentence-transformers model", "reranker": "cross-encoder"}.get(
             cfg.embed.task, "sequence classifier"
         )

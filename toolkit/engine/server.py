@@ -8,7 +8,6 @@ allows it, and writes its log where the caller says (the run folder). Every way 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from toolkit.engine import client
 from toolkit.errors import UserError
+from toolkit.model.saved import read_json
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_VENV = REPO / ".venv-vllm"
@@ -329,10 +329,7 @@ def check_answers(url: str) -> None:
 def check_cpu_head_size(model: str) -> None:
     """Before a CPU engine starts: a model folder whose attention head size vLLM's CPU backend refuses is one
     line (a hub id, or a folder without config.json, is left to the engine's own check at its start)."""
-    config = Path(model) / "config.json"
-    if not config.is_file():
-        return
-    whole = json.loads(config.read_text())
+    whole = read_json(Path(model) / "config.json")  # {} when missing or unreadable
     text = whole.get("text_config") or whole
     heads = text.get("num_attention_heads")
     head = text.get("head_dim") or (text.get("hidden_size", 0) // heads if heads else None)
