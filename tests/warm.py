@@ -1,10 +1,11 @@
-"""Warm starts of the launched test runs: `python script.py ...` and `python -m accelerate.commands.launch ...
-script.py ...` started by fork from a process (tests/zygote.py) that has already imported torch, transformers,
-peft, accelerate, DeepSpeed, datasets and the toolkit, one per pytest worker and environment. The launcher and
-every rank are still processes of their own, with the environment, console and exit status the real command
-gives (accelerate's and torchrun's own code computes them); what they skip is the imports (5 to 13 seconds a
-process on two cores). `FTKIT_TEST_LAUNCH=real` runs every launch for real, and a test or module marked
-`real_launch` does so by itself (where the launch itself is what it tests)."""
+"""Warm starts of the launched test runs: `python script.py ...`, `python -m accelerate.commands.launch ...
+script.py ...` and `python -m toolkit.commands.cli ...` (`ftkit train` and the other commands, whose own
+`accelerate launch` starts warm in turn) started by fork from a process (tests/zygote.py) that has already
+imported torch, transformers, peft, accelerate, DeepSpeed, datasets and the toolkit, one per pytest worker and
+environment. The launcher and every rank are still processes of their own, with the environment, console and
+exit status the real command gives (accelerate's and torchrun's own code computes them); what they skip is the
+imports (5 to 13 seconds a process on two cores). `FTKIT_TEST_LAUNCH=real` runs every launch for real, and a
+test or module marked `real_launch` does so by itself (where the launch itself is what it tests)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from pathlib import Path
 SWITCH = "FTKIT_TEST_LAUNCH"
 ZYGOTE = Path(__file__).resolve().parent / "zygote.py"
 LAUNCHER = "accelerate.commands.launch"
+CLI = "toolkit.commands.cli"
 # Variables that differ from one test to the next and that nothing reads while importing.
 PER_TEST = {"PYTEST_CURRENT_TEST"}
 # Warm processes kept per pytest worker, one per environment (each holds the imported libraries).
@@ -42,11 +44,12 @@ def enabled() -> bool:
 
 
 def warm_argv(command: list[str], env: dict) -> list[str] | None:
-    """The argv after `python` if the command can start warm: a script, or accelerate's launcher, with no
-    start-up code of its own (a sitecustomize on PYTHONPATH runs in every fresh interpreter)."""
+    """The argv after `python` if the command can start warm: a script, accelerate's launcher or ftkit's
+    command line, with no start-up code of its own (a sitecustomize on PYTHONPATH runs in every fresh
+    interpreter)."""
     if len(command) < 2 or command[0] != sys.executable or startup_code(env):
         return None
-    if command[1:3] == ["-m", LAUNCHER]:
+    if command[1:3] in (["-m", LAUNCHER], ["-m", CLI]):
         return list(command[1:])
     if command[1].endswith(".py") and os.path.isfile(command[1]):
         return list(command[1:])

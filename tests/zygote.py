@@ -7,7 +7,9 @@ and stderr), forks a process that does what `python <argv>` would do from there 
   (arguments, config file, the environment it computes, torchrun's elastic agent with its rendezvous
   store, its failure reports and exit codes); only the agent's `Popen(python -u script ...)` of each rank
   becomes a fork of the launcher (`warm_execute_child`), given the environment the agent computed;
-- `script.py ...`: the script runs in the forked process itself.
+- `script.py ...`: the script runs in the forked process itself;
+- `-m toolkit.commands.cli ...` (`ftkit train`, `ftkit eval --gpus`, ...): the command line runs in the
+  forked process, and the `python -m accelerate.commands.launch ...` it starts is a fork of it, as above.
 
 A forked rank does what a fresh interpreter would: its own session, default signal handlers, stdio on the
 descriptors it was given (`-u` honoured), every other descriptor closed, `os.environ` exactly the one
@@ -170,6 +172,8 @@ def become(argv: list[str], env: dict[str, str]) -> None:
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
         sys.path[0] = os.getcwd()
+        # Run as __main__ only, as `python -m` has it (the command line that started it may have imported it).
+        sys.modules.pop(argv[1], None)
         # What the launcher starts as `python -u script` is a fork of it (whatever module named Popen).
         subprocess.Popen._execute_child = warm_execute_child
         run_as_main(lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True))
@@ -181,19 +185,23 @@ def become(argv: list[str], env: dict[str, str]) -> None:
 
 
 def script_argv(args: list[str]) -> list[str] | None:
-    """`[python, (-u), script.py, ...]` as the argv `become` takes; None for any other command."""
+    """`[python, (-u), script.py, ...]` or `[python, (-u), -m, accelerate.commands.launch, ...]` (what `ftkit
+    train` runs) as the argv `become` takes; None for any other command."""
     if not args or args[0] != sys.executable:
         return None
     rest = list(args[1:])
     head = ["-u"] if rest[:1] == ["-u"] else []
     rest = rest[len(head) :]
+    if rest[:2] == ["-m", "accelerate.commands.launch"]:
+        return [*head, *rest]
     if not rest or not rest[0].endswith(".py") or not os.path.isfile(rest[0]):
         return None
     return [*head, *rest]
 
 
 def warm_execute_child(self, *args):
-    """Popen's `python (-u) script.py ...` as a fork of this (warm) process instead of an exec; any other
+    """Popen's `python (-u) script.py ...` (or accelerate's launcher) as a fork of this (warm) process instead
+    of an exec; any other
     command, and any with a preexec_fn, a shell, a umask or a user or group change, is exec'd as usual."""
     call = inspect.signature(REAL_EXECUTE).bind(self, *args).arguments
     argv = None if isinstance(call["args"], (str, bytes, os.PathLike)) else script_argv(call["args"])

@@ -1,11 +1,11 @@
 """The test launcher itself. Its one retry, with the output put back: only for a rank aborting in gloo's
 teardown, or a launch that hung, each reported as a `LaunchRetried` warning with the first try's stderr or
-stacks. Its warm start (tests/warm.py):
-each test here runs the same command twice, once through the real `accelerate launch` (or `python`) and once
-started warm, and compares what the ranks were given (their whole environment, argv, sys.path, torch's
-threads), what they computed (per-step losses of the recipe under DDP, FSDP2 and ZeRO-3, equal to the last
-digit) and how a failure shows (a rank raising, a rank killed by a signal, a rank that stalls until the
-test's timeout): the real path is what the warm one is checked against.
+stacks. Its warm start (tests/warm.py): each test here runs the same command twice, once through the real
+`accelerate launch` (or `python`, or `ftkit train`) and once started warm, and compares what the ranks were
+given (their whole environment, argv, sys.path, torch's threads), what they computed (per-step losses and
+gradient norms of `ftkit train` under ZeRO-3 with its whole console, equal to the last digit) and how a
+failure shows (a rank raising, a rank killed by a signal, a rank that stalls until the test's timeout): the
+real path is what the warm one is checked against.
 """
 
 import json
@@ -24,9 +24,10 @@ from helpers import (
     REPO,
     TEARDOWN_ABORT,
     LaunchRetried,
+    console_lines,
     launch,
     logged,
-    recipe_command,
+    run_ftkit_train,
     run_launched,
     step_losses,
 )
@@ -142,22 +143,23 @@ def test_a_warm_rank_starts_with_what_accelerate_launch_gives_it(config, monkeyp
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("config", ["zero3"])
-def test_a_warm_launch_trains_like_accelerate_launch(config, monkeypatch, tmp_path):
-    """The recipe's per-step losses and gradient norms, equal to the last digit. One config: what a warm
-    rank starts with is compared for each (above); DDP's and FSDP's runs were folded (80 s here), ZeRO-3's
-    engine is the one built from what the rank was given."""
+def test_a_warm_ftkit_train_prints_and_trains_like_the_real_one(monkeypatch, tmp_path):
+    """`ftkit train --backend zero3` started warm: the command line runs in the fork and the `accelerate
+    launch` it starts is a fork of it in turn. What the user reads (progress bars aside, the port its own
+    each time), the per-step losses and the gradient norms equal the real command's to the last digit. One
+    config: what a warm rank starts with is compared for each (above); ZeRO-3's engine is the one built from
+    what the rank was given (the recipe's own DDP and FSDP launches were folded, 80 s here)."""
     out = tmp_path / "run"
-    command, env = recipe_command(out, launch=launch(config))
-    losses = {}
+    seen = {}
     for way in ("real", "warm"):
         monkeypatch.setattr(warm, "real_launch", way == "real")
-        result = run_launched(command, env, keep=out, timeout=600)
-        assert result.returncode == 0, result.stderr[-4000:]
-        losses[way] = step_losses(out), logged(out, "grad_norm")
+        result = run_ftkit_train(out, "zero3")
+        lines = [re.sub(r"--main_process_port \d+", "PORT", line) for line in console_lines(result)]
+        seen[way] = [line for line in lines if "%|" not in line], step_losses(out), logged(out, "grad_norm")
         out.rename(tmp_path / way)
-    assert len(losses["real"][0]) == 4
-    assert losses["warm"] == losses["real"]
+    assert len(seen["real"][1]) == 4 and "result: held-out eval loss" in seen["real"][0][-3]
+    assert "backend deepspeed ZeRO-3" in seen["real"][0][1]
+    assert seen["warm"] == seen["real"]
 
 
 def traceback(stderr: str) -> str:

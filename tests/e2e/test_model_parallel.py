@@ -91,7 +91,8 @@ CASES = {  # run -> (its one-process twin, the start-up line's backend, world si
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.real_launch) if n == "hsdp-full" else n for n in CASES]
+    "name",
+    [pytest.param(n, marks=pytest.mark.real_launch) if n in ("hsdp-full", "tp-lora") else n for n in CASES],
 )
 def test_mesh_trains_saves_exports_like_one_process(name, runs):
     twin, line, world, tp = CASES[name]

@@ -4,8 +4,9 @@ processes) on a Qwen2-shaped model
 (tests/e2e/test_dpo_recipe.py has LoRA under sp_zero3 on the Llama); checkpoints resume exactly and the
 export is plain HF files.
 
-Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher), except sp (the real
-`ftkit train`) and sp_dp's DPO run, which launch for real.
+Launches: started warm (tests/warm.py; `FTKIT_TEST_LAUNCH=real` for the real launcher; sp's through `ftkit
+train`'s command line, started warm too), except sp_dp's DPO run, which launches for real (and sp_zero3's in
+tests/e2e/test_dpo_recipe.py).
 """
 
 import shutil

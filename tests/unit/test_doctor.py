@@ -185,6 +185,16 @@ def test_this_machines_bitsandbytes_backend_is_probed():
     assert _bnb_backend().startswith(("CPU, native library", "CUDA, native library"))
 
 
+def test_the_fail_level_probes_of_ftkit_train_skip_the_warn_only_ones(tmp_path):
+    """`ftkit train` looks only for failures before it launches: bitsandbytes' import (about 3 s) and
+    DeepSpeed's op probe only ever warn, so they are left to `ftkit doctor`."""
+    from toolkit.commands.doctor.probe import gather_probes
+
+    quick = gather_probes(tmp_path, warn_only=False)
+    assert quick.bnb_backend is None and quick.deepspeed_ops == {}
+    assert quick.packages["torch"] and quick.cpu_cores >= 1
+
+
 def test_recurrent_kernels_are_reported_per_layer_kind_on_a_gpu_machine():
     ok = finding(machine(), "recurrent kernels")
     assert (

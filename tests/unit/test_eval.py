@@ -156,6 +156,14 @@ def test_a_folder_without_a_model_is_one_line(tmp_path, capsys, gpus):
     assert f"--model: {tmp_path} holds no model" in capsys.readouterr().err
 
 
+def test_a_call_of_only_ftkits_tasks_reads_no_index_of_lm_evals():
+    """lm-eval's index of its thousands of task YAMLs takes 20 s and more here: ftkit's own tasks are whole
+    configs and need none of it (a name outside them is checked against the whole index, as above)."""
+    manager, specs = tasks.resolve(["ftkit_sums", "ftkit_sums_choice"], None)
+    assert [spec["task"] for spec in specs] == ["ftkit_sums", "ftkit_sums_choice"]
+    assert "hellaswag" not in manager.all_tasks and len(manager.all_tasks) < 100
+
+
 def test_a_task_whose_data_is_on_the_hub_is_named(monkeypatch):
     manager, specs = tasks.resolve(["ftkit_sums"], None)
     hub_only = dict(specs[0], dataset_path="openai/gsm8k", dataset_kwargs={})

@@ -156,3 +156,38 @@ def test_a_mixture_of_experts_trains_with_the_kernel_it_takes_and_its_router_bal
     logged = [line for line in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in line]
     assert logged[-1]["step"] == 2 and math.isfinite(logged[-1]["loss"])
     assert logged[-1]["router_aux_loss"] >= 2 * 0.99 and logged[-1]["expert_load_max"] >= 1.0
+
+
+def test_threads_generating_at_once_leave_compilation_on_whatever_order_they_end_in():
+    """Two threads inside `eager_blocks` at once, the first in leaving first (the studio's two chat answers,
+    conversations answered concurrently): compiled code runs eagerly while either is inside and compiles
+    again once both are out."""
+    import threading
+
+    from torch._dynamo import eval_frame
+
+    from toolkit.model.speed import eager_blocks
+
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with eager_blocks():
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    def second():
+        first_in.wait(10)
+        with eager_blocks():
+            second_in.set()
+            first_out.wait(10)
+            seen["inside after the first left"] = eval_frame._stance.stance
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert seen == {"inside after the first left": "force_eager"}
+    assert eval_frame._stance.stance == "default"

@@ -16,8 +16,10 @@ not, the run goes on without it and says so in one line.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import shutil
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -154,10 +156,28 @@ def compile_blocks(model) -> int:
     return len(blocks)
 
 
+_EAGER = threading.Lock()
+_eager_holders: list = []  # the stance set by the first thread in, while any thread is inside
+
+
+@contextlib.contextmanager
 def eager_blocks():
     """Around generation: compiled blocks run their eager code, since decoding one token at a time against
-    a growing cache would recompile them (and the training graphs stay as they are)."""
-    return torch.compiler.set_stance("force_eager")
+    a growing cache would recompile them (and the training graphs stay as they are). torch's stance is one
+    for the whole process: threads inside at once (the studio's two chat answers, conversations answered
+    concurrently) share one setting, made by the first in and undone by the last out. Each setting and
+    undoing its own, one thread could undo another's and leave compilation off for good."""
+    with _EAGER:
+        if not _eager_holders:
+            _eager_holders.append(torch.compiler.set_stance("force_eager"))
+        _eager_holders.append(None)
+    try:
+        yield
+    finally:
+        with _EAGER:
+            _eager_holders.pop()
+            if len(_eager_holders) == 1:
+                _eager_holders.pop().__exit__(None, None, None)
 
 
 def _installed(package: str) -> bool:
