@@ -159,9 +159,9 @@ def test_a_mixture_of_experts_trains_with_the_kernel_it_takes_and_its_router_bal
 
 
 def test_threads_generating_at_once_leave_compilation_on_whatever_order_they_end_in():
-    """Two threads inside `eager_blocks` at once, the first in leaving first (the studio's two chat answers,
-    conversations answered concurrently): compiled code runs eagerly while either is inside and compiles
-    again once both are out."""
+    """Two threads inside `eager_blocks` at once, the first in leaving first (conversations answered
+    concurrently with the model): compiled code runs eagerly while either is inside and compiles again once
+    both are out."""
     import threading
 
     from torch._dynamo import eval_frame

@@ -164,9 +164,10 @@ _eager_holders: list = []  # the stance set by the first thread in, while any th
 def eager_blocks():
     """Around generation: compiled blocks run their eager code, since decoding one token at a time against
     a growing cache would recompile them (and the training graphs stay as they are). torch's stance is one
-    for the whole process: threads inside at once (the studio's two chat answers, conversations answered
-    concurrently) share one setting, made by the first in and undone by the last out. Each setting and
-    undoing its own, one thread could undo another's and leave compilation off for good."""
+    for the whole process: threads inside at once (conversations answered concurrently with the model, as
+    the engine's stand-in in the unit tests does) share one setting, made by the first in and undone by the
+    last out. Each setting and undoing its own, one thread could undo another's and leave compilation off
+    for good."""
     with _EAGER:
         if not _eager_holders:
             _eager_holders.append(torch.compiler.set_stance("force_eager"))
