@@ -190,7 +190,7 @@ def test_the_fail_level_probes_of_ftkit_train_skip_the_warn_only_ones(tmp_path):
     DeepSpeed's op probe only ever warn, so they are left to `ftkit doctor`."""
     from toolkit.commands.doctor.probe import gather_probes
 
-    quick = gather_probes(tmp_path, warn_only=False)
+    quick = gather_probes(tmp_path, include_warnings=False)
     assert quick.bnb_backend is None and quick.deepspeed_ops == {}
     assert quick.packages["torch"] and quick.cpu_cores >= 1
 

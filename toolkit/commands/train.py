@@ -225,7 +225,7 @@ def train_cli(args) -> int:
     if plan.reason:
         print(plan.reason)
     print(plan.display(), flush=True)
-    findings = report.diagnose(probe.gather_probes(Path(cfg.output_dir), warn_only=False))
+    findings = report.diagnose(probe.gather_probes(Path(cfg.output_dir), include_warnings=False))
     preflight(
         plan,
         cfg,

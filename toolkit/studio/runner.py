@@ -169,7 +169,7 @@ def _fill(shown: Preview, form: NewRun, roots: Roots) -> None:
     args = argparse.Namespace(gpus=None, backend=form.backend or "auto", accelerate_args=[], config=None)
     plan = train.plan_launch(args, overrides, cfg, machine, train.Nodes(), train.recipe_path(recipe))
     cfg = load_recipe_config(recipe, None, plan.overrides)
-    findings = report.diagnose(probe.gather_probes(roots.runs, warn_only=False))
+    findings = report.diagnose(probe.gather_probes(roots.runs, include_warnings=False))
     train.preflight(plan, cfg, "the form", findings, machine, os.environ)
     shown.check = [plan.reason] if plan.reason else []
     shown.check += [f"{plan.backend}: {plan.processes} process(es)", data_check(cfg, form.recipe)]

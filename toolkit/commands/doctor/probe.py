@@ -22,11 +22,11 @@ ALLREDUCE_TIMEOUT_S = 30
 
 
 def gather_probes(
-    output_dir: Path, warn_only: bool = True, allreduce_timeout_s: float | None = None
+    output_dir: Path, include_warnings: bool = True, allreduce_timeout_s: float | None = None
 ) -> Probes:
-    """Look at this machine (a few seconds; no network, nothing heavy is built). Without `warn_only` the
-    seconds-long probes that only ever warn (DeepSpeed's ops, bitsandbytes' backend: importing it takes about
-    3 s) are skipped, so `ftkit train`'s fail-level check starts the launch sooner.
+    """Look at this machine (a few seconds; no network, nothing heavy is built). Without `include_warnings`
+    the seconds-long probes that only ever warn (DeepSpeed's ops, bitsandbytes' backend: importing it takes
+    about 3 s) are skipped, so `ftkit train`'s fail-level check starts the launch sooner.
     With `allreduce_timeout_s`, every GPU pair all-reduces once under that timeout (seconds per pair)."""
     import torch
 
@@ -57,9 +57,9 @@ def gather_probes(
         disk_free_bytes=_disk_free(output_dir),
         accelerate_config_path=str(config_path),
         accelerate_config=_read_yaml(config_path),
-        deepspeed_ops=_deepspeed_ops() if packages["deepspeed"] and warn_only else {},
+        deepspeed_ops=_deepspeed_ops() if packages["deepspeed"] and include_warnings else {},
         build_tools={"ninja": shutil.which("ninja"), "c++": shutil.which("c++") or shutil.which("g++")},
-        bnb_backend=_bnb_backend() if packages["bitsandbytes"] and warn_only else None,
+        bnb_backend=_bnb_backend() if packages["bitsandbytes"] and include_warnings else None,
         allreduce=check_pairs(len(gpus), allreduce_timeout_s)
         if allreduce_timeout_s and len(gpus) > 1
         else None,
