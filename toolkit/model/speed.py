@@ -156,29 +156,38 @@ def compile_blocks(model) -> int:
     return len(blocks)
 
 
-_EAGER = threading.Lock()
-_eager_holders: list = []  # the stance set by the first thread in, while any thread is inside
+class _SharedStance:
+    """A compiler stance that threads may hold at once: torch's stance is one for the whole process, so the
+    first thread in sets it and the last one out puts back what was there before. Each setting and undoing
+    its own, one thread could undo another's and leave the stance set for good."""
+
+    def __init__(self, stance: str):
+        self.stance, self.lock, self.inside, self.undo = stance, threading.Lock(), 0, None
+
+    @contextlib.contextmanager
+    def held(self):
+        with self.lock:
+            if self.inside == 0:
+                self.undo = torch.compiler.set_stance(self.stance)
+            self.inside += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.inside -= 1
+                if self.inside == 0:
+                    self.undo.__exit__(None, None, None)
 
 
-@contextlib.contextmanager
+_EAGER = _SharedStance("force_eager")
+
+
 def eager_blocks():
     """Around generation: compiled blocks run their eager code, since decoding one token at a time against
-    a growing cache would recompile them (and the training graphs stay as they are). torch's stance is one
-    for the whole process: threads inside at once (conversations answered concurrently with the model, as
-    the engine's stand-in in the unit tests does) share one setting, made by the first in and undone by the
-    last out. Each setting and undoing its own, one thread could undo another's and leave compilation off
-    for good."""
-    with _EAGER:
-        if not _eager_holders:
-            _eager_holders.append(torch.compiler.set_stance("force_eager"))
-        _eager_holders.append(None)
-    try:
-        yield
-    finally:
-        with _EAGER:
-            _eager_holders.pop()
-            if len(_eager_holders) == 1:
-                _eager_holders.pop().__exit__(None, None, None)
+    a growing cache would recompile them (and the training graphs stay as they are). Threads inside at once
+    (conversations answered concurrently with the model, as the engine's stand-in in the unit tests does)
+    share one setting (`_SharedStance`)."""
+    return _EAGER.held()
 
 
 def _installed(package: str) -> bool:
