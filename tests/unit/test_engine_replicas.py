@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from toolkit.engine import client
+from toolkit.engine import client, server
 from toolkit.engine.replicas import ReplicaError, Replicas
 from toolkit.errors import UserError
 from toolkit.grpo import engine_start, rollout, sampling
@@ -74,6 +74,28 @@ def test_cpu_copies_split_this_process_cores(monkeypatch):
     assert engine_start.core_shares(2) == ["0,1", "2,3,4"]
     monkeypatch.setattr(engine_start.os, "sched_getaffinity", lambda pid: {3})
     assert engine_start.core_shares(2) == ["", ""]  # fewer cores than copies: vLLM's own choice
+
+
+def test_a_cpu_engine_on_two_cores_or_fewer_serves_in_its_own_process_held_to_its_share(monkeypatch):
+    """vLLM's worker process would get one thread there anyway; on more cores it keeps its worker, bound."""
+    monkeypatch.setattr(server, "has_gpu", lambda: False)
+    monkeypatch.setattr(server, "_end_with_parent", lambda: None)
+    monkeypatch.setattr(server.os, "sched_getaffinity", lambda pid: {0, 1})
+    python = server.ENGINE_VENV / "bin" / "python"
+
+    def started(spec):
+        command, env = server.serve_command(python, spec, "h", 1), server.serve_environment(spec, {})
+        pinned = []
+        monkeypatch.setattr(server.os, "sched_setaffinity", lambda pid, cores: pinned.append(cores))
+        server._starting(spec)()
+        uni = command[command.index("--distributed-executor-backend") + 1] if "uni" in command else None
+        return uni, env.get("VLLM_ENABLE_V1_MULTIPROCESSING"), env.get("VLLM_CPU_OMP_THREADS_BIND"), pinned
+
+    assert started(server.ServeSpec("m", "float32", 64)) == ("uni", "0", None, [])  # the machine's two
+    assert started(server.ServeSpec("m", "float32", 64, cpus="1")) == ("uni", "0", None, [[1]])
+    assert started(server.ServeSpec("m", "float32", 64, cpus="0,1,2")) == (None, None, "0,1,2", [])
+    monkeypatch.setattr(server.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert started(server.ServeSpec("m", "float32", 64)) == (None, None, None, [])
 
 
 class Prompts(list):
