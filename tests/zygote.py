@@ -79,6 +79,10 @@ def preload() -> None:
         with contextlib.suppress(Exception):
             importlib.import_module(name)
     IMPORT_ENV.update({k: v for k, v in os.environ.items() if before.get(k) != v})
+    # transformers' table of checkpoint renamings, every family's, built at a process's first model load
+    # (about a second of regular expressions here) and only ever copied out of its cache after.
+    with contextlib.suppress(Exception):
+        importlib.import_module("transformers.conversion_mapping").get_checkpoint_conversion_mapping("llama")
     # `python -m` runs it as __main__: its imports stay loaded, the module itself is not.
     sys.modules.pop("accelerate.commands.launch", None)
 
