@@ -172,7 +172,7 @@ pytest = $(PY) -m pytest $(1) || { code=$$?; [ $$code -eq 5 ] && echo "no tests 
 # The quick tests first, so a broken unit fails in seconds before the launched runs start.
 test: test-unit test-e2e
 
-# In-process tests only (no launched runs), two workers (a test file stays on one): about 12 minutes on two
+# In-process tests only (no launched runs), two workers (a test file stays on one): about 8 minutes on two
 # cores; one file alone answers in seconds.
 test-unit: install
 	$(call pytest,tests/unit -n 2 --dist loadfile --durations=15)

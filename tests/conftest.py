@@ -1,11 +1,28 @@
 """Shared by every test. Its folder is on sys.path, so tests in tests/unit and tests/e2e import `helpers`."""
 
+import os
 import signal
 import sys
 
 import datasets
 import pytest
+import torch
 import warm
+
+
+def share_the_cores() -> None:
+    """A pytest-xdist worker shares the machine's cores with the others: unless OMP_NUM_THREADS says
+    otherwise, it (and what it starts) computes on its share of them. OpenMP's threads spin while they wait
+    for each other, so two workers of two threads each on two cores stall each other at every parallel
+    region: the unit tests' heaviest files ran 3.4 times slower so (192 s against 56 s)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+share_the_cores()
 
 
 def pytest_configure(config):
