@@ -161,7 +161,9 @@ def serves_in_process(spec: ServeSpec) -> bool:
     executor) rather than in a worker process of its own: vLLM keeps one core for its front end and gives
     the worker the rest, one thread here either way, and the start is one import of vLLM shorter (about 20
     of 55 s on two cores)."""
-    return not has_gpu() and spec.tensor_parallel_size <= 1 and len(engine_cores(spec)) <= IN_PROCESS_MAX_CORES
+    return (
+        not has_gpu() and spec.tensor_parallel_size <= 1 and len(engine_cores(spec)) <= IN_PROCESS_MAX_CORES
+    )
 
 
 def _end_with_parent() -> None:
