@@ -94,6 +94,8 @@ def test_a_cpu_engine_on_two_cores_or_fewer_serves_in_its_own_process_held_to_it
     assert started(server.ServeSpec("m", "float32", 64)) == ("uni", "0", None, [])  # the machine's two
     assert started(server.ServeSpec("m", "float32", 64, cpus="1")) == ("uni", "0", None, [[1]])
     assert started(server.ServeSpec("m", "float32", 64, cpus="0,1,2")) == (None, None, "0,1,2", [])
+    assert started(server.ServeSpec("m", "float32", 64, cpus="2-3")) == ("uni", "0", None, [[2, 3]])
+    assert started(server.ServeSpec("m", "float32", 64, cpus="0-1,4")) == (None, None, "0-1,4", [])
     monkeypatch.setattr(server.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert started(server.ServeSpec("m", "float32", 64)) == (None, None, None, [])
 

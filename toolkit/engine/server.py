@@ -152,8 +152,15 @@ def serve_environment(spec: ServeSpec, base: dict[str, str]) -> dict[str, str]:
 
 
 def engine_cores(spec: ServeSpec) -> list[int]:
-    """The cores a CPU engine runs on: its share (`cpus`), else all this process may use."""
-    return [int(core) for core in spec.cpus.split(",")] if spec.cpus else sorted(os.sched_getaffinity(0))
+    """The cores a CPU engine runs on: its share (`cpus`, "0,1" or "0-3,6" as VLLM_CPU_OMP_THREADS_BIND
+    reads it), else all this process may use."""
+    if not spec.cpus:
+        return sorted(os.sched_getaffinity(0))
+    cores = []
+    for part in spec.cpus.split(","):
+        first, _, last = part.partition("-")
+        cores += range(int(first), int(last or first) + 1)
+    return cores
 
 
 def serves_in_process(spec: ServeSpec) -> bool:
