@@ -187,10 +187,12 @@ def _starting(spec: ServeSpec):
     """What runs in the engine's process before it starts: `_end_with_parent`; an engine serving in its own
     process is held to its share of the cores (vLLM binds a worker process's threads only)."""
 
+    pinned = engine_cores(spec) if spec.cpus and serves_in_process(spec) else None  # decided before the fork
+
     def start() -> None:
         _end_with_parent()
-        if spec.cpus and serves_in_process(spec):
-            os.sched_setaffinity(0, engine_cores(spec))
+        if pinned:
+            os.sched_setaffinity(0, pinned)
 
     return start
 
