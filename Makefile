@@ -30,10 +30,12 @@ $(STAMP): $(call stale,$(INSTALL_DIGEST),$(STAMP))
 	echo $(INSTALL_DIGEST) > $(STAMP)
 
 # DeepSpeed's CPU ops, compiled now instead of at the first run that needs them (about 2 minutes of two
-# cores, once per environment: torch caches them in ~/.cache/torch_extensions, keyed to this .venv): the CPU
+# cores, once per environment: torch caches them in ~/.cache/torch_extensions or TORCH_EXTENSIONS_DIR): the CPU
 # Adam that ZeRO's optimizer offload steps with (ds_configs/zero3_offload.json) and the shared-memory
 # collectives DeepSpeed uses between processes on a CPU machine. Without it the first such run builds them.
+# A build lock left by a build that was cut off is named first (toolkit/launch/op_builds.py): loads wait on it.
 install-ds-ops: install
+	$(PY) -m toolkit.launch.op_builds
 	$(PY) -c "from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder; \
 		[builder().load(verbose=False) for builder in (CPUAdamBuilder, ShareMemCommBuilder)]"
 

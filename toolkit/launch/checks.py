@@ -21,6 +21,7 @@ from toolkit.launch.backend import (
 from toolkit.launch.deepspeed import DS_SETTINGS_ENV
 from toolkit.launch.machine import GEFORCE_40, Machine
 from toolkit.launch.mesh import check_mesh
+from toolkit.launch.op_builds import refuse_left_locks
 from toolkit.launch.request import Launch, backend_name
 from toolkit.launch.rows import check_rows
 from toolkit.launch.sections import (
@@ -369,6 +370,7 @@ def _check_precision(launch: Launch, train: TrainConfig, recipe_source: str, mac
 
 
 def _check_deepspeed(launch: Launch, train: TrainConfig, recipe_source: str, ga: int) -> None:
+    refuse_left_locks()  # DeepSpeed loads its compiled ops through torch's build lock
     if launch.ds_config_file and launch.ds_settings:
         raise UserError(
             f"{launch.source}: {', '.join(launch.ds_settings)} beside deepspeed_config_file are refused by "

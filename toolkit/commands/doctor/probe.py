@@ -15,6 +15,7 @@ from toolkit.commands.allreduce_check import check_pairs
 from toolkit.commands.doctor.records import PACKAGES, Gpu, Probes
 from toolkit.errors import UserError
 from toolkit.launch.machine import ram_bytes
+from toolkit.launch.op_builds import left_locks
 from toolkit.typed_yaml import read_yaml_mapping
 
 ALLREDUCE_TIMEOUT_S = 30
@@ -58,6 +59,7 @@ def gather_probes(
         accelerate_config_path=str(config_path),
         accelerate_config=_read_yaml(config_path),
         deepspeed_ops=_deepspeed_ops() if packages["deepspeed"] and include_warnings else {},
+        left_build_locks=[str(lock) for lock in left_locks()],
         build_tools={"ninja": shutil.which("ninja"), "c++": shutil.which("c++") or shutil.which("g++")},
         bnb_backend=_bnb_backend() if packages["bitsandbytes"] and include_warnings else None,
         allreduce=check_pairs(len(gpus), allreduce_timeout_s)

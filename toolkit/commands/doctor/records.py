@@ -61,6 +61,8 @@ class Probes:
     """ninja and a C++ compiler, which DeepSpeed needs to build ops just in time."""
     allreduce: list[PairResult] | None = None
     """A short NCCL all-reduce on every GPU pair (None: not run)."""
+    left_build_locks: list[str] = field(default_factory=list)
+    """Compiled-op build locks left by builds that were cut off (toolkit/launch/op_builds.py)."""
     bnb_backend: str | None = None
     """The device bitsandbytes runs 4-bit layers on (CUDA, ROCm, XPU, CPU) and its native library's state;
     None without bitsandbytes."""

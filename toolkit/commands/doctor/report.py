@@ -24,6 +24,7 @@ def diagnose(p: Probes) -> list[Finding]:
         host.disk(p),
         software.accelerate_default(p),
         software.deepspeed_ops(p),
+        software.build_locks(p),
         software.bitsandbytes_backend(p),
         software.recurrent_kernels(p),
     ]

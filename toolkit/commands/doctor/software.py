@@ -140,3 +140,18 @@ def bitsandbytes_backend(p: Probes) -> Finding | None:
     status = "warn" if "missing" in p.bnb_backend and not p.bnb_backend.startswith("CPU") else "ok"
     fix = "" if status == "ok" else "reinstall bitsandbytes for this torch build: pip install 'ftkit[qlora]'"
     return Finding("bitsandbytes", status, f"bitsandbytes 4-bit backend: {p.bnb_backend}", fix)
+
+
+def build_locks(p: Probes) -> Finding | None:
+    """A compiled op whose build was cut off: every run that loads it hangs (toolkit/launch/op_builds.py).
+    A warning here: a DeepSpeed launch's own checks refuse it, other runs may never load that op."""
+    if not p.left_build_locks:
+        return None
+    first, more = p.left_build_locks[0], len(p.left_build_locks) - 1
+    also = f" (and {more} more like it)" if more else ""
+    return Finding(
+        "op builds",
+        "warn",
+        f"{first}: left by a build that was cut off{also}; every run that loads that op waits on it for ever",
+        f"remove it (no process holds it): rm {first}",
+    )
