@@ -96,10 +96,11 @@ def fire_when(ready, expire: threading.Event) -> None:
     expire.set()
 
 
-def both_ways(monkeypatch, command: list[str], out) -> dict:
+def both_ways(monkeypatch, command: list[str], out, recipe_imports: bool = False) -> dict:
     """The command run for real and then warm (the same command: the same rendezvous port); what it
-    wrote to `out` is moved to out/../real and out/../warm."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    wrote to `out` is moved to out/../real and out/../warm. With `recipe_imports`, each rank imports what a
+    recipe's rank does before it writes (tests/scripts/dump_env.py)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DUMP_RECIPE_IMPORTS": "1" if recipe_imports else "0"}
     results = {}
     for way in ("real", "warm"):
         monkeypatch.setattr(warm, "real_launch", way == "real")
@@ -120,7 +121,10 @@ def started(out) -> dict:
 
 @pytest.mark.parametrize("config", [None, "single", "ddp", "fsdp", "zero1", "zero2", "zero3"])
 def test_a_warm_rank_starts_with_what_accelerate_launch_gives_it(config, monkeypatch, tmp_path):
-    results = both_ways(monkeypatch, dump_command(tmp_path / "out", config), tmp_path / "out")
+    """What each config's launcher gives its ranks; under ZeRO-3 after the imports of a recipe's rank too (the
+    warm process made them before it forked: they must leave the same state a rank's own imports do)."""
+    command = dump_command(tmp_path / "out", config)
+    results = both_ways(monkeypatch, command, tmp_path / "out", recipe_imports=config == "zero3")
     runs = {}
     for way, result in results.items():
         assert result.returncode == 0, result.stderr[-3000:]

@@ -1,7 +1,9 @@
-"""Writes what this process has once it has imported what a recipe's rank imports (environment, argv,
-sys.path[0], __file__, torch's thread count, its pid) to <out>/rank-<RANK>.json, then runs the Python
-statement given as the second argument on rank 1 (on the only process where RANK is unset): how
-tests/e2e/test_helpers.py compares a warm start with a real one."""
+"""Writes what this process has (environment, argv, sys.path[0], __file__, torch's thread count, its pid) to
+<out>/rank-<RANK>.json, then runs the Python statement given as the second argument on rank 1 (on the only
+process where RANK is unset): how tests/e2e/test_helpers.py compares a warm start with a real one. DeepSpeed
+is imported first, as a recipe's rank does (its import sets PYTORCH_NVML_BASED_CUDA_CHECK, which a warm rank
+has from the warm process); with DUMP_RECIPE_IMPORTS=1, all a recipe's rank imports (a real rank takes
+several seconds of a core more for them)."""
 
 import json
 import os
@@ -9,11 +11,13 @@ import sys
 from pathlib import Path
 
 import deepspeed  # noqa: F401
-import peft  # noqa: F401
 import torch
-import transformers.models.llama.modeling_llama  # noqa: F401
 
-import toolkit.run  # noqa: F401
+if os.environ.get("DUMP_RECIPE_IMPORTS") == "1":
+    import peft  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    import toolkit.run  # noqa: F401
 
 out = Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
