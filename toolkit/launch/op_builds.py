@@ -1,8 +1,8 @@
 """Builds of compiled ops that were cut off. torch builds an extension just in time (DeepSpeed's CPU Adam, its
 shared-memory collectives on a CPU machine, ...) in a folder of its own and marks the build in progress with
-an empty file, `lock`, which the building process holds open and removes when it is done. A build that is
-killed (Ctrl-C twice, an out-of-memory kill, a machine stopped) leaves the file behind, and every later load
-of that op, built or not, waits for it to go away, for ever and without a word.
+an empty file, `lock`, which the building process holds open and removes when it is done. A build killed
+outright (`kill -9`, the out-of-memory killer, a machine or a session stopped) leaves the file behind, and
+every later load of that op, built or not, waits for it to go away, for ever and without a word.
 
 `python -m toolkit.launch.op_builds` says so in one line (exit 2) where such a file is found, as `make
 install-ds-ops`, a DeepSpeed launch's checks and `ftkit doctor` do."""
