@@ -49,7 +49,8 @@ def test_a_deepspeed_launch_and_the_module_say_it_in_one_line(tmp_path, monkeypa
     lock = lock_in(tmp_path, "deepspeed_shm_comm", 3600)
     said = (
         f"{lock}: a build of the compiled op 'deepspeed_shm_comm' was cut off 60 min ago and left its lock "
-        "(no process holds it), so every run that loads the op waits on it for ever: remove the file"
+        "(no process on this machine holds it), so every run that loads the op waits on it for ever: "
+        "remove the file"
     )
     assert cli(["check-config", "accelerate_configs/zero3.yaml"]) == 2
     assert capsys.readouterr().err.strip() == f"ftkit check-config: error: {said}"
@@ -60,17 +61,10 @@ def test_a_deepspeed_launch_and_the_module_say_it_in_one_line(tmp_path, monkeypa
 
 
 def test_doctor_names_the_lock_and_how_to_remove_it():
-    seen = finding(
-        machine(left_build_locks=["/home/me/.cache/torch_extensions/py311_cpu/cpu_adam/lock"]), "op builds"
-    )
-    assert (
-        seen.status == "warn"
-        and seen.fix
-        == "remove it (no process holds it): rm /home/me/.cache/torch_extensions/py311_cpu/cpu_adam/lock"
-    )
+    lock = "/home/me/.cache/torch_extensions/py311_cpu/cpu_adam/lock"
+    seen = finding(machine(left_build_locks=[lock]), "op builds")
+    assert seen.status == "warn" and seen.fix == f"remove it (no process on this machine holds it): rm {lock}"
     assert "cut off; every run that loads that op waits on it for ever" in seen.message
     two = dataclasses.replace(machine(), left_build_locks=["/a/lock", "/b/lock"])
-    assert (
-        "(and 1 more like it)" in finding(two, "op builds").message
-        and exit_code([finding(two, "op builds")]) == 0
-    )
+    assert "(and 1 more like it)" in finding(two, "op builds").message
+    assert exit_code([finding(two, "op builds")]) == 0  # a warning: other runs may never load the op

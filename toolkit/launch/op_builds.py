@@ -64,7 +64,8 @@ def describe(lock: Path) -> str:
     minutes = (time.time() - lock.stat().st_mtime) / 60
     return (
         f"{lock}: a build of the compiled op {lock.parent.name!r} was cut off {minutes:.0f} min ago and left "
-        "its lock (no process holds it), so every run that loads the op waits on it for ever: remove the file"
+        "its lock (no process on this machine holds it), so every run that loads the op waits on it for "
+        "ever: remove the file"
     )
 
 

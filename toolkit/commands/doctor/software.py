@@ -153,5 +153,5 @@ def build_locks(p: Probes) -> Finding | None:
         "op builds",
         "warn",
         f"{first}: left by a build that was cut off{also}; every run that loads that op waits on it for ever",
-        f"remove it (no process holds it): rm {first}",
+        f"remove it (no process on this machine holds it): rm {first}",
     )
