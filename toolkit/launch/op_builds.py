@@ -23,12 +23,14 @@ home folder, which no /proc here shows."""
 
 
 def extensions_root() -> Path:
-    """Where torch builds extensions: TORCH_EXTENSIONS_DIR, else its per-user cache folder."""
+    """Where torch builds extensions: TORCH_EXTENSIONS_DIR, else its per-user cache folder (torch's own
+    answer, which has the folder for this Python and build inside)."""
     explicit = os.environ.get("TORCH_EXTENSIONS_DIR")
     if explicit:
         return Path(explicit)
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "torch_extensions"
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root())
 
 
 def held_open() -> set[str]:
