@@ -147,6 +147,8 @@ demo-grpo-vllm: install
 # on only some questions (trained first when missing: recipes/configs/demo-agent-sft.yaml, then
 # demo-agent-start.yaml); then held-out exact match of the start and the result, with the calculator and
 # without it (docs/grpo.md).
+# The GRPO run's folder: the config's, or the output_dir=... given in ARGS (scripts/demo_matrix.py's cells).
+AGENT_OUT = $(or $(lastword $(patsubst output_dir=%,%,$(filter output_dir=%,$(ARGS)))),runs/demo-agent)
 demo-agent: install
 	test -f runs/demo-agent-sft/final/config.json || $(VENV)/bin/accelerate launch \
 		--config_file accelerate_configs/single.yaml recipes/finetune_llm.py \
@@ -156,7 +158,7 @@ demo-agent: install
 		--config recipes/configs/demo-agent-start.yaml train.overwrite=true
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/grpo_llm.py \
 		--config recipes/configs/demo-agent-grpo.yaml train.overwrite=true $(ARGS)
-	$(PY) scripts/measure_agent_demo.py runs/demo-agent-start/final runs/demo-agent/final
+	$(PY) scripts/measure_agent_demo.py runs/demo-agent-start/final $(AGENT_OUT)/final
 
 # The local web page over runs/ (docs/studio.md): http://127.0.0.1:7860/; other options with ARGS=...
 studio: install

@@ -5,10 +5,13 @@ figure stays a property of its recipe, not of one machine's rounding (docs/grpo.
         [--min-gain 10] [--args "grpo.beta=0.04"]
 
 Each cell runs `make TARGET ARGS="seed=S output_dir=runs/matrix/TARGET-CAP-sS ..."` with
-ATEN_CPU_CAPABILITY=CAP and reads the run's own `result:` line (held-out A% -> B%). torch does not check
-the variable against the CPU (asked for avx512 where there is none, its kernels die of an illegal
-instruction), so a capability this CPU lacks is probed first and its cells are reported as not run. Exit 1
-when any cell run gains less than --min-gain points, or when none could run.
+ATEN_CPU_CAPABILITY=CAP and reads the run's own `result:` line (held-out A% -> B%; demo-agent's is its
+measure's, with the calculator on the 200 held-out sums). A stage a demo trains first when runs/ lacks it
+(demo-distill's teacher, demo-agent's two SFT stages) is trained once, by the first cell, under its kernel
+set, and shared by the cells after it. torch does not check the variable against the CPU (asked for avx512
+where there is none, its kernels die of an illegal instruction), so a capability this CPU lacks is probed
+first and its cells are reported as not run. Exit 1 when any cell run gains less than --min-gain points, or
+when none could run.
 """
 
 from __future__ import annotations

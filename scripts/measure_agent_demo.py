@@ -6,7 +6,9 @@ calls run and their results follow in the template's own form; up to --max-turns
 
     python scripts/measure_agent_demo.py runs/demo-agent-start/final runs/demo-agent/final
 
-The final answer is the conversation's last model turn; it counts when it equals the reference sum.
+The final answer is the conversation's last model turn; it counts when it equals the reference sum. With
+two or more folders it ends with a `result:` line, the first folder's exact match with the calculator ->
+the last's (the line scripts/demo_matrix.py reads).
 """
 
 import argparse
@@ -77,9 +79,13 @@ def main():
     rows = [json.loads(line) for line in args.data.read_text().splitlines()]
     calculator = load_user_function(str(REPO / CALCULATOR), "calculator")
     environment = Environment({"calculator": calculator}, timeout_s=5)
+    scores = []
     for path in args.models:
         result = measure(path, rows, environment, args.max_turns, args.max_new_tokens)
         print(json.dumps(result), flush=True)
+        scores.append(100 * result["exact_match_with_tool"])
+    if len(scores) > 1:
+        print(f"result: held-out exact match with the calculator {scores[0]:.1f}% -> {scores[-1]:.1f}%")
 
 
 if __name__ == "__main__":
