@@ -66,6 +66,11 @@ def measure(path: Path, rows, environment, max_turns: int, max_new_tokens: int) 
     }
 
 
+def result_line(scores: list[float]) -> str:
+    """The first folder's exact match with the calculator -> the last's, in percent."""
+    return f"result: held-out exact match with the calculator {scores[0]:.1f}% -> {scores[-1]:.1f}%"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+", type=Path, help="model directories (final/, merged/, ...)")
@@ -85,7 +90,7 @@ def main():
         print(json.dumps(result), flush=True)
         scores.append(100 * result["exact_match_with_tool"])
     if len(scores) > 1:
-        print(f"result: held-out exact match with the calculator {scores[0]:.1f}% -> {scores[-1]:.1f}%")
+        print(result_line(scores))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ on, and a scripted model's conversation with the calculator is scored on its fin
 import importlib.util
 import json
 import re
+import subprocess
 
 import torch
 from helpers import REPO
@@ -99,3 +100,18 @@ def test_a_conversation_is_scored_on_the_answer_after_the_tool_result():
     # Without a call, the first turn is the answer: a wrong sum scores nothing.
     model = Scripted(tokenizer, ["7<|im_end|>"])
     assert measure.converse(model, tokenizer, [row], environment, 3, 128) == (["7"], [0])
+
+
+def test_the_cpu_matrix_measures_each_cells_own_run_and_reads_its_result_line():
+    """scripts/demo_matrix.py runs `make demo-agent ARGS="seed=S output_dir=CELL"` and reads the last
+    `result:` line: the measure must score CELL's model, not runs/demo-agent's, and end with that line."""
+
+    def measured(*args):
+        plan = subprocess.run(["make", "-n", "demo-agent", *args], cwd=REPO, capture_output=True, text=True)
+        return [line.split()[-2:] for line in plan.stdout.splitlines() if "measure_agent_demo.py" in line]
+
+    start = "runs/demo-agent-start/final"
+    assert measured() == [[start, "runs/demo-agent/final"]]
+    assert measured("ARGS=seed=1 output_dir=runs/matrix/cell") == [[start, "runs/matrix/cell/final"]]
+    line = script("measure_agent_demo").result_line([4.5, 39.0, 56.5])
+    assert script("demo_matrix").RESULT.findall(line) == [("4.5", "56.5")]
