@@ -25,6 +25,8 @@ rank = os.environ.get("RANK", "1")
 started = {"env": dict(os.environ), "argv": sys.argv, "path0": sys.path[0], "file": __file__}
 started["threads"] = torch.get_num_threads()
 (out / f"rank-{rank}.json").write_text(json.dumps({**started, "pid": os.getpid()}, indent=1))
-print(f"rank {rank} started", flush=True)
+# One write of the whole line: the ranks share the launcher's stdout, and print's text and newline are two
+# writes when stdout is unbuffered, which two ranks can interleave ("rank 1 startedrank 0 started").
+os.write(sys.stdout.fileno(), f"rank {rank} started\n".encode())
 if len(sys.argv) > 2 and rank == "1":
     exec(sys.argv[2])
