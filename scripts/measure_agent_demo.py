@@ -13,10 +13,12 @@ the last's (the line scripts/demo_matrix.py reads).
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 
+from toolkit.errors import run_main
 from toolkit.grpo.config import GrpoConfig
 from toolkit.grpo.environment import Environment
 from toolkit.grpo.multiturn import greedy_conversations
@@ -71,7 +73,7 @@ def result_line(scores: list[float]) -> str:
     return f"result: held-out exact match with the calculator {scores[0]:.1f}% -> {scores[-1]:.1f}%"
 
 
-def main():
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+", type=Path, help="model directories (final/, merged/, ...)")
     parser.add_argument("--data", type=Path, default=REPO / "toolkit/assets/demo/agent_eval.jsonl")
@@ -79,7 +81,7 @@ def main():
     parser.add_argument(
         "--max-new-tokens", type=int, default=128, help="per conversation, as grpo.max_new_tokens"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     rows = [json.loads(line) for line in args.data.read_text().splitlines()]
     calculator = load_user_function(str(REPO / CALCULATOR), "calculator")
@@ -91,7 +93,8 @@ def main():
         scores.append(100 * result["exact_match_with_tool"])
     if len(scores) > 1:
         print(result_line(scores))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, sys.argv[1:], "measure_agent_demo"))  # a wrong folder: one line, exit 2
