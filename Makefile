@@ -135,13 +135,18 @@ demo-distill: install
 # The GRPO demo sampling with the vLLM engine (docs/grpo.md; needs `make install-vllm`). vLLM's CPU engine
 # refuses tiny-llama's head size (40), so it runs on tiny-llama-h80: the same model with its heads widened to
 # 80 (scripts/widen_heads.py: the same function), from demo-grpo's own start adapter widened the same way.
-# The engine serves the base with that start folded in and hot-loads the trained adapter each round.
+# The engine serves the base with that start folded in and hot-loads the trained adapter each round. The
+# trained adapter starts from the one a run of the seed draws on tiny-llama, widened (--fresh-lora), so it
+# trains as on tiny-llama (a fresh one drawn on the wider model would not: other shapes, other values).
 # ARGS="grpo.generation=hf output_dir=runs/demo-grpo-h80-hf": the same run sampling with HF generate.
+DEMO_SEED = $(or $(lastword $(patsubst seed=%,%,$(filter seed=%,$(ARGS)))),42)
 demo-grpo-vllm: install
 	$(PY) scripts/widen_heads.py --adapter toolkit/assets/demo-grpo-start runs/demo-grpo-start-h80
+	$(PY) scripts/widen_heads.py --fresh-lora $(DEMO_SEED) runs/demo-grpo-lora-h80-s$(DEMO_SEED)
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/grpo_llm.py \
 		train.overwrite=true model.path=toolkit/assets/tiny-llama-h80 model.adapter=runs/demo-grpo-start-h80 \
-		output_dir=runs/demo-grpo-vllm grpo.generation=vllm $(ARGS)
+		lora.init_adapter=runs/demo-grpo-lora-h80-s$(DEMO_SEED) output_dir=runs/demo-grpo-vllm \
+		grpo.generation=vllm $(ARGS)
 
 # Tool-use GRPO on sums longer than the embedded model adds in its head, from a start that calls the calculator
 # on only some questions (trained first when missing: recipes/configs/demo-agent-sft.yaml, then

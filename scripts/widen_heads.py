@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -45,10 +46,12 @@ def widen_columns(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return widen_rows(weight.t(), heads).t().contiguous()
 
 
-def widen(name: str, weight: torch.Tensor, config: dict, lora_part: str = "") -> torch.Tensor:
-    """`weight` (a model's, or with `lora_part` an adapter's lora_A or lora_B) for the widened heads."""
+def widen(name: str, weight: torch.Tensor, config: dict, lora_part: str = "", scale_queries=True) -> torch.Tensor:
+    """`weight` (a model's, or with `lora_part` an adapter's lora_A or lora_B) for the widened heads; the
+    queries' rows scaled by sqrt(2) unless `scale_queries` is off (their adapter's alpha carries it)."""
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    rows = {"q_proj": (heads, Q_SCALE), "k_proj": (kv_heads, 1.0), "v_proj": (kv_heads, 1.0)}
+    q_scale = Q_SCALE if scale_queries else 1.0
+    rows = {"q_proj": (heads, q_scale), "k_proj": (kv_heads, 1.0), "v_proj": (kv_heads, 1.0)}
     for module, (count, scale) in rows.items():
         if f".{module}." in name and lora_part != "lora_A":  # lora_A reads the hidden state: unchanged
             return widen_rows(weight, count, scale)
@@ -70,14 +73,14 @@ def widen_model(target: Path = TARGET) -> None:
     print(f"wrote {target} (head size {NEW})")
 
 
-def widen_adapter(source: Path, target: Path) -> None:
+def widen_adapter(source: Path, target: Path, scale_queries: bool = True) -> None:
     config = json.loads((SOURCE / "config.json").read_text())
     settings = json.loads((source / "adapter_config.json").read_text())
     if settings.get("modules_to_save") or settings.get("use_dora"):
         raise SystemExit(f"{source}: only plain LoRA adapters are widened (no modules_to_save, no DoRA)")
     state = load_file(str(source / "adapter_model.safetensors"))
     part = lambda name: "lora_A" if ".lora_A." in name else "lora_B"  # noqa: E731
-    wide = {name: widen(name, weight, config, part(name)) for name, weight in state.items()}
+    wide = {name: widen(name, weight, config, part(name), scale_queries) for name, weight in state.items()}
     target.mkdir(parents=True, exist_ok=True)
     save_file(wide, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
     settings["base_model_name_or_path"] = str(TARGET.relative_to(ASSETS.parent.parent))
@@ -85,8 +88,36 @@ def widen_adapter(source: Path, target: Path) -> None:
     print(f"wrote {target} (for {settings['base_model_name_or_path']})")
 
 
+def widen_fresh_lora(seed: int, target: Path) -> None:
+    """The fresh adapter a run with `seed` draws on tiny-llama (r 16, alpha 32, every linear layer: the GRPO
+    demo's), widened, for lora.init_adapter: trained on the widened model it computes what it would on
+    tiny-llama. Its B matrices are zero, so the queries' sqrt(2) goes to their alpha (alpha_pattern), not
+    to B; the output projection's A reads zeros from the added dimensions. Then every gradient on an added
+    row or column is exactly zero, and each update is the one tiny-llama's adapter would get."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.config import LoraConfig
+    from toolkit.model.load import peft_config
+
+    demo = LoraConfig(r=16, alpha=32)
+    model = AutoModelForCausalLM.from_pretrained(SOURCE, dtype=torch.float32)
+    torch.manual_seed(seed)  # as a run with this seed does before it draws its adapter
+    fresh = get_peft_model(model, peft_config(demo, model))
+    with tempfile.TemporaryDirectory() as drawn:
+        fresh.save_pretrained(drawn)
+        widen_adapter(Path(drawn), target, scale_queries=False)
+    settings = json.loads((target / "adapter_config.json").read_text())
+    settings["alpha_pattern"] = {"q_proj": demo.alpha * Q_SCALE}
+    (target / "adapter_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--adapter", nargs=2, metavar=("ADAPTER_DIR", "OUT_DIR"), type=Path)
+    parser.add_argument("--fresh-lora", nargs=2, metavar=("SEED", "OUT_DIR"))
     args = parser.parse_args()
-    widen_adapter(*args.adapter) if args.adapter else widen_model()
+    if args.fresh_lora:
+        widen_fresh_lora(int(args.fresh_lora[0]), Path(args.fresh_lora[1]))
+    else:
+        widen_adapter(*args.adapter) if args.adapter else widen_model()

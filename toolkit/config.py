@@ -98,6 +98,10 @@ class LoraConfig:
     shared), where target_modules names its linear layers."""
     attention: bool = True
     """Mixture of experts: adapt the attention projections, where target_modules names them."""
+    init_adapter: str | None = None
+    """A saved LoRA adapter directory the trained adapter starts from, instead of fresh random weights: its
+    layers, rank and alpha (with any per-layer alpha_pattern) are the adapter's own, and lora.r and
+    lora.alpha must equal them. Unlike model.adapter, nothing is merged: that adapter trains on."""
 
 
 @dataclass
@@ -336,11 +340,14 @@ def validate(cfg: RecipeConfig, sources: Sources) -> None:
             f"train.global_batch_size ({cfg.train.global_batch_size}) is not a multiple of "
             f"train.micro_batch_size ({cfg.train.micro_batch_size})"
         )
-    sources = cfg.data.train if isinstance(cfg.data.train, list) else [cfg.data.train]
-    if cfg.data.weights is not None and len(cfg.data.weights) != len(sources):
+    if cfg.lora.init_adapter and cfg.model.method == "full":
         raise UserError(
-            f"data.weights: {len(cfg.data.weights)} weights for {len(sources)} data.train sources"
+            f"{sources.of('lora.init_adapter')}: lora.init_adapter: a full fine-tune trains no adapter; "
+            "use model.method lora or qlora"
         )
+    data = cfg.data.train if isinstance(cfg.data.train, list) else [cfg.data.train]
+    if cfg.data.weights is not None and len(cfg.data.weights) != len(data):
+        raise UserError(f"data.weights: {len(cfg.data.weights)} weights for {len(data)} data.train sources")
     if cfg.data.packing and cfg.data.group_by_length:
         raise UserError("data.group_by_length has no effect with data.packing; set only one")
     if cfg.model.adapter and cfg.model.method == "qlora":

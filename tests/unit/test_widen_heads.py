@@ -62,3 +62,50 @@ def test_a_start_adapter_widened_computes_what_it_did(tmp_path):
     assert json.loads((tmp_path / "wide" / "adapter_config.json").read_text())["base_model_name_or_path"] == (
         "toolkit/assets/tiny-llama-h80"
     )
+
+
+def test_a_fresh_adapter_widened_trains_as_it_does_on_the_demo_model(tmp_path):
+    """lora.init_adapter from `widen_heads.py --fresh-lora SEED`: the same adapter a run with SEED draws on
+    tiny-llama, and three Adam steps on the widened model give the logits three steps give on tiny-llama."""
+    from toolkit.config import LoraConfig, ModelConfig
+    from toolkit.model.load import load_model
+
+    script().widen_fresh_lora(7, tmp_path / "fresh")
+    torch.manual_seed(7)
+    narrow = load_model(ModelConfig(path=str(TINY), attn_implementation="eager"), LoraConfig())
+    torch.manual_seed(123)  # the continued adapter draws nothing
+    wide = load_model(
+        ModelConfig(path=str(WIDE), attn_implementation="eager"), LoraConfig(init_adapter=str(tmp_path / "fresh"))
+    )
+    assert sum(p.numel() for p in wide.parameters() if p.requires_grad) > 0
+    ids = prompts()
+    for model in (narrow, wide):
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        for _ in range(3):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    with torch.no_grad():
+        trained, widened = narrow(input_ids=ids).logits, wide(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(TINY)(input_ids=ids).logits
+    assert (trained - plain).abs().max() > 0.5  # the steps moved the adapter
+    torch.testing.assert_close(widened, trained, rtol=0, atol=1e-3)
+
+
+def test_an_init_adapter_that_does_not_match_the_config_is_one_line(tmp_path):
+    from toolkit.config import LoraConfig, ModelConfig
+    from toolkit.errors import UserError
+    from toolkit.model.load import load_model
+
+    script().widen_fresh_lora(7, tmp_path / "fresh")
+    cases = {
+        "lora.r is 8, the adapter at lora.init_adapter": LoraConfig(r=8, init_adapter=str(tmp_path / "fresh")),
+        "not an adapter directory": LoraConfig(init_adapter=str(tmp_path)),
+    }
+    for words, lora in cases.items():
+        try:
+            load_model(ModelConfig(path=str(WIDE)), lora)
+        except UserError as exc:
+            assert words in str(exc) and "\n" not in str(exc)
+        else:
+            raise AssertionError(f"{lora} was accepted")

@@ -221,10 +221,31 @@ def _with_adapter(model, lora: LoraConfig, parts: VisionConfig | None = None):
     # real tensors, and some (Qwen3.5's and Qwen3-Next's linear attention) draw random numbers there that
     # a load onto the meta device does not, which would give each backend different adapters.
     torch.manual_seed(torch.initial_seed())
+    if lora.init_adapter:
+        return _continued_adapter(model, lora)
     try:
         return get_peft_model(model, peft_config(lora, model, parts))
     except ValueError as exc:  # peft's "target modules not found" and its kin
         raise UserError(f"lora.target_modules: {lora.target_modules}: {str(exc).splitlines()[0]}") from None
+
+
+def _continued_adapter(model, lora: LoraConfig):
+    """The saved adapter at lora.init_adapter, trainable: its own layers, rank and alpha (alpha_pattern
+    too), which lora.r and lora.alpha must equal, so what the config says is what trains."""
+    from peft import PeftConfig, PeftModel
+
+    where = lora.init_adapter
+    if not (Path(where) / "adapter_config.json").is_file():
+        raise UserError(f"lora.init_adapter: {where} is not an adapter directory (no adapter_config.json)")
+    saved = PeftConfig.from_pretrained(where)
+    settings = (("r", lora.r, saved.r), ("alpha", lora.alpha, saved.lora_alpha))
+    for key, ours, theirs in (*settings, ("use_dora", lora.use_dora, bool(saved.use_dora))):
+        if ours != theirs:
+            raise UserError(f"lora.{key} is {ours}, the adapter at lora.init_adapter ({where}) has {theirs}")
+    try:
+        return PeftModel.from_pretrained(model, where, is_trainable=True, **scalar.adapter_settings(model, where))
+    except (ValueError, RuntimeError, KeyError) as exc:  # another model's layers, names or shapes
+        raise UserError(f"lora.init_adapter: {where}: {str(exc).splitlines()[0]}") from None
 
 
 def adapted_summary(wrapped) -> str:
