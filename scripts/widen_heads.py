@@ -46,7 +46,9 @@ def widen_columns(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return widen_rows(weight.t(), heads).t().contiguous()
 
 
-def widen(name: str, weight: torch.Tensor, config: dict, lora_part: str = "", scale_queries=True) -> torch.Tensor:
+def widen(
+    name: str, weight: torch.Tensor, config: dict, lora_part: str = "", scale_queries=True
+) -> torch.Tensor:
     """`weight` (a model's, or with `lora_part` an adapter's lora_A or lora_B) for the widened heads; the
     queries' rows scaled by sqrt(2) unless `scale_queries` is off (their adapter's alpha carries it)."""
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]

@@ -106,7 +106,11 @@ def test_bad_config_names_the_key(tmp_path, text, overrides, message):
         ("", ["train.adam_betas=[0.9, x]"], "command line: train.adam_betas[1] has the wrong type"),
         ("", ["train={bogus: 1}"], "command line: unknown key train.bogus"),
         ("", ["model=lora"], "command line: model must be a mapping, got str"),
-        ("", ["model.method=full", "lora.init_adapter=a"], "command line: lora.init_adapter: a full fine-tune"),
+        (
+            "",
+            ["model.method=full", "lora.init_adapter=a"],
+            "command line: lora.init_adapter: a full fine-tune",
+        ),
         ("lora:\n  init_adapter: a\n", ["model.method=full"], "FILE: lora.init_adapter: a full fine-tune"),
         # The command line set another key of the section: the mistake is still the file's.
         ("train:\n  bogus: 1\n", ["train.max_steps=5"], "FILE: unknown key train.bogus"),

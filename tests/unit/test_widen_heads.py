@@ -75,7 +75,8 @@ def test_a_fresh_adapter_widened_trains_as_it_does_on_the_demo_model(tmp_path):
     narrow = load_model(ModelConfig(path=str(TINY), attn_implementation="eager"), LoraConfig())
     torch.manual_seed(123)  # the continued adapter draws nothing
     wide = load_model(
-        ModelConfig(path=str(WIDE), attn_implementation="eager"), LoraConfig(init_adapter=str(tmp_path / "fresh"))
+        ModelConfig(path=str(WIDE), attn_implementation="eager"),
+        LoraConfig(init_adapter=str(tmp_path / "fresh")),
     )
     assert sum(p.numel() for p in wide.parameters() if p.requires_grad) > 0
     ids = prompts()
@@ -99,7 +100,9 @@ def test_an_init_adapter_that_does_not_match_the_config_is_one_line(tmp_path):
 
     script().widen_fresh_lora(7, tmp_path / "fresh")
     cases = {
-        "lora.r is 8, the adapter at lora.init_adapter": LoraConfig(r=8, init_adapter=str(tmp_path / "fresh")),
+        "lora.r is 8, the adapter at lora.init_adapter": LoraConfig(
+            r=8, init_adapter=str(tmp_path / "fresh")
+        ),
         "not an adapter directory": LoraConfig(init_adapter=str(tmp_path)),
     }
     for words, lora in cases.items():

@@ -243,7 +243,9 @@ def _continued_adapter(model, lora: LoraConfig):
         if ours != theirs:
             raise UserError(f"lora.{key} is {ours}, the adapter at lora.init_adapter ({where}) has {theirs}")
     try:
-        return PeftModel.from_pretrained(model, where, is_trainable=True, **scalar.adapter_settings(model, where))
+        return PeftModel.from_pretrained(
+            model, where, is_trainable=True, **scalar.adapter_settings(model, where)
+        )
     except (ValueError, RuntimeError, KeyError) as exc:  # another model's layers, names or shapes
         raise UserError(f"lora.init_adapter: {where}: {str(exc).splitlines()[0]}") from None
 
