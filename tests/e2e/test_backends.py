@@ -2,7 +2,8 @@
 LoRA on packed rows — and checkpoints, exports, and gives the same per-step loss and final weights as one
 process. The LoRA runs go through `ftkit train`, whose console must hold only the lines a user needs, and
 start from a trained adapter (`model.adapter`), which each backend merges into the base as one process
-does: under ZeRO-3 into weights already partitioned as they loaded.
+does: under ZeRO-3 into weights already partitioned as they loaded; the packed runs train that adapter
+itself further (`lora.init_adapter`).
 
 Launches: the LoRA runs go through `ftkit train`'s command line, started warm like the full and packed runs
 and the all-reduce count (tests/warm.py: the command line runs in a fork of a process that has imported
@@ -92,6 +93,8 @@ def settings(variant: str, start: Path) -> list[str]:
         "eval.max_batches=0",  # the whole held-out set (a cap counts each process's batches)
         *(["data.packing=true"] if packed else []),
         *([f"model.adapter={start}"] if variant == "lora" else []),
+        # The packed runs train that adapter further instead (lora.init_adapter: r 4, alpha 8, q and v).
+        *([f"lora.init_adapter={start}", "lora.r=4", "lora.alpha=8"] if packed else []),
     ]
 
 
@@ -158,6 +161,10 @@ def test_backend_trains_saves_exports_like_one_process(variant, config, singles,
         assert (out / "final" / "start_adapter" / "adapter_config.json").is_file()
     else:
         result = run_recipe(out, *settings(variant, start), launch=launch(config))
+    if variant == "lora-packed":  # the start adapter itself trains on: it moves the model from the first step
+        assert eval_loss_before(out) != pytest.approx(eval_loss_before(singles("full")), rel=1e-3)
+        assert eval_loss_before(out) == pytest.approx(eval_loss_before(reference), rel=1e-5)
+        assert {name.split(".")[-3] for name in final_weights(out)} == {"q_proj", "v_proj"}
     assert BACKENDS[config] in result.stdout and "| world 2 | 2 per node |" in result.stdout
 
     assert len(step_losses(out)) == STEPS

@@ -276,3 +276,14 @@ def test_a_head_size_the_cpu_engine_refuses_is_named_before_it_starts(tmp_path):
         check_cpu_head_size(str(vision))
     (vision / "config.json").write_text('{"head_dim": 64, "hidden_size": 96, "num_attention_heads": 2}')
     check_cpu_head_size(str(vision))  # an explicit head_dim wins over width / heads
+
+
+def test_a_cpu_engine_takes_its_cpus_own_kernels_where_aten_is_asked_for_scalar_ones(monkeypatch):
+    """vLLM's CPU sampler compiles a reduction at the first round, which torch's inductor cannot build under
+    ATEN_CPU_CAPABILITY=default: the engine gets the variable only when it names a vector set."""
+    from toolkit.engine import server
+
+    monkeypatch.setattr(server, "has_gpu", lambda: False)
+    spec = server.ServeSpec("m", "float32", 64)
+    assert "ATEN_CPU_CAPABILITY" not in server.serve_environment(spec, {"ATEN_CPU_CAPABILITY": "default"})
+    assert server.serve_environment(spec, {"ATEN_CPU_CAPABILITY": "avx2"})["ATEN_CPU_CAPABILITY"] == "avx2"

@@ -148,6 +148,12 @@ def serve_environment(spec: ServeSpec, base: dict[str, str]) -> dict[str, str]:
     elif spec.cpus:
         env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpus
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gb))
+    if not has_gpu() and env.get("ATEN_CPU_CAPABILITY") == "default":
+        # torch 2.13's inductor, asked for ATen's scalar kernels, still writes its reductions with vector
+        # types it then leaves undeclared, and vLLM's CPU sampler compiles one at the first round: the
+        # engine died there (C++ compile error). The trainer keeps the kernels asked for; the engine
+        # takes its CPU's own.
+        del env["ATEN_CPU_CAPABILITY"]
     return env
 
 
