@@ -3,6 +3,7 @@ becomes these dataclasses (types, unknown keys, overrides) is toolkit/typed_yaml
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -352,6 +353,31 @@ def validate(cfg: RecipeConfig, sources: Sources) -> None:
         raise UserError("data.group_by_length has no effect with data.packing; set only one")
     if cfg.model.adapter and cfg.model.method == "qlora":
         raise UserError("model.adapter cannot be merged into a 4-bit base; use model.method lora or full")
+
+
+def check_init_adapter(lora: LoraConfig | None) -> None:
+    """lora.init_adapter where set, before a run writes anything: an adapter folder whose rank, alpha and
+    DoRA are the config's (read from its adapter_config.json; its weights load with the model)."""
+    if not (lora and lora.init_adapter):
+        return
+    where = lora.init_adapter
+    settings = Path(where) / "adapter_config.json"
+    if not settings.is_file():
+        raise UserError(f"lora.init_adapter: {where} is not an adapter directory (no adapter_config.json)")
+    saved = json.loads(settings.read_text())
+    pairs = (("r", lora.r, saved.get("r")), ("alpha", lora.alpha, saved.get("lora_alpha")))
+    for key, ours, theirs in (*pairs, ("use_dora", lora.use_dora, bool(saved.get("use_dora")))):
+        if ours != theirs:
+            raise UserError(f"lora.{key} is {ours}, the adapter at lora.init_adapter ({where}) has {theirs}")
+
+
+def check_start_folders(cfg) -> None:
+    """A run's model and adapter folders exist (a run it comes from may not be trained yet, and a missing one
+    would be asked of the hub), and an adapter it continues fits its lora section."""
+    for key in ("path", "adapter"):
+        if getattr(cfg.model, key):
+            check_local_path(getattr(cfg.model, key), f"model.{key}")
+    check_init_adapter(getattr(cfg, "lora", None))
 
 
 def check_local_path(path: str, key: str) -> None:

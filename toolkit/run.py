@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from toolkit import checkpoint, data, distributed
 from toolkit.checkpoint import compile_cache, rundir
 from toolkit.checkpoint.resume import Resume
-from toolkit.config import check_local_path
+from toolkit.config import check_start_folders
 from toolkit.entry import lost_line
 from toolkit.errors import UserError
 from toolkit.launch import backend, checks, machine
@@ -71,11 +71,8 @@ class Run:
         """Collective: the stop handler first (a stop while loading exits cleanly), then the checked launch,
         the Accelerator, the seed, output_dir claimed and prepared, resume found, trackers and metrics log."""
         stop = StopRequest()
-        # A missing model folder (a run it comes from not trained yet) stops the run before output_dir is
-        # claimed, not when the model loads after it.
-        for key in ("path", "adapter"):
-            if getattr(cfg.model, key):
-                check_local_path(getattr(cfg.model, key), f"model.{key}")
+        # What the run starts from is checked before output_dir is claimed, not when the model loads after it.
+        check_start_folders(cfg)
         launch = backend.with_pipeline(backend.detect_launch(), cfg.pipeline.size, config_source)
         facts = read_model_facts(cfg.model)
         notes = checks.check_launch(launch, cfg, facts, config_source, machine.probe_machine(), os.environ)

@@ -120,3 +120,22 @@ def test_a_missing_model_folder_is_one_line_and_nothing_is_written(recipe, tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == [f"finetune_llm: error: {key}: {missing} does not exist"], err
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_an_init_adapter_that_cannot_start_the_run_is_one_line_and_nothing_is_written(
+    recipe, tmp_path, capsys
+):
+    """lora.init_adapter missing, or with another rank than lora.r: refused before output_dir is claimed."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "use_dora": false}')
+    cases = {
+        str(tmp_path / "none"): f"lora.init_adapter: {tmp_path / 'none'} is not an adapter directory",
+        str(adapter): f"lora.r is 16, the adapter at lora.init_adapter ({adapter}) has 8",
+    }
+    out = tmp_path / "run"
+    for where, message in cases.items():
+        code = run_main(recipe.main, [f"output_dir={out}", f"lora.init_adapter={where}"], "finetune_llm")
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and message in err[0], err
+        assert not out.exists()

@@ -13,7 +13,15 @@ from transformers import AutoConfig, AutoTokenizer
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from toolkit import console
-from toolkit.config import LoraConfig, LossConfig, ModelConfig, MoeConfig, VisionConfig, check_local_path
+from toolkit.config import (
+    LoraConfig,
+    LossConfig,
+    ModelConfig,
+    MoeConfig,
+    VisionConfig,
+    check_init_adapter,
+    check_local_path,
+)
 from toolkit.errors import UserError
 from toolkit.model import backbone, expert_parallel, lora_targets, moe, quant, scalar, speed, vision
 from toolkit.model.speed import SpeedFeatures
@@ -232,16 +240,10 @@ def _with_adapter(model, lora: LoraConfig, parts: VisionConfig | None = None):
 def _continued_adapter(model, lora: LoraConfig):
     """The saved adapter at lora.init_adapter, trainable: its own layers, rank and alpha (alpha_pattern
     too), which lora.r and lora.alpha must equal, so what the config says is what trains."""
-    from peft import PeftConfig, PeftModel
+    from peft import PeftModel
 
+    check_init_adapter(lora)
     where = lora.init_adapter
-    if not (Path(where) / "adapter_config.json").is_file():
-        raise UserError(f"lora.init_adapter: {where} is not an adapter directory (no adapter_config.json)")
-    saved = PeftConfig.from_pretrained(where)
-    settings = (("r", lora.r, saved.r), ("alpha", lora.alpha, saved.lora_alpha))
-    for key, ours, theirs in (*settings, ("use_dora", lora.use_dora, bool(saved.use_dora))):
-        if ours != theirs:
-            raise UserError(f"lora.{key} is {ours}, the adapter at lora.init_adapter ({where}) has {theirs}")
     try:
         return PeftModel.from_pretrained(
             model, where, is_trainable=True, **scalar.adapter_settings(model, where)
