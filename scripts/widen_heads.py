@@ -75,11 +75,25 @@ def widen_model(target: Path = TARGET) -> None:
     print(f"wrote {target} (head size {NEW})")
 
 
+def _check_ours(target: Path) -> None:
+    """`target` is new, empty, or an adapter this script wrote before (for tiny-llama-h80): nothing else in
+    it is overwritten."""
+    if not target.exists() or not any(target.iterdir()):
+        return
+    settings = target / "adapter_config.json"
+    base = json.loads(settings.read_text()).get("base_model_name_or_path") if settings.is_file() else None
+    if base != str(TARGET.relative_to(ASSETS.parent.parent)):
+        raise SystemExit(
+            f"{target}: not an adapter this script wrote (for tiny-llama-h80); name a new folder"
+        )
+
+
 def widen_adapter(source: Path, target: Path, scale_queries: bool = True) -> None:
     config = json.loads((SOURCE / "config.json").read_text())
     settings = json.loads((source / "adapter_config.json").read_text())
     if settings.get("modules_to_save") or settings.get("use_dora"):
         raise SystemExit(f"{source}: only plain LoRA adapters are widened (no modules_to_save, no DoRA)")
+    _check_ours(target)
     state = load_file(str(source / "adapter_model.safetensors"))
     part = lambda name: "lora_A" if ".lora_A." in name else "lora_B"  # noqa: E731
     wide = {name: widen(name, weight, config, part(name), scale_queries) for name, weight in state.items()}
@@ -119,7 +133,14 @@ if __name__ == "__main__":
     parser.add_argument("--adapter", nargs=2, metavar=("ADAPTER_DIR", "OUT_DIR"), type=Path)
     parser.add_argument("--fresh-lora", nargs=2, metavar=("SEED", "OUT_DIR"))
     args = parser.parse_args()
-    if args.fresh_lora:
-        widen_fresh_lora(int(args.fresh_lora[0]), Path(args.fresh_lora[1]))
-    else:
-        widen_adapter(*args.adapter) if args.adapter else widen_model()
+    try:
+        if args.fresh_lora:
+            if not args.fresh_lora[0].isdigit():
+                parser.error(f"--fresh-lora: the seed must be a whole number, got {args.fresh_lora[0]!r}")
+            widen_fresh_lora(int(args.fresh_lora[0]), Path(args.fresh_lora[1]))
+        else:
+            widen_adapter(*args.adapter) if args.adapter else widen_model()
+    except SystemExit as exc:  # a refusal: one line, exit 2
+        if not isinstance(exc.code, str):
+            raise
+        parser.error(exc.code)

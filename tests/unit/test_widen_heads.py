@@ -112,3 +112,17 @@ def test_an_init_adapter_that_does_not_match_the_config_is_one_line(tmp_path):
             assert words in str(exc) and "\n" not in str(exc)
         else:
             raise AssertionError(f"{lora} was accepted")
+
+
+def test_a_folder_the_script_did_not_write_is_left_alone(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    try:
+        script().widen_fresh_lora(7, tmp_path / "mine")
+    except SystemExit as exc:
+        assert "not an adapter this script wrote" in str(exc)
+    else:
+        raise AssertionError("a user's folder was written into")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+    script().widen_fresh_lora(7, tmp_path / "ours")
+    script().widen_fresh_lora(7, tmp_path / "ours")  # its own output is rewritten
